@@ -1,0 +1,1 @@
+"""The duplex model stages in PyTorch, their presets, and their export to ONNX / TensorRT."""

@@ -1,0 +1,110 @@
+"""`python -m export --preset tiny`: build each stage, export it to ONNX, check it, write the artefacts.
+
+Artefacts land in the model repository's version folders (`model_repository/<stage>/1/`), ignored by git.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
+
+from .presets import TINY_SEED, get_preset
+from .stages import STAGE_NAMES, build_modules, stage_graphs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENTRY_MODEL = "duplex"
+
+
+def version_dir(repository: Path, model: str) -> Path:
+    return repository / model / "1"
+
+
+def write_stage_configs(repository: Path, preset: PresetConfig) -> None:
+    for model in (*STAGE_NAMES, ENTRY_MODEL):
+        folder = version_dir(repository, model)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STAGE_CONFIG_FILE).write_text(preset.to_json())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    parser.add_argument("--preset", default="tiny", help="tiny (random weights) or minicpm-o-4.5")
+    parser.add_argument("--checkpoint", type=Path, help="local checkpoint folder (required for minicpm-o-4.5)")
+    parser.add_argument("--runtime", choices=("onnx", "tensorrt"), default="onnx",
+                        help="tensorrt also compiles engines from the ONNX (needs a GPU)")
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--seed", type=int, default=TINY_SEED)
+    parser.add_argument("--max-batch", type=int, default=64, help="TensorRT profile's largest batch")
+    parser.add_argument("--stages", nargs="*", default=list(STAGE_NAMES), choices=STAGE_NAMES)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset = get_preset(args.preset)
+    if args.runtime == "tensorrt":
+        from .tensorrt_build import NoGpuError, require_gpu
+
+        try:
+            require_gpu()
+        except NoGpuError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    modules_seed = args.seed
+    if preset.name != "tiny" and args.checkpoint is None:
+        print(f"error: preset {preset.name} is built from a local checkpoint: pass --checkpoint DIR",
+              file=sys.stderr)
+        return 2
+    if args.checkpoint is not None:
+        from .checkpoint import copy_tokenizer, load_checkpoint, preset_from_config
+
+        config_path = args.checkpoint / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        preset = preset_from_config(preset, config)
+        modules = build_modules(preset, modules_seed)
+        loaded = load_checkpoint(args.checkpoint, modules, require=("audio_encoder", "llm", "tts"))
+        missing = sorted(set(STAGE_NAMES) - set(loaded))
+        print(f"loaded {', '.join(loaded)} from {args.checkpoint}"
+              + (f"; random weights for {', '.join(missing)}" if missing else ""))
+        if preset.tokenizer == "huggingface":
+            copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")
+    else:
+        modules = build_modules(preset, modules_seed)
+
+    write_stage_configs(args.model_repository, preset)
+    graphs = [g for g in stage_graphs(preset, modules) if g.name in args.stages]
+    from .onnx_export import ParityError, check_parity, export_onnx
+
+    failures = []
+    bar = tqdm(graphs, desc=f"export {preset.name}", unit="stage")
+    for graph in bar:
+        bar.set_postfix_str(graph.name)
+        t0 = time.perf_counter()
+        path = version_dir(args.model_repository, graph.name) / "model.onnx"
+        export_onnx(graph, path)
+        parity = check_parity(graph, path)
+        status = "ok" if parity.ok else f"FAILED (tolerance {parity.tolerance:g})"
+        tqdm.write(f"{graph.name:14s} onnx max|ort - torch| = {parity.max_abs_diff:.3g} {status} "
+                   f"({time.perf_counter() - t0:.1f} s)")
+        if not parity.ok:
+            failures.append(parity)
+        if args.runtime == "tensorrt":
+            from .tensorrt_build import build_engine, profiles
+
+            build_engine(path, path.with_name("model.plan"), profiles(graph.name, preset, args.max_batch))
+            tqdm.write(f"{graph.name:14s} tensorrt engine written")
+    if failures:
+        raise ParityError(", ".join(f"{f.stage}: {f.max_abs_diff:.3g}" for f in failures))
+    print(f"artefacts in {args.model_repository}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

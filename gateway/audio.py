@@ -1,0 +1,58 @@
+"""Audio on the wire (base64 raw float32 PCM) and from files (any rate, resampled)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+
+import numpy as np
+
+INPUT_RATE = 16_000
+OUTPUT_RATE = 24_000
+
+
+class AudioDecodeError(ValueError):
+    pass
+
+
+def decode_f32_base64(data: str, max_samples: int) -> np.ndarray:
+    """Strict: valid base64, a whole number of float32 samples, finite values, bounded length."""
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise AudioDecodeError(f"audio is not valid base64: {exc}") from exc
+    if len(raw) % 4:
+        raise AudioDecodeError(f"audio is {len(raw)} bytes: not a whole number of float32 samples")
+    audio = np.frombuffer(raw, dtype="<f4")
+    if len(audio) > max_samples:
+        raise AudioDecodeError(f"audio has {len(audio)} samples; at most {max_samples} per message")
+    if not np.isfinite(audio).all():
+        raise AudioDecodeError("audio holds NaN or infinite samples")
+    return audio.astype(np.float32)
+
+
+def encode_f32_base64(audio: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(audio, dtype="<f4").tobytes()).decode("ascii")
+
+
+def resample(audio: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
+    if rate_in == rate_out:
+        return audio.astype(np.float32)
+    import soxr
+
+    return soxr.resample(audio, rate_in, rate_out).astype(np.float32)
+
+
+def read_wav(path: Path, rate: int = INPUT_RATE) -> np.ndarray:
+    """Mono float32 at `rate`, whatever the file's rate and channels."""
+    import soundfile as sf
+
+    audio, file_rate = sf.read(str(path), dtype="float32", always_2d=True)
+    return resample(audio.mean(axis=1), file_rate, rate)
+
+
+def write_wav(path: Path, audio: np.ndarray, rate: int = OUTPUT_RATE) -> None:
+    import soundfile as sf
+
+    sf.write(str(path), np.asarray(audio, np.float32), rate, subtype="FLOAT")

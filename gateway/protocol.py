@@ -1,0 +1,220 @@
+"""The MiniCPM-o backend protocol, as pure code: JSON text in, typed messages out, event dicts back.
+
+Accepts the field aliases the reference server accepts (`audio` / `audio_base64` / `audio_data`,
+`frames` / `video_frames` / `frame_base64_list`, `system_prompt` / `instructions`, `voice.*`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64
+
+MODES = ("full_duplex", "turn_based")
+MAX_APPEND_SECONDS = 5
+MAX_FRAMES = 4
+
+# WebSocket close codes
+CLOSE_NORMAL = 1000
+CLOSE_UNSUPPORTED_DATA = 1003  # not JSON
+CLOSE_POLICY = 1008  # a protocol violation by the client
+CLOSE_SERVER_ERROR = 1011
+CLOSE_TRY_AGAIN = 1013  # not ready, or no session slot
+
+
+class ProtocolError(Exception):
+    """A client error: answered with an `error` event; `close_code` says whether the socket closes."""
+
+    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close_code = close_code
+
+
+@dataclass(frozen=True)
+class SessionInit:
+    mode: str
+    system_prompt: str | None
+    config: dict[str, Any]
+    ref_audio_base64: str | None = None
+    tts_ref_audio_base64: str | None = None
+
+
+@dataclass(frozen=True)
+class InputAppend:
+    input_id: str | None
+    audio: np.ndarray | None
+    frames: list[str] = field(default_factory=list)
+    max_slice_nums: list[int] = field(default_factory=list)
+    force_listen: bool = False
+    hints: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InputContext:
+    input_id: str | None
+    text: str
+    kind: str = "tool_result"
+    operation_id: str | None = None
+    respond: bool = True
+
+
+ClientMessage = InputAppend | InputContext
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_payload", f"{what} must be a JSON object")
+    return value
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def loads(text: str | bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}", CLOSE_UNSUPPORTED_DATA) from exc
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise ProtocolError("invalid_payload", "message must be a JSON object with a string `type`", CLOSE_POLICY)
+    return data
+
+
+def parse_init(message: dict[str, Any]) -> SessionInit:
+    if message["type"] != "session.init":
+        raise ProtocolError("invalid_first_message",
+                            f"the first message must be session.init, got {message['type']!r}", CLOSE_POLICY)
+    payload = message.get("payload")
+    if not isinstance(payload, dict):
+        raise ProtocolError("missing_field", "session.init must carry an object `payload`", CLOSE_POLICY)
+    mode = payload.get("mode") or "full_duplex"
+    if mode not in MODES:
+        raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(MODES)}", CLOSE_POLICY)
+    prompt = _first(payload.get("system_prompt"), payload.get("instructions"))
+    if prompt is not None and not isinstance(prompt, str):
+        raise ProtocolError("invalid_payload", "system_prompt must be a string", CLOSE_POLICY)
+    config = _first(payload.get("config"), payload.get("duplex")) or {}
+    if not isinstance(config, dict):
+        raise ProtocolError("invalid_payload", "config must be an object", CLOSE_POLICY)
+    voice = _first(payload.get("voice"), payload.get("defaults")) or {}
+    if not isinstance(voice, dict):
+        raise ProtocolError("invalid_payload", "voice must be an object", CLOSE_POLICY)
+    return SessionInit(
+        mode=mode,
+        system_prompt=prompt,
+        config=config,
+        ref_audio_base64=_first(payload.get("ref_audio_base64"), voice.get("ref_audio_base64"), voice.get("ref_audio")),
+        tts_ref_audio_base64=_first(payload.get("tts_ref_audio_base64"), voice.get("tts_ref_audio_base64"),
+                                    voice.get("tts_ref_audio")),
+    )
+
+
+def _audio_field(payload: dict[str, Any]) -> str | None:
+    for key in ("audio_base64", "audio_data"):
+        if isinstance(payload.get(key), str) and payload[key]:
+            return payload[key]
+    audio = payload.get("audio")
+    if isinstance(audio, dict):
+        audio = _first(audio.get("data"), audio.get("base64"), audio.get("audio_base64"))
+    return audio if isinstance(audio, str) and audio else None
+
+
+def _frames(payload: dict[str, Any]) -> list[str]:
+    frames = _first(payload.get("frame_base64_list"), payload.get("video_frames"), payload.get("frames")) or []
+    if not isinstance(frames, list):
+        raise ProtocolError("invalid_payload", "frames must be a list")
+    out = []
+    for frame in frames:
+        data = _first(frame.get("data"), frame.get("base64")) if isinstance(frame, dict) else frame
+        if not isinstance(data, str) or not data:
+            raise ProtocolError("invalid_payload", "each frame must be a base64 JPEG string or {data}")
+        out.append(data)
+    if len(out) > MAX_FRAMES:
+        raise ProtocolError("invalid_payload", f"at most {MAX_FRAMES} frames per input")
+    return out
+
+
+def _slices(value: Any, n_frames: int) -> list[int]:
+    if value is None:
+        return [1] * n_frames
+    values = value if isinstance(value, list) else [value] * max(n_frames, 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 9 for v in values):
+        raise ProtocolError("invalid_payload", "max_slice_nums must be an integer 1..9 or a list of them")
+    return values
+
+
+def parse_input_append(message: dict[str, Any]) -> ClientMessage:
+    payload = _object(message.get("input"), "input.append's `input`")
+    if isinstance(payload.get("context"), dict) and payload["context"].get("text"):
+        return parse_input_context({"input_id": payload.get("input_id"), "context": payload["context"]})
+    hints = payload.get("hints") or {}
+    if not isinstance(hints, dict):
+        raise ProtocolError("invalid_payload", "hints must be an object")
+    encoded = _audio_field(payload)
+    audio = None
+    if encoded is not None:
+        try:
+            audio = decode_f32_base64(encoded, MAX_APPEND_SECONDS * INPUT_RATE)
+        except AudioDecodeError as exc:
+            raise ProtocolError("bad_audio", str(exc)) from exc
+    frames = _frames(payload)
+    if audio is None or len(audio) == 0:
+        raise ProtocolError("missing_field", "full_duplex input.append requires audio (base64 float32 16 kHz)")
+    force = _first(payload.get("force_listen"), hints.get("force_listen"), False)
+    input_id = payload.get("input_id")
+    return InputAppend(
+        input_id=str(input_id) if input_id is not None else None,
+        audio=audio,
+        frames=frames,
+        max_slice_nums=_slices(_first(payload.get("max_slice_nums"), hints.get("max_slice_nums")), len(frames)),
+        force_listen=bool(force),
+        hints=hints,
+    )
+
+
+def parse_input_context(message: dict[str, Any]) -> InputContext:
+    context = _object(message.get("context"), "input.context's `context`")
+    text = context.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ProtocolError("missing_field", "input.context requires a non-empty context.text")
+    input_id = message.get("input_id")
+    return InputContext(
+        input_id=str(input_id) if input_id is not None else None,
+        text=text.strip(),
+        kind=str(context.get("kind") or "tool_result"),
+        operation_id=context.get("operation_id"),
+        respond=bool(context.get("respond", True)),
+    )
+
+
+def parse_client_message(message: dict[str, Any]) -> ClientMessage:
+    kind = message["type"]
+    if kind == "input.append":
+        return parse_input_append(message)
+    if kind == "input.context":
+        return parse_input_context(message)
+    if kind == "session.init":
+        raise ProtocolError("already_initialized", "session.init may only be the first message")
+    if kind == "session.close":
+        raise ProtocolError("unsupported_event", "close a session with POST /sessions/{session_id}/close")
+    raise ProtocolError("unknown_event", f"unknown message type {kind!r}")
+
+
+def event(event_type: str, **fields: Any) -> dict[str, Any]:
+    """A server event: `type`, the non-None fields, and `server_send_ts` (unix seconds)."""
+    out: dict[str, Any] = {"type": event_type}
+    out.update({k: v for k, v in fields.items() if v is not None})
+    out["server_send_ts"] = time.time()
+    return out
+
+
+def error_event(code: str, message: str, session_id: str | None = None) -> dict[str, Any]:
+    return event("error", session_id=session_id, error={"code": code, "message": message})

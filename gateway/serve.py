@@ -1,0 +1,64 @@
+"""`python -m gateway.serve`: start tritonserver on the model repository, then the gateway in front of it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import uvicorn
+
+from .app import create_app
+from .settings import Settings
+from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8006)
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--triton-url", help="use a running Triton (host:grpc_port) instead of starting one")
+    parser.add_argument("--triton-ports", default="8000,8001,8002", help="http,grpc,metrics for the started Triton")
+    parser.add_argument("--triton-log", type=Path, default=Path(".triton_work/tritonserver.log"))
+    parser.add_argument("--max-sessions", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    # uvicorn re-raises the signal it stopped on; make SIGTERM unwind like Ctrl-C so Triton is stopped too.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    settings = Settings.from_env()
+    if args.max_sessions is not None:
+        settings = replace(settings, max_sessions=args.max_sessions)
+    server = None
+    if args.triton_url:
+        settings = replace(settings, triton_url=args.triton_url)
+    else:
+        http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
+        args.triton_log.parent.mkdir(parents=True, exist_ok=True)
+        server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log)
+        print(f"starting tritonserver (log: {args.triton_log}) ...", flush=True)
+        server.start()
+        server.wait_ready()
+        settings = replace(settings, triton_url=server.ports.grpc_url)
+        print(f"tritonserver ready: grpc {server.ports.grpc_url}, metrics {server.ports.metrics_url}", flush=True)
+    try:
+        print(f"gateway on ws://{args.host}:{args.port}/backend (health: http://{args.host}:{args.port}/health)",
+              flush=True)
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
+                    log_level="info")
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Gateway settings, from the environment (MINICPMO_*) or given directly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    triton_url: str = "127.0.0.1:8001"
+    max_sessions: int = 64  # the reference demo allows 1 per worker
+    max_pending_steps: int = 8  # appends waiting behind the one in flight, per session
+    idle_timeout_s: float = 300.0  # no message for this long closes the session
+    init_timeout_s: float = 30.0  # time to send session.init after connecting
+    step_timeout_s: float = 60.0  # one duplex step on Triton
+    ws_max_size: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        d = cls()
+        return cls(
+            triton_url=env.get("MINICPMO_TRITON_URL", d.triton_url),
+            max_sessions=int(env.get("MINICPMO_MAX_SESSIONS", d.max_sessions)),
+            max_pending_steps=int(env.get("MINICPMO_MAX_PENDING_STEPS", d.max_pending_steps)),
+            idle_timeout_s=float(env.get("MINICPMO_IDLE_TIMEOUT_S", d.idle_timeout_s)),
+            init_timeout_s=float(env.get("MINICPMO_INIT_TIMEOUT_S", d.init_timeout_s)),
+            step_timeout_s=float(env.get("MINICPMO_STEP_TIMEOUT_S", d.step_timeout_s)),
+            ws_max_size=int(env.get("MINICPMO_WS_MAX_SIZE", d.ws_max_size)),
+        )

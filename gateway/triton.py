@@ -1,0 +1,248 @@
+"""Start a real `tritonserver` on this machine: from PATH (the NGC image) or the nvidia-pytriton wheel.
+
+`python -m gateway.triton --model-repository model_repository` runs it in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
+
+
+class TritonNotFound(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_source: Path | None  # the wheel's backends/ folder, or None for a system install
+    lib_dir: Path | None  # the wheel's bundled shared libraries
+    stub: Path | None  # python backend stub built for this interpreter
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int
+    grpc: int
+    metrics: int
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports() -> TritonPorts:
+    return TritonPorts(http=free_port(), grpc=free_port(), metrics=free_port())
+
+
+def find_triton() -> TritonInstall:
+    """Prefer the pytriton wheel in this environment; fall back to `tritonserver` on PATH (NGC)."""
+    try:
+        import pytriton  # noqa: F401  (only located, never imported for its API)
+
+        pkg = Path(sys.modules["pytriton"].__file__).parent / "tritonserver"
+        binary = pkg / "bin" / "tritonserver"
+        if binary.exists():
+            version = f"{sys.version_info.major}.{sys.version_info.minor}"
+            stub = pkg / "python_backend_stubs" / version / "triton_python_backend_stub"
+            if not stub.exists():
+                raise TritonNotFound(f"nvidia-pytriton has no Python backend stub for Python {version}")
+            libs = Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs"
+            return TritonInstall(binary, pkg / "backends", libs if libs.exists() else None, stub)
+    except ImportError:
+        pass
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path), None, None, None)
+    raise TritonNotFound(
+        "tritonserver not found: install the server extra (pip install 'minicpmo-triton[server]') "
+        "or run inside the NGC tritonserver image"
+    )
+
+
+def assemble_backends(install: TritonInstall, work_dir: Path) -> Path | None:
+    """Copy the wheel's backends and drop in the stub matching this interpreter (what pytriton does)."""
+    if install.backend_source is None:
+        return None
+    target = work_dir / "backends"
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(install.backend_source, target)
+    assert install.stub is not None
+    shutil.copy2(install.stub, target / "python" / "triton_python_backend_stub")
+    return target
+
+
+def server_environment(install: TritonInstall) -> dict[str, str]:
+    env = dict(os.environ)
+    if install.lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(install.lib_dir), env.get("LD_LIBRARY_PATH")]))
+    # The stub's embedded Python finds this environment's packages through PATH.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = ":".join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    # Stage models run one onnxruntime session each; keep BLAS from oversubscribing small machines.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def server_command(
+    install: TritonInstall,
+    model_repository: Path,
+    ports: TritonPorts,
+    backend_dir: Path | None,
+    log_verbose: int = 0,
+) -> list[str]:
+    cmd = [
+        str(install.binary),
+        f"--model-repository={model_repository}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=false",
+        "--allow-cpu-metrics=false",
+        f"--log-verbose={log_verbose}",
+        # Stubs of a large model can take a while to load their engines.
+        "--backend-config=python,shm-default-byte-size=16777216",
+        "--backend-config=python,shm-growth-byte-size=16777216",
+        "--exit-timeout-secs=10",
+    ]
+    if backend_dir is not None:
+        cmd.append(f"--backend-directory={backend_dir}")
+    return cmd
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if the process that started it dies, so none is left behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class TritonServer:
+    """A `tritonserver` child process on given ports."""
+
+    def __init__(
+        self,
+        model_repository: Path = DEFAULT_MODEL_REPOSITORY,
+        ports: TritonPorts | None = None,
+        work_dir: Path = DEFAULT_WORK_DIR,
+        log_path: Path | None = None,
+        log_verbose: int = 0,
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        self.ports = ports or free_ports()
+        self.work_dir = Path(work_dir)
+        self.log_path = log_path
+        self.log_verbose = log_verbose
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    def start(self) -> None:
+        install = find_triton()
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
+        cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose)
+        stdout = None
+        if self.log_path is not None:
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+            stdout = self._log_file
+        self.process = subprocess.Popen(
+            cmd, env=server_environment(install), stdout=stdout, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self._log_hint()}")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s; {self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f"see {self.log_path}" if self.log_path else "see its output above"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run tritonserver on the minicpmo-triton model repository")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    args = parser.parse_args(argv)
+    server = TritonServer(
+        args.model_repository,
+        TritonPorts(args.http_port, args.grpc_port, args.metrics_port),
+        log_verbose=args.log_verbose,
+    )
+    server.start()
+    assert server.process is not None
+    try:
+        return server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The stages as seen from the entry model: BLS requests with explicit correlation IDs and flags."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .pipeline import StepError
+from .stage_io import (
+    AudioEncoderRequest,
+    AudioEncoderResult,
+    LlmRequest,
+    LlmResult,
+    Token2WavRequest,
+    Token2WavResult,
+    TtsRequest,
+    TtsResult,
+    decode,
+    encode,
+)
+from .stages.base import StageCall
+
+CONTEXT_FULL_MARK = "context full"
+
+
+def _flags(call: StageCall[Any]) -> int:
+    flags = 0
+    if call.start:
+        flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+    if call.end:
+        flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+    return flags
+
+
+class TritonBlsStages:
+    async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None) -> Any:
+        tensors = [pb_utils.Tensor(name, value[None]) for name, value in encode(request).items()]
+        kwargs: dict[str, Any] = {}
+        if call is not None:
+            kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
+        outputs = [f for f in result_cls.__dataclass_fields__]
+        response = await pb_utils.InferenceRequest(
+            model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs
+        ).async_exec()
+        if response.has_error():
+            message = response.error().message()
+            code = "context_full" if CONTEXT_FULL_MARK in message else "stage_error"
+            raise StepError(code, f"{model}: {message}")
+
+        def get(name: str) -> np.ndarray | None:
+            t = pb_utils.get_output_tensor_by_name(response, name)
+            return None if t is None else t.as_numpy()[0]
+
+        return decode(result_cls, get)
+
+    async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult:
+        return await self._exec("audio_encoder", request, AudioEncoderResult)
+
+    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult:
+        return await self._exec("llm", call.request, LlmResult, call)
+
+    async def tts(self, call: StageCall[TtsRequest]) -> TtsResult:
+        return await self._exec("tts", call.request, TtsResult, call)
+
+    async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult:
+        return await self._exec("token2wav", call.request, Token2WavResult, call)

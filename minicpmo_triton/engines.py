@@ -1,0 +1,92 @@
+"""Run an exported stage: ONNX Runtime on CPU, or a TensorRT engine when one was built and a GPU exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+ONNX_FILE = "model.onnx"
+PLAN_FILE = "model.plan"
+
+
+class Engine(Protocol):
+    name: str
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+class OnnxEngine:
+    name = "onnxruntime"
+
+    def __init__(self, path: Path, threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self._outputs = [o.name for o in self._session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self._outputs, self._session.run(self._outputs, feeds), strict=True))
+
+
+class TensorRTEngine:
+    """A serialized TensorRT plan with one optimisation profile; I/O through torch CUDA tensors."""
+
+    name = "tensorrt"
+
+    def __init__(self, path: Path) -> None:
+        import tensorrt as trt
+        import torch
+
+        self._torch = torch
+        self._trt = trt
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._engine = runtime.deserialize_cuda_engine(Path(path).read_bytes())
+        self._context = self._engine.create_execution_context()
+        self._stream = torch.cuda.Stream()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        self._inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._outputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        keep = []
+        for name in self._inputs:
+            tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).cuda()
+            keep.append(tensor)
+            self._context.set_input_shape(name, tuple(tensor.shape))
+            self._context.set_tensor_address(name, tensor.data_ptr())
+        outputs = {}
+        for name in self._outputs:
+            shape = tuple(self._context.get_tensor_shape(name))
+            dtype = torch.from_numpy(np.zeros(0, self._trt.nptype(self._engine.get_tensor_dtype(name)))).dtype
+            out = torch.empty(shape, dtype=dtype, device="cuda")
+            self._context.set_tensor_address(name, out.data_ptr())
+            outputs[name] = out
+        if not self._context.execute_async_v3(self._stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        self._stream.synchronize()
+        return {name: t.cpu().numpy() for name, t in outputs.items()}
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def load_engine(folder: Path, threads: int = 1) -> Engine:
+    folder = Path(folder)
+    if (folder / PLAN_FILE).exists() and gpu_available():
+        return TensorRTEngine(folder / PLAN_FILE)
+    path = folder / ONNX_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m export --preset tiny` first")
+    return OnnxEngine(path, threads)

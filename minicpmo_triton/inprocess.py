@@ -1,0 +1,63 @@
+"""All four stages in this process, called directly: the benchmark's baseline and the tests' reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .engines import load_engine
+from .model_config import PresetConfig, load_stage_config
+from .pipeline import DuplexPipeline
+from .stage_io import (
+    AudioEncoderRequest,
+    AudioEncoderResult,
+    LlmRequest,
+    LlmResult,
+    Token2WavRequest,
+    Token2WavResult,
+    TtsRequest,
+    TtsResult,
+)
+from .stages.audio_encoder import AudioEncoderStage
+from .stages.base import SequenceStage, StageCall
+from .stages.llm import LlmStage
+from .stages.token2wav import Token2WavStage
+from .stages.tts import TtsStage
+from .tokenizer import load_tokenizer
+
+
+def _one(stage: SequenceStage[Any, Any, Any], call: StageCall[Any]) -> Any:
+    result = stage.run([call])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+class InProcessStages:
+    def __init__(self, repository: Path, threads: int = 1, ttl_s: float = 600.0) -> None:
+        repository = Path(repository)
+        self.preset: PresetConfig = load_stage_config(repository / "llm" / "1")
+        self.tokenizer = load_tokenizer(self.preset, repository / "duplex" / "1")
+        v = lambda name: repository / name / "1"  # noqa: E731
+        self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
+        self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s)
+        self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
+        self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
+
+    async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult:
+        result = self.encoder.run([request])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult:
+        return _one(self.llm_stage, call)
+
+    async def tts(self, call: StageCall[TtsRequest]) -> TtsResult:
+        return _one(self.tts_stage, call)
+
+    async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult:
+        return _one(self.t2w_stage, call)
+
+    def pipeline(self, ttl_s: float = 600.0) -> DuplexPipeline:
+        return DuplexPipeline(self, self.preset, self.tokenizer, ttl_s)

@@ -1,0 +1,156 @@
+"""Dimensions and token ids of one model preset; written by the exporter, read by every stage."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SAMPLE_RATE_IN = 16_000
+SAMPLE_RATE_OUT = 24_000
+SPEECH_TOKENS_PER_SECOND = 25
+SAMPLES_PER_SPEECH_TOKEN = SAMPLE_RATE_OUT // SPEECH_TOKENS_PER_SECOND  # 960
+
+
+@dataclass(frozen=True)
+class AudioEncoderDims:
+    n_mels: int = 80
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 256
+    max_positions: int = 1500
+    pool: int = 5  # 50 encoder frames/s -> 10 LLM tokens/s
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 384
+    vocab: int = 288
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    qk_norm: bool = True
+
+
+@dataclass(frozen=True)
+class TtsDims:
+    decoder: DecoderDims = field(
+        default_factory=lambda: DecoderDims(
+            hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=192, vocab=0, qk_norm=False
+        )
+    )
+    num_text_tokens: int = 288
+    num_audio_tokens: int = 6562  # the last id is the speech EOS
+
+
+@dataclass(frozen=True)
+class Token2WavDims:
+    channels: int = 64
+    left_context: int = 4
+    lookahead: int = 3  # CosyVoice2's pre_lookahead_len
+    upsample: tuple[int, ...] = (8, 8, 15)  # product = 960 samples per speech token
+    silence_token: int = 4218
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids of the duplex control tokens (MiniCPM-o 4.5 ids in the real preset)."""
+
+    im_start: int
+    im_end: int
+    audio_start: int
+    audio_end: int
+    unit: int
+    unit_end: int
+    image: int
+    image_end: int
+    slice: int
+    slice_end: int
+    tts_bos: int
+    listen: int
+    speak: int
+    turn_eos: int
+    chunk_eos: int
+    chunk_tts_eos: int
+    tts_pad: int
+    audio_placeholder: int  # stands where audio embeddings are spliced into the prefill
+
+
+@dataclass(frozen=True)
+class DuplexDefaults:
+    """The duplex loop's defaults as MiniCPM-o 4.5 ships them."""
+
+    force_listen_count: int = 3
+    max_new_speak_tokens_per_chunk: int = 20
+    max_unit_text_chars: int = 28
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    repetition_window: int = 512
+    length_penalty: float = 1.1
+    tts_tokens_per_chunk: int = 25
+    tts_temperature: float = 0.8
+    context_tokens: int = 8192
+    chunk_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class PresetConfig:
+    name: str
+    audio: AudioEncoderDims
+    llm: DecoderDims
+    tts: TtsDims
+    token2wav: Token2WavDims
+    tokens: SpecialTokens
+    duplex: DuplexDefaults = field(default_factory=DuplexDefaults)
+    tokenizer: str = "bytes"  # "bytes" or "huggingface" (files in the stage folder)
+
+    @property
+    def audio_tokens_per_second(self) -> int:
+        frames_per_second = SAMPLE_RATE_IN // 160 // 2  # hop 160, conv stride 2
+        return frames_per_second // self.audio.pool
+
+    @property
+    def samples_per_audio_token(self) -> int:
+        return SAMPLE_RATE_IN // self.audio_tokens_per_second
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PresetConfig:
+        tts = dict(data["tts"])
+        tts["decoder"] = DecoderDims(**tts["decoder"])
+        t2w = dict(data["token2wav"])
+        t2w["upsample"] = tuple(t2w["upsample"])
+        return cls(
+            name=data["name"],
+            audio=AudioEncoderDims(**data["audio"]),
+            llm=DecoderDims(**data["llm"]),
+            tts=TtsDims(**tts),
+            token2wav=Token2WavDims(**t2w),
+            tokens=SpecialTokens(**data["tokens"]),
+            duplex=DuplexDefaults(**data.get("duplex", {})),
+            tokenizer=data.get("tokenizer", "bytes"),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> PresetConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+STAGE_CONFIG_FILE = "stage.json"
+
+
+def load_stage_config(version_dir: Path) -> PresetConfig:
+    path = Path(version_dir) / STAGE_CONFIG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m export --preset tiny` first")
+    return PresetConfig.load(path)

@@ -1,0 +1,207 @@
+"""One duplex step across the stages: encode 1 s of audio, let the LLM listen or speak, voice what it says.
+
+The entry Triton model runs this with stage calls over BLS; the benchmark's in-process baseline runs
+the very same code with direct calls. Per session it tracks which stage sequences it has started,
+so START goes with a stage's first call and END reaches each started stage exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .duplex_options import DuplexOptions
+from .model_config import PresetConfig
+from .stage_io import (
+    AudioEncoderRequest,
+    AudioEncoderResult,
+    LlmRequest,
+    LlmResult,
+    Token2WavRequest,
+    Token2WavResult,
+    TtsRequest,
+    TtsResult,
+)
+from .stages.base import StageCall
+from .stages.llm import ContextFull
+from .state_store import SequenceStore
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+STATEFUL_STAGES = ("llm", "tts", "token2wav")
+MAX_CHUNK_SECONDS = 5
+
+
+class StageClient(Protocol):
+    async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult: ...
+
+    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult: ...
+
+    async def tts(self, call: StageCall[TtsRequest]) -> TtsResult: ...
+
+    async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult: ...
+
+
+class StepError(Exception):
+    """A step failed in a way the client is told about by code (the session ends)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StepInput:
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 16 kHz float32
+    force_listen: bool = False
+    context_text: str = ""
+    context_kind: str = "tool_result"
+    respond: bool = True
+    options: DuplexOptions | None = None  # at START
+
+
+@dataclass
+class StepEvent:
+    kind: str  # listen | text | audio
+    text: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
+    end_of_turn: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    chunk_usage: dict[str, int] | None = None  # on the first event of a step only
+
+
+@dataclass
+class DuplexSession:
+    options: DuplexOptions
+    decoder: IncrementalDecoder
+    started: set[str] = field(default_factory=set)
+    chunk_index: int = 0
+    tts_turn_open: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+Emit = Callable[[StepEvent], Awaitable[None]]
+
+
+class DuplexPipeline:
+    def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float) -> None:
+        self.stages = stages
+        self.preset = preset
+        self.tokenizer = tokenizer
+        self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
+
+    def _call(self, state: DuplexSession, stage: str, corr_id: int, request: Any) -> StageCall[Any]:
+        start = stage not in state.started
+        state.started.add(stage)
+        return StageCall(request, corr_id, start=start)
+
+    def system_prefix(self, options: DuplexOptions) -> list[int]:
+        tk = self.preset.tokens
+        return [tk.im_start, *self.tokenizer.encode(f"system\n{options.system_prompt}\n"), tk.audio_start,
+                tk.audio_end, tk.im_end]
+
+    async def step(self, corr_id: int, start: bool, end: bool, inp: StepInput, emit: Emit) -> None:
+        if start:
+            options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
+            self.sessions.start(corr_id, DuplexSession(options, self.tokenizer.decoder()))
+        state = self.sessions.get(corr_id)
+        async with state.lock:  # a session's steps run in order, whatever the batcher hands us
+            try:
+                if len(inp.audio) or inp.context_text:
+                    await self._step(corr_id, state, inp, emit)
+            finally:
+                if end:
+                    await self.end(corr_id, state)
+
+    async def end(self, corr_id: int, state: DuplexSession) -> None:
+        self.sessions.end(corr_id)
+        ends = {"llm": (self.stages.llm, LlmRequest(decode=False)),
+                "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
+                "token2wav": (self.stages.token2wav, Token2WavRequest())}
+        for stage in STATEFUL_STAGES:
+            if stage in state.started:
+                fn, request = ends[stage]
+                await fn(StageCall(request, corr_id, end=True))
+        state.started.clear()
+
+    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit) -> None:
+        t0 = time.perf_counter()
+        opts, tk = state.options, self.preset.tokens
+        metrics: dict[str, Any] = {"backend": "triton"}
+        ids: list[int] = [] if "llm" in state.started else self.system_prefix(opts)
+        embeds = np.zeros((0, self.preset.llm.hidden), np.float32)
+        n_text_in = len(ids)
+        if inp.context_text:
+            ctx = self.tokenizer.encode(f"[{inp.context_kind}] {inp.context_text}\n")
+            ids += ctx
+            n_text_in += len(ctx)
+        if len(inp.audio):
+            if len(inp.audio) > MAX_CHUNK_SECONDS * 16_000:
+                raise StepError("invalid_audio", f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
+            t = time.perf_counter()
+            embeds = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
+            metrics["cost_audio_encoder_ms"] = _ms(t)
+            ids += [tk.unit, *([tk.audio_placeholder] * len(embeds))]
+        listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
+        request = LlmRequest(
+            input_ids=np.asarray(ids, np.int64), embeds=embeds,
+            decode=len(inp.audio) > 0 or inp.respond,
+            force_listen=inp.force_listen or listening or (bool(inp.context_text) and not inp.respond),
+            temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
+            repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
+            max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed,
+        )
+        t = time.perf_counter()
+        try:
+            llm = await self.stages.llm(self._call(state, "llm", corr_id, request))
+        except ContextFull as exc:  # in-process; over BLS the message carries the code
+            raise StepError("context_full", str(exc)) from exc
+        if len(inp.audio):
+            state.chunk_index += 1
+        metrics.update(cost_llm_ms=_ms(t), prefill_ms=round(llm.prefill_ms, 2), generate_ms=round(llm.decode_ms, 2),
+                       n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
+        usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds),
+                 "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
+        text = state.decoder.feed([int(i) for i in llm.text_ids])
+
+        if llm.is_listen:
+            state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
+            metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
+            await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
+            return
+        turn_start = llm.turn_start or not state.tts_turn_open
+        t = time.perf_counter()
+        tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
+            text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
+            n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
+        )))
+        metrics["cost_tts_ms"] = _ms(t)
+        t = time.perf_counter()
+        wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+        )))
+        metrics["cost_token2wav_ms"] = _ms(t)
+        state.tts_turn_open = not llm.end_of_turn
+        usage["output_speech_tokens"] = len(tts.speech_tokens)
+        metrics.update(n_tts_tokens=len(tts.speech_tokens), wall_clock_ms=_ms(t0))
+        first = True
+
+        async def send(event: StepEvent) -> None:
+            nonlocal first
+            event.chunk_usage, first = (usage if first else None), False
+            await emit(event)
+
+        if text:
+            await send(StepEvent("text", text=text, metrics=metrics))
+        if len(wav.waveform):
+            await send(StepEvent("audio", audio=wav.waveform, metrics=metrics))
+        if llm.end_of_turn:
+            await send(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics))
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 2)

@@ -1,0 +1,141 @@
+"""What each stage takes and gives, as dataclasses whose fields are the Triton tensor names.
+
+One codec turns them into tensors and back, for the Triton model (server side), the BLS caller
+(client side) and the in-process pipeline alike. Scalars travel as shape-[1] tensors; the leading
+batch dimension of a request is added and removed by the callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
+
+
+def tensor(dtype: type, ndim: int) -> Any:
+    return field(default_factory=lambda: np.zeros((0,) * ndim, dtype), metadata={"dtype": dtype, "ndim": ndim})
+
+
+def _scalar_type(f: dataclasses.Field) -> type | None:
+    return {"bool": bool, "int": int, "float": float}.get(str(f.type))
+
+
+def encode(obj: Any) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        scalar = _scalar_type(f)
+        if scalar is not None:
+            out[f.name] = np.array([value], dtype=_SCALAR_DTYPES[scalar])
+        else:
+            out[f.name] = np.ascontiguousarray(value, dtype=f.metadata["dtype"])
+    return out
+
+
+def decode(cls: type[T], get: Callable[[str], np.ndarray | None]) -> T:
+    """Build `cls` from tensors; a missing optional tensor keeps the field's default."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        arr = get(f.name)
+        if arr is None:
+            continue
+        scalar = _scalar_type(f)
+        values[f.name] = scalar(arr.reshape(-1)[0]) if scalar is not None else arr
+    return cls(**values)
+
+
+def triton_dtype(f: dataclasses.Field) -> str:
+    scalar = _scalar_type(f)
+    dtype = _SCALAR_DTYPES[scalar] if scalar is not None else f.metadata["dtype"]
+    return {np.bool_: "TYPE_BOOL", np.int64: "TYPE_INT64", np.float32: "TYPE_FP32"}[dtype]
+
+
+def triton_dims(f: dataclasses.Field) -> list[int]:
+    return [1] if _scalar_type(f) is not None else [-1] * f.metadata["ndim"]
+
+
+# ---- audio_encoder ----
+@dataclass
+class AudioEncoderRequest:
+    audio: np.ndarray = tensor(np.float32, 1)  # 16 kHz mono, a multiple of 1600 samples
+
+
+@dataclass
+class AudioEncoderResult:
+    embeds: np.ndarray = tensor(np.float32, 2)  # [10 per second, llm hidden]
+
+
+# ---- llm ----
+@dataclass
+class LlmRequest:
+    input_ids: np.ndarray = tensor(np.int64, 1)  # prefill; `audio_placeholder` where embeds go
+    embeds: np.ndarray = tensor(np.float32, 2)
+    decode: bool = True  # False: prefill only (a system prompt, a context)
+    force_listen: bool = False
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    length_penalty: float = 1.1
+    max_new_tokens: int = 20
+    seed: int = 0
+
+
+@dataclass
+class LlmResult:
+    generated: np.ndarray = tensor(np.int64, 1)
+    text_ids: np.ndarray = tensor(np.int64, 1)
+    tts_hidden: np.ndarray = tensor(np.float32, 2)  # hidden states of text_ids, for the TTS
+    is_listen: bool = True
+    end_of_turn: bool = False
+    turn_start: bool = False
+    kv_length: int = 0
+    n_prefill: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+# ---- tts ----
+@dataclass
+class TtsRequest:
+    text_ids: np.ndarray = tensor(np.int64, 1)
+    tts_hidden: np.ndarray = tensor(np.float32, 2)
+    turn_start: bool = False
+    turn_end: bool = False
+    n_tokens: int = 25
+    temperature: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class TtsResult:
+    speech_tokens: np.ndarray = tensor(np.int64, 1)
+    kv_length: int = 0
+
+
+# ---- token2wav ----
+@dataclass
+class Token2WavRequest:
+    speech_tokens: np.ndarray = tensor(np.int64, 1)
+    turn_start: bool = False
+    finalize: bool = False
+
+
+@dataclass
+class Token2WavResult:
+    waveform: np.ndarray = tensor(np.float32, 1)  # 24 kHz mono
+
+
+STAGE_IO: dict[str, tuple[type, type]] = {
+    "audio_encoder": (AudioEncoderRequest, AudioEncoderResult),
+    "llm": (LlmRequest, LlmResult),
+    "tts": (TtsRequest, TtsResult),
+    "token2wav": (Token2WavRequest, Token2WavResult),
+}

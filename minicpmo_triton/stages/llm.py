@@ -1,0 +1,123 @@
+"""The LLM stage: per session a KV cache; per step a batched prefill of the chunk, then the duplex decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..duplex_rules import ChunkDecoder, allowed_token_mask
+from ..engines import Engine
+from ..kv_batch import KvCache
+from ..model_config import PresetConfig
+from ..sampling import SamplingParams, apply_repetition_penalty, sample
+from ..stage_io import LlmRequest, LlmResult
+from ..tokenizer import Tokenizer
+from .base import SequenceStage, StageCall
+from .decode_loop import batched_decode
+
+
+class ContextFull(RuntimeError):
+    """The session's context (8192 tokens for MiniCPM-o 4.5) has no room for this step."""
+
+
+@dataclass
+class LlmSession:
+    cache: KvCache
+    rng: np.random.Generator
+    pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
+    in_turn: bool = False
+    history: list[int] = field(default_factory=list)
+
+
+class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
+    def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float) -> None:
+        super().__init__(ttl_s)
+        self.engine = engine
+        self.preset = preset
+        self.tokenizer = tokenizer
+        d = preset.llm
+        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)  # noqa: E731
+        self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
+
+    def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
+        return LlmSession(self._empty(), np.random.default_rng(call.request.seed or call.corr_id))
+
+    def is_noop(self, request: LlmRequest) -> bool:
+        return len(request.input_ids) == 0 and not request.decode
+
+    def empty_result(self) -> LlmResult:
+        return LlmResult()
+
+    def _count_chars(self, ids: list[int]) -> int:
+        return len(self.tokenizer.decoder().feed(ids))
+
+    def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
+        tk, h = self.preset.tokens, self.preset.llm.hidden
+        prefill, decoders, params = [], [], []
+        for req, sess in items:
+            ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
+            use = ids == tk.audio_placeholder
+            if int(use.sum()) != len(req.embeds):
+                raise ValueError(f"llm: {int(use.sum())} audio placeholders but {len(req.embeds)} embeddings")
+            if len(ids) == 0:
+                ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
+            room = self.preset.duplex.context_tokens - sess.cache.length
+            if len(ids) + (req.max_new_tokens if req.decode else 0) > room:
+                raise ContextFull(f"context full: {sess.cache.length} of {self.preset.duplex.context_tokens} "
+                                  "tokens used")
+            embeds = np.zeros((len(ids), h), np.float32)
+            embeds[use] = req.embeds
+            prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
+            dec = ChunkDecoder(tk, sess.in_turn, max(1, req.max_new_tokens), self.preset.duplex.max_unit_text_chars,
+                               req.length_penalty, self.allowed, self._count_chars)
+            if req.decode and req.force_listen:
+                dec.force_listen()
+            elif not req.decode:
+                dec.done = True
+            decoders.append(dec)
+            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
+        hidden_of: list[list[np.ndarray]] = [[] for _ in items]
+
+        def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
+            dec, sess = decoders[row], items[row][1]
+            if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
+                hidden_of[row].append(out["hidden"][0])  # the fed text token's hidden state
+            if dec.done:
+                return None
+            logits = dec.adjust(out["logits"])
+            apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
+                                     self.preset.duplex.repetition_window)
+            token = sample(logits, params[row], sess.rng)
+            sess.history.append(token)
+            return dec.accept(token)
+
+        def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
+            n = len(rows)
+            return {"input_ids": np.array(tokens, np.int64)[:, None],
+                    "embeds": np.zeros((n, 1, h), np.float32), "use_embeds": np.zeros((n, 1), bool)}
+
+        caches, timing = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
+                                        ("logits", "hidden"))
+        results = []
+        for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True):
+            sess.cache = cache
+            if req.decode:
+                sess.pending = dec.pending
+                sess.in_turn = dec.spoke and not dec.end_of_turn and not dec.is_listen
+            else:
+                sess.pending = []
+            text = np.asarray(dec.text_ids, np.int64)
+            results.append(LlmResult(
+                generated=np.asarray(dec.generated, np.int64),
+                text_ids=text,
+                tts_hidden=np.stack(hid).astype(np.float32) if hid else np.zeros((0, h), np.float32),
+                is_listen=dec.is_listen or not req.decode,
+                end_of_turn=dec.end_of_turn,
+                turn_start=dec.turn_start,
+                kv_length=cache.length,
+                n_prefill=len(pre["input_ids"]),
+                prefill_ms=timing.prefill_ms,
+                decode_ms=timing.decode_ms,
+            ))
+        return results

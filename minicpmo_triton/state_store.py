@@ -1,0 +1,77 @@
+"""Per-sequence state keyed by correlation ID, freed on END and evicted after an idle TTL.
+
+Triton drops an idle sequence without telling a Python-backend model, so the TTL is ours.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class SequenceNotStarted(KeyError):
+    """A step arrived for a correlation ID with no live state (never started, ended, or evicted)."""
+
+    def __str__(self) -> str:
+        return f"sequence {self.args[0]} has no state: it was not started with START, or it ended or idled out"
+
+
+@dataclass
+class _Entry(Generic[T]):
+    value: T
+    touched: float
+
+
+class SequenceStore(Generic[T]):
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[int, _Entry[T]] = {}
+        self._lock = threading.Lock()
+        self.evicted_total = 0
+
+    def start(self, corr_id: int, value: T) -> T:
+        """Begin (or restart) a sequence: any earlier state under this ID is replaced."""
+        with self._lock:
+            self._entries[corr_id] = _Entry(value, self._clock())
+        return value
+
+    def get(self, corr_id: int) -> T:
+        with self._lock:
+            entry = self._entries.get(corr_id)
+            if entry is None:
+                raise SequenceNotStarted(corr_id)
+            entry.touched = self._clock()
+            return entry.value
+
+    def get_or_none(self, corr_id: int) -> T | None:
+        try:
+            return self.get(corr_id)
+        except SequenceNotStarted:
+            return None
+
+    def end(self, corr_id: int) -> bool:
+        with self._lock:
+            return self._entries.pop(corr_id, None) is not None
+
+    def evict_expired(self) -> list[int]:
+        now = self._clock()
+        with self._lock:
+            expired = [cid for cid, e in self._entries.items() if now - e.touched > self.ttl_s]
+            for cid in expired:
+                del self._entries[cid]
+            self.evicted_total += len(expired)
+        return expired
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, corr_id: int) -> bool:
+        with self._lock:
+            return corr_id in self._entries

@@ -1,0 +1,97 @@
+"""Tokenizers: byte-level for `tiny`, the checkpoint's own files for a real model."""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+from typing import Protocol
+
+from .model_config import PresetConfig
+
+TINY_SPECIALS = (
+    "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<unit>", "</unit>",
+    "<image>", "</image>", "<slice>", "</slice>", "<|tts_bos|>", "<|listen|>", "<|speak|>",
+    "<|turn_eos|>", "<|chunk_eos|>", "<|chunk_tts_eos|>", "<|tts_pad|>", "<|audio|>",
+)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def is_text(self, token_id: int) -> bool: ...
+
+    def decoder(self) -> IncrementalDecoder: ...
+
+
+class IncrementalDecoder(Protocol):
+    def feed(self, ids: list[int]) -> str: ...
+
+
+class _ByteDecoder:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: list[int]) -> str:
+        return self._utf8.decode(bytes(i for i in ids if i < 256))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; special tokens follow.
+
+    Only printable ASCII counts as generated text, so the random `tiny` model says readable noise.
+    """
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def is_text(self, token_id: int) -> bool:
+        return 32 <= token_id < 127
+
+    def decoder(self) -> _ByteDecoder:
+        return _ByteDecoder()
+
+
+class _HfDecoder:
+    def __init__(self, tok: object, specials: set[int]) -> None:
+        self._tok = tok
+        self._specials = specials
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def feed(self, ids: list[int]) -> str:
+        self._ids.extend(i for i in ids if i not in self._specials)
+        text = self._tok.decode(self._ids)  # type: ignore[attr-defined]
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for more
+            return ""
+        delta, self._emitted = text[len(self._emitted):], text
+        return delta
+
+
+class HuggingFaceTokenizer:
+    """The checkpoint's `tokenizer.json`, read with the `tokenizers` package."""
+
+    def __init__(self, folder: Path, specials: set[int]) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        self._tok = HfTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        self._specials = specials
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def is_text(self, token_id: int) -> bool:
+        return token_id not in self._specials
+
+    def decoder(self) -> _HfDecoder:
+        return _HfDecoder(self._tok, self._specials)
+
+
+def load_tokenizer(preset: PresetConfig, folder: Path) -> Tokenizer:
+    if preset.tokenizer == "bytes":
+        return ByteTokenizer()
+    specials = set(vars(preset.tokens).values())
+    return HuggingFaceTokenizer(Path(folder) / "tokenizer", specials)
+
+
+def tiny_special_ids() -> dict[str, int]:
+    return {name: 256 + i for i, name in enumerate(TINY_SPECIALS)}

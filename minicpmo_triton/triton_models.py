@@ -1,0 +1,262 @@
+"""The Triton Python-backend models. Each `model_repository/<name>/1/model.py` imports one of these.
+
+Stateful stages read the sequence batcher's START / END / CORRID controls, run one batched compute
+over every request of an `execute()`, and publish their live sequence count as the
+`minicpmo_live_sequences{model=...}` gauge on Triton's metrics port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .bls import TritonBlsStages
+from .duplex_options import DuplexOptions, InvalidOptions
+from .engines import load_engine
+from .model_config import load_stage_config
+from .pipeline import DuplexPipeline, StepError, StepEvent, StepInput
+from .stage_io import STAGE_IO, decode, encode
+from .stages.audio_encoder import AudioEncoderStage
+from .stages.base import SequenceStage, StageCall
+from .stages.llm import LlmStage
+from .stages.token2wav import Token2WavStage
+from .stages.tts import TtsStage
+from .state_store import SequenceStore
+from .tokenizer import load_tokenizer
+
+LIVE_METRIC = "minicpmo_live_sequences"
+EVICTED_METRIC = "minicpmo_evicted_sequences_total"
+
+
+class _ModelContext:
+    """What initialize() gets, made convenient: names, folder, parameters, metrics."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.config = json.loads(args["model_config"])
+        self.name: str = args["model_name"]
+        self.version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.params = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
+        self.preset = load_stage_config(self.version_dir)
+
+    def param(self, key: str, default: float) -> float:
+        return float(self.params.get(key, default))
+
+
+class _LiveGauge:
+    """Publishes a store's size (and evictions) and sweeps idle state on a timer thread."""
+
+    def __init__(self, model: str, store: SequenceStore[Any], period_s: float) -> None:
+        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
+            name=LIVE_METRIC, description="Live per-session state entries", kind=pb_utils.MetricFamily.GAUGE)
+        self._evicted_family = pb_utils.MetricFamily(
+            name=EVICTED_METRIC, description="Session states evicted after the idle TTL",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._gauge = self._family.Metric(labels={"model": model})
+        self._evicted = self._evicted_family.Metric(labels={"model": model})
+        self._store = store
+        self._reported_evictions = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sweep, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def update(self) -> None:
+        self._gauge.set(len(self._store))
+        new = self._store.evicted_total - self._reported_evictions
+        if new:
+            self._evicted.increment(new)
+            self._reported_evictions += new
+
+    def _sweep(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            if self._store.evict_expired():
+                pb_utils.Logger.log_warn(f"evicted idle sequences; {len(self._store)} live")
+            self.update()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _input(request: Any, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _control(request: Any) -> tuple[int, bool, bool]:
+    corr = _input(request, "CORRID")
+    start, end = _input(request, "START"), _input(request, "END")
+    corr_id = int(corr.reshape(-1)[0]) if corr is not None else int(request.correlation_id())
+    return corr_id, bool(start is not None and start.reshape(-1)[0]), bool(end is not None and end.reshape(-1)[0])
+
+
+def _response(result: Any) -> Any:
+    if isinstance(result, Exception):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(result).__name__}: {result}"))
+    return pb_utils.InferenceResponse([pb_utils.Tensor(k, v[None]) for k, v in encode(result).items()])
+
+
+class _StatefulStageModel:
+    """Base for llm / tts / token2wav: `make_stage` builds the stage from the exported artefacts."""
+
+    stage_name = ""
+
+    def make_stage(self, ctx: _ModelContext) -> SequenceStage[Any, Any, Any]:
+        raise NotImplementedError
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.stage = self.make_stage(ctx)
+        self.request_cls = STAGE_IO[self.stage_name][0]
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.param("sweep_period_s", 5.0))
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        calls = []
+        for request in requests:
+            corr_id, start, end = _control(request)
+            calls.append(StageCall(decode(self.request_cls, lambda n, r=request: _get_row(r, n)), corr_id, start, end))
+        results = self.stage.run(calls)
+        self.gauge.update()
+        return [_response(r) for r in results]
+
+    def finalize(self) -> None:
+        self.gauge.close()
+
+
+def _get_row(request: Any, name: str) -> np.ndarray | None:
+    arr = _input(request, name)
+    return None if arr is None else arr[0]
+
+
+def _ttl(ctx: _ModelContext) -> float:
+    return ctx.param("state_ttl_s", 600.0)
+
+
+def _threads(ctx: _ModelContext) -> int:
+    return int(ctx.param("ort_threads", 1))
+
+
+class LlmModel(_StatefulStageModel):
+    stage_name = "llm"
+
+    def make_stage(self, ctx: _ModelContext) -> LlmStage:
+        tokenizer = load_tokenizer(ctx.preset, ctx.version_dir.parent.parent / "duplex" / "1")
+        return LlmStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, tokenizer, _ttl(ctx))
+
+
+class TtsModel(_StatefulStageModel):
+    stage_name = "tts"
+
+    def make_stage(self, ctx: _ModelContext) -> TtsStage:
+        return TtsStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
+
+
+class Token2WavModel(_StatefulStageModel):
+    stage_name = "token2wav"
+
+    def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
+        return Token2WavStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
+
+
+class AudioEncoderModel:
+    """Stateless: dynamic batching hands it chunks from many sessions at once."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.stage = AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        calls = [decode(STAGE_IO["audio_encoder"][0], lambda n, r=r: _get_row(r, n)) for r in requests]
+        return [_response(r) for r in self.stage.run(calls)]
+
+
+def _json_input(request: Any, name: str) -> dict[str, Any]:
+    raw = _input(request, name)
+    if raw is None:
+        return {}
+    value = raw.reshape(-1)[0]
+    data = json.loads(value.decode("utf-8") if isinstance(value, bytes) else str(value))
+    if not isinstance(data, dict):
+        raise StepError("invalid_input", f"{name} must be a JSON object")
+    return data
+
+
+def _event_response(event: dict[str, Any], audio: np.ndarray | None = None) -> Any:
+    payload = np.array([[json.dumps(event).encode("utf-8")]], dtype=np.object_)
+    wav = np.zeros((1, 0), np.float32) if audio is None else audio.astype(np.float32)[None]
+    return pb_utils.InferenceResponse([pb_utils.Tensor("event", payload), pb_utils.Tensor("audio", wav)])
+
+
+class DuplexModel:
+    """The streaming entry model (BLS, decoupled): one request = one duplex step of one session.
+
+    Responses stream as they are made (listen, text, audio), then the final flag. Requests of many
+    sessions run concurrently on this instance's event loop, so the stages batch across sessions.
+    """
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
+        self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx))
+        self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
+
+    async def execute(self, requests: list[Any]) -> None:
+        await asyncio.gather(*(self._handle(r) for r in requests))
+        return None
+
+    async def _handle(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        corr_id, start, end = _control(request)
+        try:
+            inp = self._parse(request, start)
+
+            async def emit(event: StepEvent) -> None:
+                sender.send(_event_response(_event_dict(event), event.audio))
+
+            await self.pipeline.step(corr_id, start, end, inp, emit)
+        except StepError as exc:
+            sender.send(_event_response({"kind": "error", "code": exc.code, "message": str(exc)}))
+        except Exception as exc:  # noqa: BLE001 (the client is told; the server keeps serving)
+            pb_utils.Logger.log_error(f"duplex step failed for sequence {corr_id}: {exc!r}")
+            code = "sequence_not_started" if isinstance(exc, KeyError) else "internal_error"
+            sender.send(_event_response({"kind": "error", "code": code, "message": str(exc)}))
+        finally:
+            self.gauge.update()
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _parse(self, request: Any, start: bool) -> StepInput:
+        audio = _input(request, "audio")
+        force = _input(request, "force_listen")
+        context = _json_input(request, "context")
+        options = None
+        if start:
+            try:
+                options = DuplexOptions.from_config(_json_input(request, "options"), self.pipeline.preset.duplex)
+            except InvalidOptions as exc:
+                raise StepError("invalid_config", str(exc)) from exc
+        return StepInput(
+            audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32),
+            force_listen=bool(force is not None and force.reshape(-1)[0]),
+            context_text=str(context.get("text") or ""),
+            context_kind=str(context.get("kind") or "tool_result"),
+            respond=bool(context.get("respond", True)),
+            options=options,
+        )
+
+    def finalize(self) -> None:
+        self.gauge.close()
+
+
+def _event_dict(event: StepEvent) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics}
+    if event.text:
+        out["text"] = event.text
+    if event.end_of_turn:
+        out["end_of_turn"] = True
+    if event.chunk_usage is not None:
+        out["chunk_usage"] = event.chunk_usage
+    return out

@@ -1,0 +1,5 @@
+"""Triton model `tts`: the code lives in minicpmo_triton.triton_models."""
+
+from minicpmo_triton.triton_models import TtsModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
