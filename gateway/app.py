@@ -19,6 +19,7 @@ from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from .connection import Connection
 from .protocol import (
+    CLOSE_GOING_AWAY,
     CLOSE_POLICY,
     CLOSE_SERVER_ERROR,
     CLOSE_TRY_AGAIN,
@@ -72,8 +73,8 @@ class Gateway:
             await client.close()
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*(c.close("server_shutdown") for c in list(self.sessions.values())),
-                             return_exceptions=True)
+        await asyncio.gather(*(c.close("server_shutdown", ws_code=CLOSE_GOING_AWAY)
+                               for c in list(self.sessions.values())), return_exceptions=True)
 
 
 async def _send_and_close(ws: WebSocket, data: dict[str, Any], code: int) -> None:

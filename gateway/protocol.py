@@ -21,6 +21,7 @@ MAX_FRAMES = 4
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # server shutdown
 CLOSE_UNSUPPORTED_DATA = 1003  # not JSON
 CLOSE_POLICY = 1008  # a protocol violation by the client
 CLOSE_SERVER_ERROR = 1011

@@ -5,15 +5,28 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 
-from .app import create_app
+from .app import Gateway, create_app
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
+
+
+class GatewayServer(uvicorn.Server):
+    """Tells every session `server_shutdown` (and ends its Triton sequence) before uvicorn drops sockets."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.gateway.shutdown()
+        await super().shutdown(sockets)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -52,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"gateway on ws://{args.host}:{args.port}/backend (health: http://{args.host}:{args.port}/health)",
               flush=True)
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
-                    log_level="info")
+        app = create_app(settings)
+        config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
+                                log_level="info")
+        GatewayServer(config, app.state.gateway).run()
     finally:
         if server is not None:
             server.stop()

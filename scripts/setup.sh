@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian/Ubuntu machine: system packages, a virtualenv with the project, the tiny model.
+# Idempotent; re-run it after pulling. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)
+dpkg -s libb64-0d >/dev/null 2>&1 || need_apt+=(libb64-0d)  # perf_analyzer
+dpkg -s libsndfile1 >/dev/null 2>&1 || need_apt+=(libsndfile1)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip >/dev/null
+# torch==2.13.0 is pinned in the export extra: a CPU build, no multi-GB CUDA download.
+.venv/bin/pip install -q -e '.[dev]'
+
+# Export the tiny preset (random weights, ~40 s on 2 cores) unless its artefacts are current.
+stamp=model_repository/.export-stamp
+src_hash=$(cat export/*.py export/modules/*.py minicpmo_triton/model_config.py | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "tiny-$src_hash" ] || [ ! -f model_repository/llm/1/model.onnx ]; then
+  .venv/bin/python -m export --preset tiny
+  echo "tiny-$src_hash" > "$stamp"
+fi
+echo "setup done: .venv ready, tiny model exported to model_repository/"

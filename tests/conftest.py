@@ -1,0 +1,146 @@
+"""Real processes: one tritonserver on free ports for the whole run, gateways in front of it, espeak-ng speech."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from gateway.audio import read_wav
+from gateway.triton import TritonServer, free_port, free_ports
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_REPOSITORY = REPO / "model_repository"
+
+
+def ensure_exported() -> None:
+    if not (MODEL_REPOSITORY / "llm" / "1" / "model.onnx").exists():
+        subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
+
+
+@pytest.fixture(scope="session")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], np.ndarray]:
+    """Real speech from espeak-ng, as 16 kHz float32."""
+    folder = tmp_path_factory.mktemp("speech")
+    cache: dict[str, np.ndarray] = {}
+
+    def make(text: str, voice: str = "en") -> np.ndarray:
+        key = f"{voice}:{text}"
+        if key not in cache:
+            path = folder / f"{len(cache)}.wav"
+            subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True)
+            cache[key] = read_wav(path)
+        return cache[key]
+
+    return make
+
+
+class RunningTriton:
+    def __init__(self, server: TritonServer) -> None:
+        self.server = server
+        self.grpc_url = server.ports.grpc_url
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.server.ports.metrics_url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str, model: str) -> float:
+        prefix = f'{name}{{model="{model}"'
+        for line in self.metrics_text().splitlines():
+            if line.startswith(prefix):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name} for {model} not on the metrics page")
+
+    def live(self) -> dict[str, float]:
+        return {m: self.metric("minicpmo_live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
+
+    def wait_live(self, expected: Callable[[dict[str, float]], bool], timeout_s: float = 20.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout_s
+        live = self.live()
+        while not expected(live) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            live = self.live()
+        return live
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    ensure_exported()
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=log.parent / "work", log_path=log)
+    server.start()
+    try:
+        server.wait_ready(240)
+        yield RunningTriton(server)
+    finally:
+        server.stop()
+
+
+class RunningGateway:
+    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
+        self.process = process
+        self.port = port
+        self.http = f"http://127.0.0.1:{port}"
+        self.ws = f"ws://127.0.0.1:{port}/backend"
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.http}/health", timeout=5).json()
+
+
+def start_gateway(triton_url: str, log: Path, **env: str) -> RunningGateway:
+    port = free_port()
+    environ = {**os.environ, **{f"MINICPMO_{k.upper()}": v for k, v in env.items()}}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.serve", "--triton-url", triton_url, "--port", str(port)],
+            cwd=REPO, env=environ, stdout=out, stderr=subprocess.STDOUT)
+    gw = RunningGateway(process, port)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}; see {log}")
+        try:
+            if gw.health()["status"] == "ready":
+                return gw
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError(f"gateway not ready; see {log}")
+
+
+def stop_gateway(gw: RunningGateway) -> None:
+    gw.process.terminate()
+    try:
+        gw.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        gw.process.kill()
+
+
+@pytest.fixture(scope="session")
+def gateway(triton: RunningTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    gw = start_gateway(triton.grpc_url, tmp_path_factory.mktemp("gateway") / "gateway.log")
+    yield gw
+    stop_gateway(gw)
+
+
+@pytest.fixture
+def gateway_factory(triton: RunningTriton, tmp_path: Path) -> Iterator[Callable[..., RunningGateway]]:
+    started: list[RunningGateway] = []
+
+    def make(**env: str) -> RunningGateway:
+        gw = start_gateway(triton.grpc_url, tmp_path / f"gateway{len(started)}.log", **env)
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        stop_gateway(gw)
