@@ -63,7 +63,8 @@ class DuplexProtocolState:
         fields: dict[str, Any] = {"session_id": self.session_id, "input_id": input_id, "metrics": ev.metrics}
         self.kv_cache_length = int(ev.metrics.get("kv_cache_length", self.kv_cache_length))
         if ev.chunk_usage is not None:  # the step's first event carries its usage
-            fields.update(chunk_index=self.chunk_index, chunk_usage=ev.chunk_usage, usage=self.usage.add(ev.chunk_usage))
+            usage = self.usage.add(ev.chunk_usage)
+            fields.update(chunk_index=self.chunk_index, chunk_usage=ev.chunk_usage, usage=usage)
             self.chunk_index += 1
         if ev.kind == "listen":
             fields["response_id"] = self.active_response_id

@@ -33,6 +33,9 @@ class SequenceStage(Generic[Req, Res, State]):
         """An END-only call carries no work."""
         raise NotImplementedError
 
+    def check(self, request: Req, state: State) -> None:
+        """Reject one call before the batch runs (raise), so a bad call cannot fail the others."""
+
     def compute(self, items: list[tuple[Req, State]]) -> list[Res]:
         raise NotImplementedError
 
@@ -46,11 +49,13 @@ class SequenceStage(Generic[Req, Res, State]):
             try:
                 state = self.store.start(call.corr_id, self.new_state(call)) if call.start \
                     else self.store.get(call.corr_id)
+                if self.is_noop(call.request):
+                    continue
+                self.check(call.request, state)
             except Exception as exc:  # noqa: BLE001 (one bad call must not fail the batch)
                 results[i] = exc
                 continue
-            if not self.is_noop(call.request):
-                work.append((i, call.request, state))
+            work.append((i, call.request, state))
         if work:
             try:
                 outs = self.compute([(req, st) for _, req, st in work])

@@ -52,20 +52,27 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
     def _count_chars(self, ids: list[int]) -> int:
         return len(self.tokenizer.decoder().feed(ids))
 
+    def check(self, request: LlmRequest, state: LlmSession) -> None:
+        tk = self.preset.tokens
+        n_placeholders = int((request.input_ids == tk.audio_placeholder).sum())
+        if n_placeholders != len(request.embeds):
+            raise ValueError(f"llm: {n_placeholders} audio placeholders but {len(request.embeds)} embeddings")
+        if len(request.embeds) and request.embeds.shape[1] != self.preset.llm.hidden:
+            raise ValueError(f"llm: embeddings of width {request.embeds.shape[1]}, not {self.preset.llm.hidden}")
+        if ((request.input_ids < 0) | (request.input_ids >= self.preset.llm.vocab)).any():
+            raise ValueError("llm: token id out of the vocabulary")
+        need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
+        if need > self.preset.duplex.context_tokens - state.cache.length:
+            raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
+
     def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
         tk, h = self.preset.tokens, self.preset.llm.hidden
         prefill, decoders, params = [], [], []
         for req, sess in items:
             ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
             use = ids == tk.audio_placeholder
-            if int(use.sum()) != len(req.embeds):
-                raise ValueError(f"llm: {int(use.sum())} audio placeholders but {len(req.embeds)} embeddings")
             if len(ids) == 0:
                 ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
-            room = self.preset.duplex.context_tokens - sess.cache.length
-            if len(ids) + (req.max_new_tokens if req.decode else 0) > room:
-                raise ContextFull(f"context full: {sess.cache.length} of {self.preset.duplex.context_tokens} "
-                                  "tokens used")
             embeds = np.zeros((len(ids), h), np.float32)
             embeds[use] = req.embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})

@@ -53,16 +53,18 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             text, codes = [0, *text], np.concatenate([[sess.pending], codes])
             hidden = np.concatenate([np.zeros((1, h), np.float32), hidden])
             is_code = np.concatenate([[True], is_code])
-        if not text:
-            raise ValueError("tts: nothing to condition on (no text, no pending token, not a turn start)")
         return {"text_ids": np.asarray(text, np.int64), "llm_hidden": hidden, "code_ids": codes, "is_code": is_code}
+
+    def check(self, request: TtsRequest, state: TtsSession) -> None:
+        if len(request.tts_hidden) != len(request.text_ids):
+            raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
+        if not (request.turn_start or len(request.text_ids) or state.pending is not None):
+            raise ValueError("tts: nothing to condition on (no text, no pending token, not a turn start)")
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
         for req, sess in items:
             if req.turn_start:
                 sess.cache, sess.pending, sess.history = self._empty(), None, []
-            if len(req.tts_hidden) != len(req.text_ids):
-                raise ValueError(f"tts: {len(req.text_ids)} text ids but {len(req.tts_hidden)} hidden states")
         prefill = [self._prefill(req, sess) for req, sess in items]
         codes: list[list[int]] = [[] for _ in items]
 

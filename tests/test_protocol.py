@@ -1,0 +1,148 @@
+"""The backend protocol codec and session state machine: pure code, no sockets."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from export.presets import tiny
+from gateway.audio import encode_f32_base64
+from gateway.protocol import (
+    InputAppend,
+    InputContext,
+    ProtocolError,
+    loads,
+    parse_client_message,
+    parse_init,
+)
+from gateway.session import DuplexProtocolState
+from gateway.triton_stream import StepEvent
+from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
+from minicpmo_triton.duplex_rules import ChunkDecoder, allowed_token_mask
+from minicpmo_triton.tokenizer import ByteTokenizer, tiny_special_ids
+
+AUDIO = np.linspace(-0.5, 0.5, 16_000, dtype=np.float32)
+
+
+def msg(data: dict) -> dict:
+    return loads(json.dumps(data))
+
+
+@pytest.mark.parametrize("key", ["audio", "audio_base64", "audio_data"])
+def test_input_append_accepts_every_audio_alias(key: str) -> None:
+    message = {"type": "input.append", "input": {key: encode_f32_base64(AUDIO), "input_id": 3}}
+    parsed = parse_client_message(msg(message))
+    assert isinstance(parsed, InputAppend) and parsed.input_id == "3"
+    np.testing.assert_array_equal(parsed.audio, AUDIO)
+
+
+def test_input_append_reads_frames_and_hints() -> None:
+    parsed = parse_client_message(msg({"type": "input.append", "input": {
+        "audio": {"data": encode_f32_base64(AUDIO)}, "frames": ["AAAA", {"data": "BBBB"}],
+        "hints": {"force_listen": True, "max_slice_nums": 2}}}))
+    assert parsed.frames == ["AAAA", "BBBB"] and parsed.force_listen and parsed.max_slice_nums == [2, 2]
+
+
+@pytest.mark.parametrize(("audio", "fragment"), [
+    ("not base64!", "base64"),
+    (base64.b64encode(b"12345").decode(), "whole number"),
+    (base64.b64encode(np.array([np.nan], np.float32).tobytes()).decode(), "NaN"),
+    (encode_f32_base64(np.zeros(16_000 * 6, np.float32)), "at most"),
+])
+def test_bad_audio_is_a_coded_error(audio: str, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_client_message(msg({"type": "input.append", "input": {"audio": audio}}))
+    assert info.value.code == "bad_audio" and fragment in info.value.message and info.value.close_code is None
+
+
+def test_init_reads_aliases_and_defaults() -> None:
+    init = parse_init(msg({"type": "session.init", "payload": {"instructions": "Be brief.",
+                                                               "voice": {"ref_audio": "QUJD"}}}))
+    assert init.mode == "full_duplex" and init.system_prompt == "Be brief." and init.ref_audio_base64 == "QUJD"
+
+
+def test_invalid_json_closes_with_1003() -> None:
+    with pytest.raises(ProtocolError) as info:
+        loads("{nope")
+    assert info.value.code == "invalid_json" and info.value.close_code == 1003
+
+
+def test_context_via_input_append_is_a_context() -> None:
+    parsed = parse_client_message(msg({"type": "input.append", "input": {"input_id": "c", "context": {
+        "text": " weather: sunny ", "respond": False}}}))
+    assert isinstance(parsed, InputContext) and parsed.text == "weather: sunny" and not parsed.respond
+
+
+def test_options_validate_types_and_ranges() -> None:
+    assert DuplexOptions.from_config({"do_sample": False}).temperature == 0.0
+    assert DuplexOptions.from_config({"length_penalty": 1, "unknown_key": 3}).length_penalty == 1.0
+    for bad in ({"temperature": "hot"}, {"top_p": 0}, {"max_new_speak_tokens_per_chunk": 0}, {"top_k": True}):
+        with pytest.raises(InvalidOptions):
+            DuplexOptions.from_config(bad)
+
+
+def test_session_state_maps_a_spoken_turn() -> None:
+    state = DuplexProtocolState("sess_x")
+    usage = {"input_audio_tokens": 10, "output_text_tokens": 2, "output_speech_tokens": 25}
+    text = state.on_step_event("in_4", StepEvent("text", text="hi", chunk_usage=usage))
+    audio = state.on_step_event("in_4", StepEvent("audio", audio=AUDIO))
+    listen = state.on_step_event("in_5", StepEvent("listen", end_of_turn=True, chunk_usage={"input_audio_tokens": 10}))
+    assert text["kind"] == "text" and text["response_id"] == audio["response_id"] == listen["response_id"]
+    assert text["usage"]["total_tokens"] == 37 and "usage" not in audio
+    assert audio["audio_samples"] == 16_000 and audio["sample_rate"] == 24_000
+    assert listen["end_of_turn"] and listen["usage"]["input_audio_tokens"] == 20
+    nxt = state.on_step_event("in_9", StepEvent("text", text="again"))
+    assert nxt["response_id"] != text["response_id"]  # a new turn, a new response id
+    assert state.closed("client_closed")["usage"]["total_tokens"] == 47
+
+
+class _Rules:
+    tokens = tiny().tokens
+
+    def decoder(self, in_turn: bool = False, max_new: int = 20) -> ChunkDecoder:
+        tok = ByteTokenizer()
+        return ChunkDecoder(self.tokens, in_turn, max_new, 28, 1.1, allowed_token_mask(288, self.tokens, tok.is_text),
+                            lambda ids: len(ids))
+
+
+def test_rules_listen_before_a_turn_ends_the_chunk() -> None:
+    d = _Rules().decoder()
+    assert d.accept(_Rules.tokens.listen) is None
+    assert d.is_listen and d.pending == [_Rules.tokens.listen, _Rules.tokens.unit_end]
+
+
+def test_rules_listen_mid_turn_becomes_tts_bos() -> None:
+    tk = _Rules.tokens
+    d = _Rules().decoder(in_turn=True)
+    assert d.accept(tk.listen) == tk.tts_bos and not d.done
+
+
+def test_rules_stop_at_28_characters_after_feeding_the_last() -> None:
+    d = _Rules().decoder()
+    fed = [d.accept(65) for _ in range(28)]
+    assert fed[-1] == 65 and d.done and len(d.text_ids) == 28 and not d.is_listen
+    assert d.pending[0] == _Rules.tokens.chunk_eos
+
+
+def test_rules_force_chunk_eos_on_the_last_step() -> None:
+    d = _Rules().decoder(max_new=3)
+    d.accept(65)
+    d.accept(66)
+    logits = d.adjust(np.zeros(288, np.float32))
+    assert int(np.argmax(logits)) == _Rules.tokens.chunk_eos and np.isinf(logits).sum() == 287
+
+
+def test_rules_turn_eos_ends_a_turn_and_disallowed_tokens_are_masked() -> None:
+    tk = _Rules.tokens
+    d = _Rules().decoder(in_turn=True)
+    logits = d.adjust(np.zeros(288, np.float32))
+    assert np.isinf(logits[tk.im_end]) and np.isinf(logits[tk.audio_placeholder]) and np.isinf(logits[0])
+    assert d.accept(tk.turn_eos) is None and d.end_of_turn and not d.is_listen
+
+
+def test_tiny_special_ids_follow_the_byte_range() -> None:
+    ids = tiny_special_ids()
+    assert min(ids.values()) == 256 and ids["<|listen|>"] == tiny().tokens.listen

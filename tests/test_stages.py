@@ -1,0 +1,173 @@
+"""The stage code on the exported tiny model, without Triton: batching, streaming, state lifetimes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from minicpmo_triton.engines import load_engine
+from minicpmo_triton.kv_batch import KvBatch, KvCache
+from minicpmo_triton.model_config import SAMPLES_PER_SPEECH_TOKEN, load_stage_config
+from minicpmo_triton.stage_io import STAGE_IO, LlmRequest, Token2WavRequest, TtsRequest, triton_dims, triton_dtype
+from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.llm import ContextFull, LlmStage
+from minicpmo_triton.stages.token2wav import TURN_LEAD_SILENCE, Token2WavStage
+from minicpmo_triton.stages.tts import TtsStage
+from minicpmo_triton.state_store import SequenceNotStarted, SequenceStore
+from minicpmo_triton.tokenizer import ByteTokenizer
+
+from .conftest import MODEL_REPOSITORY, ensure_exported
+
+
+@pytest.fixture(scope="module")
+def preset():
+    ensure_exported()
+    return load_stage_config(MODEL_REPOSITORY / "llm" / "1")
+
+
+def llm_stage(preset, ttl_s: float = 600.0) -> LlmStage:
+    return LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset, ByteTokenizer(), ttl_s)
+
+
+def chunk_request(preset, rng: np.random.Generator, **kw) -> LlmRequest:
+    tk = preset.tokens
+    ids = np.array([tk.unit] + [tk.audio_placeholder] * 10, np.int64)
+    return LlmRequest(input_ids=ids, embeds=rng.standard_normal((10, preset.llm.hidden)).astype(np.float32) * 0.2,
+                      temperature=0.0, **kw)
+
+
+def run_steps(stage: LlmStage, preset, corr_ids: list[int], steps: int, batched: bool) -> dict[int, list]:
+    rngs = {c: np.random.default_rng(c) for c in corr_ids}
+    out: dict[int, list] = {c: [] for c in corr_ids}
+    for step in range(steps):
+        calls = [StageCall(chunk_request(preset, rngs[c]), c, start=step == 0) for c in corr_ids]
+        groups = [calls] if batched else [[c] for c in calls]
+        for group in groups:
+            for call, res in zip(group, stage.run(group), strict=True):
+                assert not isinstance(res, Exception), res
+                out[call.corr_id].append((res.generated.tolist(), res.kv_length, res.tts_hidden))
+    return out
+
+
+def test_batched_and_unbatched_llm_steps_agree(preset) -> None:
+    """Sessions with different histories in one forward give what each gives alone (greedy)."""
+    ids = [11, 12, 13]
+    alone = run_steps(llm_stage(preset), preset, ids, steps=5, batched=False)
+    together = run_steps(llm_stage(preset), preset, ids, steps=5, batched=True)
+    tokens = lambda runs: {c: [(g, n) for g, n, _ in steps] for c, steps in runs.items()}  # noqa: E731
+    assert tokens(together) == tokens(alone)
+    for c in ids:
+        for (_, _, h_alone), (_, _, h_together) in zip(alone[c], together[c], strict=True):
+            np.testing.assert_allclose(h_together, h_alone, atol=1e-4)  # padding changes only float rounding
+    assert len({str(v) for v in tokens(alone).values()}) == 3, "different inputs should give different outputs"
+
+
+def test_llm_state_lives_from_start_to_end(preset) -> None:
+    stage = llm_stage(preset)
+    rng = np.random.default_rng(0)
+    [res] = stage.run([StageCall(chunk_request(preset, rng), 5)])
+    assert isinstance(res, SequenceNotStarted)  # no START: no state
+    stage.run([StageCall(chunk_request(preset, rng), 5, start=True)])
+    assert stage.live_sequences == 1
+    stage.run([StageCall(LlmRequest(decode=False), 5, end=True)])
+    assert stage.live_sequences == 0
+
+
+def test_force_listen_skips_decoding(preset) -> None:
+    stage = llm_stage(preset)
+    [res] = stage.run([StageCall(chunk_request(preset, np.random.default_rng(1), force_listen=True), 1, start=True)])
+    assert res.is_listen and len(res.generated) == 0 and res.kv_length == 11
+
+
+def test_a_mismatched_prefill_fails_only_its_own_request(preset) -> None:
+    stage = llm_stage(preset)
+    rng = np.random.default_rng(2)
+    bad = dataclasses.replace(chunk_request(preset, rng), embeds=np.zeros((3, preset.llm.hidden), np.float32))
+    good, broken = stage.run([StageCall(chunk_request(preset, rng), 1, start=True), StageCall(bad, 2, start=True)])
+    assert not isinstance(good, Exception)
+    assert isinstance(broken, ValueError) and "placeholders" in str(broken)
+
+
+def test_context_full_is_reported(preset) -> None:
+    small = dataclasses.replace(preset, duplex=dataclasses.replace(preset.duplex, context_tokens=40))
+    stage = llm_stage(small)
+    rng = np.random.default_rng(3)
+    results = [stage.run([StageCall(chunk_request(small, rng), 1, start=i == 0)])[0] for i in range(3)]
+    assert isinstance(results[-1], ContextFull)
+
+
+def test_state_is_evicted_after_the_idle_ttl() -> None:
+    now = [0.0]
+    store: SequenceStore[str] = SequenceStore(ttl_s=10, clock=lambda: now[0])
+    store.start(1, "a")
+    store.start(2, "b")
+    now[0] = 6
+    store.get(2)  # touching keeps a sequence alive
+    now[0] = 12
+    assert store.evict_expired() == [1]
+    assert 1 not in store and 2 in store and store.evicted_total == 1
+    with pytest.raises(SequenceNotStarted):
+        store.get(1)
+
+
+def test_kv_batch_round_trips_ragged_caches() -> None:
+    rng = np.random.default_rng(0)
+    caches = [KvCache(rng.standard_normal((2, 2, n, 4)).astype(np.float32),
+                      rng.standard_normal((2, 2, n, 4)).astype(np.float32)) for n in (0, 3, 5)]
+    batch = KvBatch(caches)
+    assert batch.key.shape == (2, 3, 2, 5, 4)
+    assert batch.mask.sum(axis=1).tolist() == [0, 3, 5]
+    for row, cache in enumerate(caches):
+        np.testing.assert_array_equal(batch.extract(row).key, cache.key)
+
+
+def test_token2wav_streaming_equals_one_shot(preset) -> None:
+    """Audio made chunk by chunk with lookahead is the audio of the whole token sequence."""
+    engine = load_engine(MODEL_REPOSITORY / "token2wav" / "1")
+    tokens = np.random.default_rng(0).integers(0, 6000, 80)
+    streaming = Token2WavStage(engine, preset, 600)
+    pieces = []
+    for i, chunk in enumerate(np.split(tokens[:75], 3)):
+        [res] = streaming.run([StageCall(Token2WavRequest(speech_tokens=chunk, turn_start=i == 0), 1, start=i == 0)])
+        pieces.append(res.waveform)
+    [tail] = streaming.run([StageCall(Token2WavRequest(speech_tokens=tokens[75:], finalize=True), 1)])
+    pieces.append(tail.waveform)
+    assert [len(p) for p in pieces[:3]] == [24_000] * 3  # exactly 1 s per chunk, the lead silence included
+    one_shot = Token2WavStage(engine, preset, 600)
+    [whole] = one_shot.run([StageCall(Token2WavRequest(speech_tokens=tokens, turn_start=True, finalize=True), 2,
+                                      start=True)])
+    assert len(whole.waveform) == (len(tokens) + TURN_LEAD_SILENCE) * SAMPLES_PER_SPEECH_TOKEN
+    np.testing.assert_allclose(np.concatenate(pieces), whole.waveform, atol=1e-5)
+
+
+def test_tts_gives_25_tokens_per_chunk_and_batches(preset) -> None:
+    engine = load_engine(MODEL_REPOSITORY / "tts" / "1")
+    h = preset.llm.hidden
+
+    def req(n: int, start: bool) -> TtsRequest:
+        rng = np.random.default_rng(n)
+        return TtsRequest(text_ids=np.arange(40, 40 + n), tts_hidden=rng.standard_normal((n, h)).astype(np.float32),
+                          turn_start=start, temperature=0.0)
+
+    alone = [TtsStage(engine, preset, 600).run([StageCall(req(n, True), n, start=True)])[0] for n in (2, 5)]
+    together = TtsStage(engine, preset, 600).run([StageCall(req(n, True), n, start=True) for n in (2, 5)])
+    for a, b in zip(alone, together, strict=True):
+        assert len(a.speech_tokens) == 25
+        assert a.speech_tokens.tolist() == b.speech_tokens.tolist()
+        assert (a.speech_tokens < preset.tts.num_audio_tokens - 1).all()  # no EOS mid-turn
+
+
+@pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder"])
+def test_model_configs_declare_the_stage_tensors(model: str) -> None:
+    """config.pbtxt and the dataclasses the code exchanges must not drift apart."""
+    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    for cls, section in zip(STAGE_IO[model], ("input", "output"), strict=True):
+        block = text.split(f"\n{section} [", 1)[1].split("\n]", 1)[0]
+        declared = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]', block)
+        expected = [(f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f)))) for f in dataclasses.fields(cls)]
+        assert declared == expected
+    if model != "audio_encoder":
+        assert "CONTROL_SEQUENCE_START" in text and "CONTROL_SEQUENCE_CORRID" in text and "oldest" in text
