@@ -7,19 +7,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from . import stage_io as io
 from .pipeline import StepError
-from .stage_io import (
-    AudioEncoderRequest,
-    AudioEncoderResult,
-    LlmRequest,
-    LlmResult,
-    Token2WavRequest,
-    Token2WavResult,
-    TtsRequest,
-    TtsResult,
-    decode,
-    encode,
-)
 from .stages.base import StageCall
 
 CONTEXT_FULL_MARK = "context full"
@@ -36,7 +25,7 @@ def _flags(call: StageCall[Any]) -> int:
 
 class TritonBlsStages:
     async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None) -> Any:
-        tensors = [pb_utils.Tensor(name, value[None]) for name, value in encode(request).items()]
+        tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
@@ -53,16 +42,16 @@ class TritonBlsStages:
             t = pb_utils.get_output_tensor_by_name(response, name)
             return None if t is None else t.as_numpy()[0]
 
-        return decode(result_cls, get)
+        return io.decode(result_cls, get)
 
-    async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult:
-        return await self._exec("audio_encoder", request, AudioEncoderResult)
+    async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
+        return await self._exec("audio_encoder", request, io.AudioEncoderResult)
 
-    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult:
-        return await self._exec("llm", call.request, LlmResult, call)
+    async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
+        return await self._exec("llm", call.request, io.LlmResult, call)
 
-    async def tts(self, call: StageCall[TtsRequest]) -> TtsResult:
-        return await self._exec("tts", call.request, TtsResult, call)
+    async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
+        return await self._exec("tts", call.request, io.TtsResult, call)
 
-    async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult:
-        return await self._exec("token2wav", call.request, Token2WavResult, call)
+    async def token2wav(self, call: StageCall[io.Token2WavRequest]) -> io.Token2WavResult:
+        return await self._exec("token2wav", call.request, io.Token2WavResult, call)

@@ -5,19 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import stage_io as io
 from .engines import load_engine
 from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline
-from .stage_io import (
-    AudioEncoderRequest,
-    AudioEncoderResult,
-    LlmRequest,
-    LlmResult,
-    Token2WavRequest,
-    Token2WavResult,
-    TtsRequest,
-    TtsResult,
-)
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
@@ -44,19 +35,19 @@ class InProcessStages:
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
         self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
 
-    async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult:
+    async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         result = self.encoder.run([request])[0]
         if isinstance(result, Exception):
             raise result
         return result
 
-    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult:
+    async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
         return _one(self.llm_stage, call)
 
-    async def tts(self, call: StageCall[TtsRequest]) -> TtsResult:
+    async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return _one(self.tts_stage, call)
 
-    async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult:
+    async def token2wav(self, call: StageCall[io.Token2WavRequest]) -> io.Token2WavResult:
         return _one(self.t2w_stage, call)
 
     def pipeline(self, ttl_s: float = 600.0) -> DuplexPipeline:
