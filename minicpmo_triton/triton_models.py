@@ -211,22 +211,30 @@ class DuplexModel:
     async def _handle(self, request: Any) -> None:
         sender = request.get_response_sender()
         corr_id, start, end = _control(request)
+
+        def send(response: Any = None, flags: int = 0) -> None:
+            # A client that went away (its gRPC stream broken) must not break the step for the stages.
+            try:
+                sender.send(response, flags=flags)
+            except Exception as exc:  # noqa: BLE001
+                pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {exc}")
+
         try:
             inp = self._parse(request, start)
 
             async def emit(event: StepEvent) -> None:
-                sender.send(_event_response(_event_dict(event), event.audio))
+                send(_event_response(_event_dict(event), event.audio))
 
             await self.pipeline.step(corr_id, start, end, inp, emit)
         except StepError as exc:
-            sender.send(_event_response({"kind": "error", "code": exc.code, "message": str(exc)}))
+            send(_event_response({"kind": "error", "code": exc.code, "message": str(exc)}))
         except Exception as exc:  # noqa: BLE001 (the client is told; the server keeps serving)
             pb_utils.Logger.log_error(f"duplex step failed for sequence {corr_id}: {exc!r}")
             code = "sequence_not_started" if isinstance(exc, KeyError) else "internal_error"
-            sender.send(_event_response({"kind": "error", "code": code, "message": str(exc)}))
+            send(_event_response({"kind": "error", "code": code, "message": str(exc)}))
         finally:
             self.gauge.update()
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _parse(self, request: Any, start: bool) -> StepInput:
         audio = _input(request, "audio")

@@ -95,7 +95,7 @@ class RunningGateway:
         return httpx.get(f"{self.http}/health", timeout=5).json()
 
 
-def start_gateway(triton_url: str, log: Path, **env: str) -> RunningGateway:
+def start_gateway(triton_url: str, log: Path, wait_ready: bool = True, **env: str) -> RunningGateway:
     port = free_port()
     environ = {**os.environ, **{f"MINICPMO_{k.upper()}": v for k, v in env.items()}}
     with open(log, "ab") as out:
@@ -108,7 +108,8 @@ def start_gateway(triton_url: str, log: Path, **env: str) -> RunningGateway:
         if process.poll() is not None:
             raise RuntimeError(f"gateway exited with {process.returncode}; see {log}")
         try:
-            if gw.health()["status"] == "ready":
+            status = gw.health()["status"]
+            if status == "ready" or (not wait_ready and status == "loading"):
                 return gw
         except httpx.HTTPError:
             pass
@@ -136,8 +137,8 @@ def gateway(triton: RunningTriton, tmp_path_factory: pytest.TempPathFactory) -> 
 def gateway_factory(triton: RunningTriton, tmp_path: Path) -> Iterator[Callable[..., RunningGateway]]:
     started: list[RunningGateway] = []
 
-    def make(**env: str) -> RunningGateway:
-        gw = start_gateway(triton.grpc_url, tmp_path / f"gateway{len(started)}.log", **env)
+    def make(triton_url: str | None = None, wait_ready: bool = True, **env: str) -> RunningGateway:
+        gw = start_gateway(triton_url or triton.grpc_url, tmp_path / f"gateway{len(started)}.log", wait_ready, **env)
         started.append(gw)
         return gw
 

@@ -82,15 +82,19 @@ async def test_force_listen_ends_the_spoken_turn(gateway, speech) -> None:
     assert [t for t in transcript(second.events) if int(t[0][3:]) < k] == before
 
 
-async def test_concurrent_sessions_keep_their_own_state(gateway, speech) -> None:
+async def test_concurrent_sessions_keep_their_own_state(gateway, triton, speech) -> None:
     a, b = chunks_of(speech(SPEAKING_TEXT)), chunks_of(speech(OTHER_TEXT))
     alone_a = await converse(gateway.ws, a, realtime=False, config=GREEDY)
     alone_b = await converse(gateway.ws, b, realtime=False, config=GREEDY)
     assert transcript(alone_a.events) != transcript(alone_b.events), "inputs must differ for this test to mean much"
+    counters = lambda: (triton.metric("nv_inference_count", "llm"), triton.metric("nv_inference_exec_count", "llm"))  # noqa: E731
+    before = counters()
     both = await asyncio.gather(*(converse(gateway.ws, x, realtime=False, config=GREEDY) for x in (a, b, a, b)))
     for alone, together in zip((alone_a, alone_b, alone_a, alone_b), both, strict=True):
         assert transcript(together.events) == transcript(alone.events)
         np.testing.assert_allclose(audio_of(together.events), audio_of(alone.events), atol=1e-4)
+    inferences, executions = (after - was for after, was in zip(counters(), before, strict=True))
+    assert executions < inferences, "the four sessions' LLM steps should share execute() calls"
 
 
 async def test_triton_path_matches_the_stages_called_in_process(gateway, speech) -> None:
@@ -163,6 +167,17 @@ async def test_gateway_shutdown_ends_sequences(gateway_factory, triton, speech) 
         await ws.recv()
     assert info.value.rcvd.code == 1001
     assert triton.wait_live(lambda lv: not any(lv.values())) == {"duplex": 0, "llm": 0, "tts": 0, "token2wav": 0}
+
+
+async def test_not_ready_is_answered_with_1013(gateway_factory) -> None:
+    gw = gateway_factory(triton_url="127.0.0.1:9", wait_ready=False)  # nothing listens there
+    assert gw.health()["status"] == "loading"
+    async with websockets.connect(gw.ws) as ws:
+        err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert err["type"] == "error" and err["error"]["code"] == "not_ready"
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await asyncio.wait_for(ws.recv(), 10)
+        assert info.value.rcvd.code == 1013
 
 
 async def test_session_limit_is_enforced(gateway_factory, speech) -> None:
