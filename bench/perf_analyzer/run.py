@@ -142,7 +142,7 @@ def main() -> int:
         if isinstance(r, str):
             print(f"| {model} | {c} | {r} | | | | |")
             continue
-        us = lambda key: float(r.get(key, "nan")) / 1000  # noqa: E731
+        us = lambda key, r=r: float(r.get(key, "nan")) / 1000  # noqa: E731
         compute = us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output")
         print(f"| {model} | {c} | {float(r['Inferences/Second']):.1f} | {us('p50 latency'):.1f} | "
               f"{us('p95 latency'):.1f} | {us('Server Queue'):.1f} | {compute:.1f} |")

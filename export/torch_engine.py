@@ -1,0 +1,38 @@
+"""A stage's PyTorch module behind the same Engine interface as ONNX Runtime: the demo-shaped baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minicpmo_triton.inprocess import InProcessStages
+
+from .presets import TINY_SEED, tiny
+from .stages import build_modules, stage_graphs
+
+
+class TorchEngine:
+    name = "pytorch"
+
+    def __init__(self, module: torch.nn.Module, output_names: list[str]) -> None:
+        self.module = module.eval()
+        self.output_names = output_names
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            out = self.module(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()})
+        out = (out,) if isinstance(out, torch.Tensor) else out
+        return {name: t.numpy() for name, t in zip(self.output_names, out, strict=True)}
+
+
+def torch_stages(repository: Path, seed: int = TINY_SEED) -> InProcessStages:
+    """The tiny stages with every engine swapped for its PyTorch module (same weights as the export)."""
+    stages = InProcessStages(repository)
+    graphs = {g.name: g for g in stage_graphs(tiny(), build_modules(tiny(), seed))}
+    stages.encoder.engine = TorchEngine(graphs["audio_encoder"].module, graphs["audio_encoder"].output_names)
+    stages.llm_stage.engine = TorchEngine(graphs["llm"].module, graphs["llm"].output_names)
+    stages.tts_stage.engine = TorchEngine(graphs["tts"].module, graphs["tts"].output_names)
+    stages.t2w_stage.engine = TorchEngine(graphs["token2wav"].module, graphs["token2wav"].output_names)
+    return stages
