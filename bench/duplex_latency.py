@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,36 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gateway.audio import read_wav  # noqa: E402
+from common import make_speech, pct, serving_stack  # noqa: E402
+
 from gateway.client import converse  # noqa: E402
-from gateway.triton import DEFAULT_MODEL_REPOSITORY, TritonServer, free_port  # noqa: E402
+from gateway.triton import DEFAULT_MODEL_REPOSITORY  # noqa: E402
 from minicpmo_triton.duplex_options import DuplexOptions  # noqa: E402
 from minicpmo_triton.inprocess import InProcessStages  # noqa: E402
 from minicpmo_triton.pipeline import StepEvent, StepInput  # noqa: E402
-
-TEXTS = [
-    "Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "
-    "I am planning a long walk along the river and I need to know what to bring.",
-    "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen sixteen.",
-    "I would like to book a table for two people tonight, somewhere quiet, with a view of the sea.",
-]
-
-
-def make_speech(folder: Path, seconds: int) -> list[np.ndarray]:
-    out = []
-    for i, text in enumerate(TEXTS):
-        path = folder / f"{i}.wav"
-        subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
-        audio = read_wav(path)
-        audio = np.tile(audio, int(np.ceil(seconds * 16_000 / len(audio))))[: seconds * 16_000]
-        out.append(audio)
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 async def gateway_run(url: str, n: int, speech: list[np.ndarray]) -> dict[str, float]:
@@ -102,36 +80,12 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     speech = make_speech(work, args.seconds)
-    server = gateway = None
-    url = args.gateway_url
-    if url is None:
-        server = TritonServer(args.model_repository, work_dir=work / "triton", log_path=work / "triton.log")
-        server.start()
-        server.wait_ready()
-        port = free_port()
-        gateway = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", server.ports.grpc_url,
-                                    "--port", str(port), "--max-sessions", str(max(args.sessions))],
-                                   cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        url = f"ws://127.0.0.1:{port}/backend"
-        import httpx
-
-        for _ in range(200):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-    try:
-        local = asyncio.run(inprocess_run(args.model_repository, speech[0]))
-        rows = [(n, asyncio.run(gateway_run(url, n, speech))) for n in args.sessions]
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-            gateway.wait()
-        if server is not None:
-            server.stop()
+    local = asyncio.run(inprocess_run(args.model_repository, speech[0]))
+    if args.gateway_url:
+        rows = [(n, asyncio.run(gateway_run(args.gateway_url, n, speech))) for n in args.sessions]
+    else:
+        with serving_stack(args.model_repository, work, max(args.sessions)) as stack:
+            rows = [(n, asyncio.run(gateway_run(stack.ws_url, n, speech))) for n in args.sessions]
 
     print(f"\nduplex_latency: tiny preset, {args.seconds} s of espeak-ng speech per session at real-time pace\n")
     print("| path | sessions | chunk p50 ms | chunk p95 ms | first audio p50 ms | first audio p95 ms | answered |")

@@ -27,36 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gateway.audio import read_wav  # noqa: E402
+from common import ROOT, make_speech, pct, serving_stack  # noqa: E402
+
 from gateway.client import converse  # noqa: E402
-from gateway.triton import DEFAULT_MODEL_REPOSITORY, TritonServer, free_port  # noqa: E402
+from gateway.triton import DEFAULT_MODEL_REPOSITORY  # noqa: E402
 
 CHUNK_MS = 1000.0
 STAGES = ("duplex", "audio_encoder", "llm", "tts", "token2wav")
-TEXTS = [
-    "Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "
-    "I am planning a long walk along the river and I need to know what to bring.",
-    "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen sixteen.",
-    "I would like to book a table for two people tonight, somewhere quiet, with a view of the sea.",
-    "Please remind me to call my sister tomorrow afternoon, and to buy bread on the way home.",
-]
-
-
-def make_speech(folder: Path, seconds: int) -> list[np.ndarray]:
-    out = []
-    for i, text in enumerate(TEXTS):
-        path = folder / f"{i}.wav"
-        subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
-        audio = read_wav(path)
-        out.append(np.tile(audio, -(-seconds * 16_000 // len(audio)))[: seconds * 16_000])
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 @dataclass
@@ -247,26 +226,10 @@ def main() -> int:
     base = baseline(args.model_repository, args.baseline_workers, speech)
     bytes_per_stage = state_bytes(args.model_repository, speech[0])
 
-    server = TritonServer(args.model_repository, work_dir=work / "triton", log_path=work / "triton.log")
-    server.start()
-    server.wait_ready()
-    port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", server.ports.grpc_url,
-                                "--port", str(port), "--max-sessions", str(max(args.sessions) + 8)],
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"ws://127.0.0.1:{port}/backend"
     rows: list[tuple[LoadResult, dict[str, tuple[float, float, float]], float]] = []
     soak: list[float] = []
-    try:
-        import httpx
-
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with serving_stack(args.model_repository, work, max(args.sessions) + 8) as stack:
+        server, url = stack.triton, stack.ws_url
         assert server.process is not None
         idle_rss = tree_rss_mib(server.process.pid)
         for n in args.sessions:
@@ -288,12 +251,8 @@ def main() -> int:
         for _ in range(args.soak_rounds):
             asyncio.run(gateway_load(url, args.soak_sessions, speech))
             soak.append(tree_rss_mib(server.process.pid))
-        live = {m: metrics(server.ports.metrics_url).get(("minicpmo_live_sequences", m), -1) for m in STAGES[0:1] +
-                STAGES[2:]}
-    finally:
-        gateway.terminate()
-        gateway.wait()
-        server.stop()
+        live = {m: metrics(server.ports.metrics_url).get(("minicpmo_live_sequences", m), -1)
+                for m in ("duplex", "llm", "tts", "token2wav")}
 
     results = [r for r, _, _ in rows]
     plot(results, base, args.plot)

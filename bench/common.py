@@ -1,0 +1,77 @@
+"""What the benchmarks share: espeak-ng speech, percentiles, and a Triton + gateway stack on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.audio import read_wav  # noqa: E402
+from gateway.triton import TritonServer, free_port  # noqa: E402
+
+TEXTS = [
+    "Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "
+    "I am planning a long walk along the river and I need to know what to bring.",
+    "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen sixteen.",
+    "I would like to book a table for two people tonight, somewhere quiet, with a view of the sea.",
+    "Please remind me to call my sister tomorrow afternoon, and to buy bread on the way home.",
+]
+
+
+def make_speech(folder: Path, seconds: int) -> list[np.ndarray]:
+    """Each text spoken by espeak-ng, looped to exactly `seconds` of 16 kHz audio."""
+    out = []
+    for i, text in enumerate(TEXTS):
+        path = folder / f"{i}.wav"
+        subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
+        audio = read_wav(path)
+        out.append(np.tile(audio, -(-seconds * 16_000 // len(audio)))[: seconds * 16_000])
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+@dataclass
+class Stack:
+    triton: TritonServer
+    ws_url: str
+
+
+@contextlib.contextmanager
+def serving_stack(model_repository: Path, work: Path, max_sessions: int) -> Iterator[Stack]:
+    """tritonserver and a gateway process in front of it, both stopped on exit."""
+    server = TritonServer(model_repository, work_dir=work / "triton", log_path=work / "triton.log")
+    server.start()
+    gateway = None
+    try:
+        server.wait_ready()
+        port = free_port()
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", server.ports.grpc_url,
+                                    "--port", str(port), "--max-sessions", str(max_sessions)],
+                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield Stack(server, f"ws://127.0.0.1:{port}/backend")
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait()
+        server.stop()
