@@ -116,9 +116,6 @@ def create_app(settings: Settings | None = None) -> Starlette:
             return
         try:
             init = parse_init(loads(await asyncio.wait_for(ws.receive_text(), settings.init_timeout_s)))
-            if init.mode != "full_duplex":
-                raise ProtocolError("unsupported_mode", f"mode {init.mode!r} is not served yet; use full_duplex",
-                                    CLOSE_POLICY)
             try:
                 options = DuplexOptions.from_config(
                     {**init.config, **({"system_prompt": init.system_prompt} if init.system_prompt else {})})
@@ -145,7 +142,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             gw.release(None)
             await _send_and_close(ws, error_event("backend_unavailable", str(exc)), CLOSE_SERVER_ERROR)
             return
-        conn = Connection(ws, DuplexProtocolState(session_id), triton, options, settings)
+        conn = Connection(ws, DuplexProtocolState(session_id, init.mode), triton, options, settings)
         gw.sessions[session_id] = conn
         try:
             await conn.send(conn.state.created())
@@ -164,7 +161,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 await conn.close("client_disconnected", emit=False)
                 return
             try:
-                message = parse_client_message(loads(text))
+                message = parse_client_message(loads(text), conn.state.mode)
             except ProtocolError as exc:
                 if exc.close_code is None:
                     await conn.reject(exc.code, exc.message)

@@ -12,12 +12,22 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
 from minicpmo_triton.duplex_options import DuplexOptions
 
-from .protocol import CLOSE_NORMAL, CLOSE_SERVER_ERROR, ClientMessage, InputAppend, InputContext, error_event
-from .session import DuplexProtocolState
+from .audio import encode_f32_base64
+from .protocol import (
+    CLOSE_NORMAL,
+    CLOSE_SERVER_ERROR,
+    ChatTurn,
+    ClientMessage,
+    InputAppend,
+    InputContext,
+    error_event,
+)
+from .session import DuplexProtocolState, new_response_id
 from .settings import Settings
 from .triton_stream import StepRequest, TritonSession
 
@@ -86,6 +96,9 @@ class Connection:
 
     async def _run_step(self, step: _Step) -> None:
         msg = step.message
+        if isinstance(msg, ChatTurn):
+            await self._run_turn(msg, step.options)
+            return
         if isinstance(msg, InputAppend):
             req = StepRequest(audio=msg.audio, force_listen=msg.force_listen, options=step.options)
         else:
@@ -98,6 +111,25 @@ class Connection:
             await self.send(self.state.on_step_event(msg.input_id, ev))
         if isinstance(msg, InputContext):
             await self.send(self.state.context_accepted(msg.input_id, msg.operation_id, msg.kind, msg.respond))
+
+    async def _run_turn(self, turn: ChatTurn, options: dict[str, Any] | None) -> None:
+        req = StepRequest(options=options, chat={"messages": turn.messages, "max_new_tokens": turn.max_new_tokens,
+                                                 "generate_audio": turn.generate_audio})
+        response_id = new_response_id()
+        audio: list[np.ndarray] = []
+        async for ev in self.triton.step(req):
+            if ev.kind == "error":
+                if ev.code == "invalid_chat":  # the client's mistake: say so, keep the session
+                    await self.reject(ev.code, ev.message)
+                    return
+                self._fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+                return
+            if ev.kind == "audio":
+                audio.append(ev.audio)
+            whole = encode_f32_base64(np.concatenate(audio)) if ev.kind == "done" and audio else None
+            out = self.state.on_chat_event(turn.input_id, response_id, ev, turn.streaming, whole)
+            if out is not None:
+                await self.send(out)
 
     def _fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL

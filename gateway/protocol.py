@@ -66,7 +66,20 @@ class InputContext:
     respond: bool = True
 
 
-ClientMessage = InputAppend | InputContext
+@dataclass(frozen=True)
+class ChatTurn:
+    """A turn_based `input.append`: the conversation so far, and how to answer it."""
+
+    input_id: str | None
+    messages: list[dict[str, Any]]  # {role, text, audio (base64 float32 16 kHz) or None}
+    streaming: bool = True
+    generate_audio: bool = False
+    max_new_tokens: int = 256
+
+
+ClientMessage = InputAppend | InputContext | ChatTurn
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_CHAT_AUDIO_SECONDS = 60
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -196,10 +209,65 @@ def parse_input_context(message: dict[str, Any]) -> InputContext:
     )
 
 
-def parse_client_message(message: dict[str, Any]) -> ClientMessage:
+def _chat_message(raw: Any) -> dict[str, Any]:
+    m = _object(raw, "each message")
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise ProtocolError("invalid_payload", f"message role must be one of {', '.join(CHAT_ROLES)}")
+    content = m.get("content", "")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(parts, list):
+        raise ProtocolError("invalid_payload", "message content must be a string or a list of parts")
+    text, audio = [], m.get("audio")
+    for part in parts:
+        part = _object(part, "each content part")
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif kind in ("audio", "input_audio"):
+            audio = _first(part.get("audio"), part.get("data"), part.get("audio_base64"))
+        elif kind in ("image", "image_url", "input_image"):
+            raise ProtocolError("unsupported_content", "image content is not served yet")
+        else:
+            raise ProtocolError("invalid_payload", f"unknown content part {kind!r}")
+    if audio is not None:
+        if not isinstance(audio, str):
+            raise ProtocolError("bad_audio", "message audio must be base64 float32 16 kHz")
+        try:
+            decode_f32_base64(audio, MAX_CHAT_AUDIO_SECONDS * INPUT_RATE)
+        except AudioDecodeError as exc:
+            raise ProtocolError("bad_audio", str(exc)) from exc
+    return {"role": role, "text": "".join(text), "audio": audio}
+
+
+def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
+    payload = _object(message.get("input"), "input.append's `input`")
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("missing_field", "turn_based input.append requires a non-empty `messages` list")
+    generation = payload.get("generation") or {}
+    tts = payload.get("tts") or {}
+    if not isinstance(generation, dict) or not isinstance(tts, dict):
+        raise ProtocolError("invalid_payload", "generation and tts must be objects")
+    max_new = _first(payload.get("max_new_tokens"), generation.get("max_new_tokens"), 256)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or not 1 <= max_new <= 4096:
+        raise ProtocolError("invalid_payload", "max_new_tokens must be an integer 1..4096")
+    input_id = payload.get("input_id")
+    return ChatTurn(
+        input_id=str(input_id) if input_id is not None else None,
+        messages=[_chat_message(m) for m in messages],
+        streaming=bool(_first(payload.get("streaming"), True)),
+        generate_audio=bool(_first(payload.get("generate_audio"), tts.get("enabled"), False)),
+        max_new_tokens=max_new,
+    )
+
+
+def parse_client_message(message: dict[str, Any], mode: str = "full_duplex") -> ClientMessage:
     kind = message["type"]
     if kind == "input.append":
-        return parse_input_append(message)
+        return parse_chat_turn(message) if mode == "turn_based" else parse_input_append(message)
+    if kind == "input.context" and mode == "turn_based":
+        raise ProtocolError("unsupported_event", "input.context is for full_duplex; add a message instead")
     if kind == "input.context":
         return parse_input_context(message)
     if kind == "session.init":

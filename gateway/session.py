@@ -82,6 +82,24 @@ class DuplexProtocolState:
                          sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio), **fields)
         raise ValueError(f"unexpected step event kind {ev.kind!r}")
 
+    def on_chat_event(self, turn_input_id: str | None, response_id: str, ev: StepEvent,
+                      streaming: bool, audio: str | None = None) -> dict[str, Any] | None:
+        """A turn_based turn: deltas when streaming, then `response.done` (with the audio when not)."""
+        if ev.kind == "done":
+            usage = self.usage.add(ev.chunk_usage or {})
+            self.kv_cache_length = int(ev.metrics.get("kv_cache_length", self.kv_cache_length))
+            return event("response.done", session_id=self.session_id, response_id=response_id, input_id=turn_input_id,
+                         text=ev.text, audio=None if streaming else audio, reason=ev.reason, metrics=ev.metrics,
+                         chunk_usage=ev.chunk_usage, usage=usage)
+        if not streaming:
+            return None
+        fields: dict[str, Any] = {"session_id": self.session_id, "response_id": response_id, "input_id": turn_input_id,
+                                  "metrics": ev.metrics}
+        if ev.kind == "text":
+            return event("response.output.delta", kind="text", text=ev.text, **fields)
+        return event("response.output.delta", kind="audio", audio=encode_f32_base64(ev.audio),
+                     sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio), **fields)
+
     def context_accepted(self, input_id: str | None, operation_id: str | None, kind: str, respond: bool) -> dict:
         return event("input.context.accepted", session_id=self.session_id, input_id=input_id,
                      operation_id=operation_id, context_kind=kind, respond=respond)

@@ -44,6 +44,7 @@ class StepEvent:
     chunk_usage: dict[str, int] | None = None
     code: str = ""
     message: str = ""
+    reason: str = ""
 
 
 @dataclass
@@ -52,6 +53,7 @@ class StepRequest:
     force_listen: bool = False
     context: dict[str, Any] | None = None
     options: dict[str, Any] | None = None
+    chat: dict[str, Any] | None = None  # a turn-based turn
 
 
 def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
@@ -75,6 +77,8 @@ def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
         inputs.append(_string_input("context", req.context))
     if req.options is not None:
         inputs.append(_string_input("options", req.options))
+    if req.chat is not None:
+        inputs.append(_string_input("chat", req.chat))
     if not inputs:  # an END-only request still needs one tensor
         t = grpcclient.InferInput("force_listen", [1, 1], "BOOL")
         t.set_data_from_numpy(np.array([[False]]))
@@ -93,6 +97,7 @@ def parse_result(result: grpcclient.InferResult) -> StepEvent | None:
         audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1),
         end_of_turn=bool(event.get("end_of_turn")), metrics=event.get("metrics", {}),
         chunk_usage=event.get("chunk_usage"), code=event.get("code", ""), message=event.get("message", ""),
+        reason=event.get("reason", ""),
     )
 
 

@@ -34,6 +34,8 @@ from .tokenizer import IncrementalDecoder, Tokenizer
 
 STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5
+CHAT_CHUNK_TOKENS = 16  # a turn-based reply streams in chunks of this many tokens
+CHARS_PER_SECOND = 14  # how much speech (25 tokens/s) the TTS makes for a chunk of turn-based text
 
 
 class StageClient(Protocol):
@@ -64,14 +66,36 @@ class StepInput:
     options: DuplexOptions | None = None  # at START
 
 
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    text: str = ""
+    audio: np.ndarray | None = None  # 16 kHz float32
+
+    def key(self) -> tuple[str, str, bytes]:
+        """What identifies a message already in the context (audio by its bytes)."""
+        return (self.role, self.text, b"" if self.audio is None else self.audio.tobytes())
+
+
+@dataclass
+class ChatInput:
+    """One turn-based turn: the whole conversation so far; the prefix already in context is reused."""
+
+    messages: list[ChatMessage]
+    max_new_tokens: int = 256
+    generate_audio: bool = False
+    options: DuplexOptions | None = None  # at START
+
+
 @dataclass
 class StepEvent:
-    kind: str  # listen | text | audio
+    kind: str  # listen | text | audio | done (turn-based)
     text: str = ""
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
     end_of_turn: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
     chunk_usage: dict[str, int] | None = None  # on the first event of a step only
+    reason: str = ""  # done: turn_end | length
 
 
 @dataclass
@@ -81,6 +105,7 @@ class DuplexSession:
     started: set[str] = field(default_factory=set)
     chunk_index: int = 0
     tts_turn_open: bool = False
+    chat_history: list[tuple[str, str, bytes]] = field(default_factory=list)  # messages in the LLM's context
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -104,14 +129,16 @@ class DuplexPipeline:
         return [tk.im_start, *self.tokenizer.encode(f"system\n{options.system_prompt}\n"), tk.audio_start,
                 tk.audio_end, tk.im_end]
 
-    async def step(self, corr_id: int, start: bool, end: bool, inp: StepInput, emit: Emit) -> None:
+    async def step(self, corr_id: int, start: bool, end: bool, inp: StepInput | ChatInput, emit: Emit) -> None:
         if start:
             options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
             self.sessions.start(corr_id, DuplexSession(options, self.tokenizer.decoder()))
         state = self.sessions.get(corr_id)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us
             try:
-                if len(inp.audio) or inp.context_text:
+                if isinstance(inp, ChatInput):
+                    await self._chat(corr_id, state, inp, emit)
+                elif len(inp.audio) or inp.context_text:
                     await self._step(corr_id, state, inp, emit)
             finally:
                 if end:
@@ -201,6 +228,92 @@ class DuplexPipeline:
             await send(StepEvent("audio", audio=wav.waveform, metrics=metrics))
         if llm.end_of_turn:
             await send(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics))
+
+
+    async def _chat(self, corr_id: int, state: DuplexSession, chat: ChatInput, emit: Emit) -> None:
+        t0 = time.perf_counter()
+        tk, opts = self.preset.tokens, state.options
+        messages = list(chat.messages)
+        if not messages or messages[-1].role == "assistant":
+            raise StepError("invalid_chat", "a turn needs messages, the last of them not from the assistant")
+        keys = [m.key() for m in messages]
+        history = state.chat_history
+        if history and keys[: len(history)] != history:  # the client changed the past: rebuild the context
+            await self.stages.llm(StageCall(LlmRequest(decode=False), corr_id, end=True))
+            state.started.discard("llm")
+            history = state.chat_history = []
+        enc = self.tokenizer.encode
+        ids: list[int] = []
+        embeds: list[np.ndarray] = []
+        new = messages[len(history):]
+        if "llm" not in state.started:
+            system = opts.system_prompt
+            if new[0].role == "system":
+                system, new = new[0].text, new[1:]
+            ids += [tk.im_start, *enc(f"system\n{system}"), tk.im_end, *enc("\n")]
+        n_audio = 0
+        for m in new:
+            ids += [tk.im_start, *enc(f"{m.role}\n{m.text}")]
+            if m.audio is not None and len(m.audio):
+                emb = (await self.stages.audio_encoder(AudioEncoderRequest(m.audio))).embeds
+                embeds.append(emb)
+                n_audio += len(emb)
+                ids += [tk.audio_start, *([tk.audio_placeholder] * len(emb)), tk.audio_end]
+            ids += [tk.im_end, *enc("\n")]
+        ids += [tk.im_start, *enc("assistant\n")]
+        usage = {"input_text_tokens": len(ids) - n_audio, "input_audio_tokens": n_audio, "output_text_tokens": 0,
+                 "output_speech_tokens": 0}
+        metrics: dict[str, Any] = {"backend": "triton"}
+        decoder = self.tokenizer.decoder()
+        full_text, produced, first = "", 0, True
+        speaking = False
+        while True:
+            budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
+            request = LlmRequest(
+                input_ids=np.asarray(ids if first else [], np.int64),
+                embeds=np.concatenate(embeds) if first and embeds else np.zeros((0, self.preset.llm.hidden),
+                                                                                   np.float32),
+                chat=True, last_chunk=produced + budget >= chat.max_new_tokens, max_new_tokens=budget,
+                temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
+                repetition_penalty=opts.repetition_penalty, seed=opts.seed)
+            t = time.perf_counter()
+            llm = await self.stages.llm(self._call(state, "llm", corr_id, request))
+            metrics["cost_llm_ms"] = round(metrics.get("cost_llm_ms", 0.0) + _ms(t), 2)
+            if first:
+                metrics.update(prefill_ms=round(llm.prefill_ms, 2), n_prefill=llm.n_prefill,
+                               cached_tokens=llm.cached_tokens)
+            produced += len(llm.generated)
+            usage["output_text_tokens"] += len(llm.text_ids)
+            text = decoder.feed([int(i) for i in llm.text_ids])
+            full_text += text
+            metrics.update(n_tokens=produced, kv_cache_length=llm.kv_length)
+            if text:
+                await emit(StepEvent("text", text=text, metrics=dict(metrics)))
+            if chat.generate_audio and (len(llm.text_ids) or (speaking and llm.end_of_turn)):
+                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text))
+                speaking = True
+                usage["output_speech_tokens"] += n_speech
+                if len(wav):
+                    await emit(StepEvent("audio", audio=wav, metrics=dict(metrics)))
+            first = False
+            if llm.end_of_turn:
+                break
+        reason = "turn_end" if llm.generated[-1:] == [tk.im_end] else "length"
+        state.chat_history = keys + [ChatMessage("assistant", full_text).key()]
+        metrics["wall_clock_ms"] = _ms(t0)
+        await emit(StepEvent("done", text=full_text, metrics=metrics, chunk_usage=usage, reason=reason))
+
+    async def _voice(self, corr_id: int, state: DuplexSession, llm: LlmResult, turn_start: bool,
+                     n_chars: int) -> tuple[np.ndarray, int]:
+        """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
+        n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
+        tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
+            text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
+            n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
+            seed=state.options.seed)))
+        wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn)))
+        return wav.waveform, len(tts.speech_tokens)
 
 
 def _ms(t0: float) -> float:

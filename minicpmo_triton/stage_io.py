@@ -86,6 +86,8 @@ class LlmRequest:
     length_penalty: float = 1.1
     max_new_tokens: int = 20
     seed: int = 0
+    chat: bool = False  # turn-based: text until <|im_end|> (else the duplex rules)
+    last_chunk: bool = False  # chat: the turn's token budget ends with this call
 
 
 @dataclass
@@ -100,6 +102,7 @@ class LlmResult:
     n_prefill: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    cached_tokens: int = 0  # context reused from earlier steps / turns (the KV length before this call)
 
 
 # ---- tts ----

@@ -8,6 +8,7 @@ over every request of an `execute()`, and publish their live sequence count as t
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 from pathlib import Path
@@ -20,7 +21,7 @@ from .bls import TritonBlsStages
 from .duplex_options import DuplexOptions, InvalidOptions
 from .engines import load_engine
 from .model_config import load_stage_config
-from .pipeline import DuplexPipeline, StepError, StepEvent, StepInput
+from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepError, StepEvent, StepInput
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
@@ -236,16 +237,19 @@ class DuplexModel:
             self.gauge.update()
             send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _parse(self, request: Any, start: bool) -> StepInput:
+    def _parse(self, request: Any, start: bool) -> StepInput | ChatInput:
         audio = _input(request, "audio")
         force = _input(request, "force_listen")
         context = _json_input(request, "context")
+        chat = _json_input(request, "chat")
         options = None
         if start:
             try:
                 options = DuplexOptions.from_config(_json_input(request, "options"), self.pipeline.preset.duplex)
             except InvalidOptions as exc:
                 raise StepError("invalid_config", str(exc)) from exc
+        if chat:
+            return _chat_input(chat, options)
         return StepInput(
             audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32),
             force_listen=bool(force is not None and force.reshape(-1)[0]),
@@ -259,8 +263,23 @@ class DuplexModel:
         self.gauge.close()
 
 
+def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInput:
+    """The gateway's chat JSON: messages of {role, text, audio (base64 float32 16 kHz)}."""
+    try:
+        messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""),
+                                np.frombuffer(base64.b64decode(m["audio"]), "<f4").astype(np.float32)
+                                if m.get("audio") else None)
+                    for m in chat["messages"]]
+        return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
+                         options)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StepError("invalid_chat", f"malformed chat request: {exc}") from exc
+
+
 def _event_dict(event: StepEvent) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics}
+    if event.reason:
+        out["reason"] = event.reason
     if event.text:
         out["text"] = event.text
     if event.end_of_turn:

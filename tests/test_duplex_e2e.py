@@ -212,7 +212,6 @@ async def test_session_limit_is_enforced(gateway_factory, speech) -> None:
         (json.dumps({"type": "input.append", "input": {}}), "invalid_first_message", 1008),
         (json.dumps({"type": "session.init"}), "missing_field", 1008),
         (json.dumps({"type": "session.init", "payload": {"mode": "half_duplex"}}), "invalid_mode", 1008),
-        (json.dumps({"type": "session.init", "payload": {"mode": "turn_based"}}), "unsupported_mode", 1008),
         (json.dumps({"type": "session.init", "payload": {"config": {"temperature": "hot"}}}), "invalid_config", 1008),
         (json.dumps(["session.init"]), "invalid_payload", 1008),
     ],

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, allowed_token_mask
 from ..engines import Engine
 from ..kv_batch import KvCache
@@ -39,6 +40,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         d = preset.llm
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)  # noqa: E731
         self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
+        self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
+        self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
         return LlmSession(self._empty(), np.random.default_rng(call.request.seed or call.corr_id))
@@ -76,20 +79,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             embeds = np.zeros((len(ids), h), np.float32)
             embeds[use] = req.embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
-            dec = ChunkDecoder(tk, sess.in_turn, max(1, req.max_new_tokens), self.preset.duplex.max_unit_text_chars,
-                               req.length_penalty, self.allowed, self._count_chars)
-            if req.decode and req.force_listen:
-                dec.force_listen()
-            elif not req.decode:
-                dec.done = True
-            decoders.append(dec)
+            decoders.append(self._decoder(req, sess))
             params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
             if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
-                hidden_of[row].append(out["hidden"][0])  # the fed text token's hidden state
+                # the fed text token's hidden state: position 0 of a prefill (a carried token) or of a step
+                hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
             logits = dec.adjust(out["logits"])
@@ -108,10 +106,12 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                                         ("logits", "hidden"))
         results = []
         for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True):
+            cached = sess.cache.length
             sess.cache = cache
             if req.decode:
                 sess.pending = dec.pending
-                sess.in_turn = dec.spoke and not dec.end_of_turn and not dec.is_listen
+                sess.in_turn = isinstance(dec, ChunkDecoder) and dec.spoke and not dec.end_of_turn \
+                    and not dec.is_listen
             else:
                 sess.pending = []
             text = np.asarray(dec.text_ids, np.int64)
@@ -126,5 +126,22 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 n_prefill=len(pre["input_ids"]),
                 prefill_ms=timing.prefill_ms,
                 decode_ms=timing.decode_ms,
+                cached_tokens=cached,
             ))
         return results
+
+    def _decoder(self, req: LlmRequest, sess: LlmSession) -> ChunkDecoder | ChatDecoder:
+        if req.chat:
+            carry = sess.pending[0] if len(sess.pending) == 1 else None  # a chunk's carried text token
+            dec: ChunkDecoder | ChatDecoder = ChatDecoder(
+                self.preset.tokens, max(1, req.max_new_tokens), req.last_chunk, self.chat_allowed, self.turn_close,
+                carry=carry)
+        else:
+            dec = ChunkDecoder(self.preset.tokens, sess.in_turn, max(1, req.max_new_tokens),
+                               self.preset.duplex.max_unit_text_chars, req.length_penalty, self.allowed,
+                               self._count_chars)
+            if req.decode and req.force_listen:
+                dec.force_listen()
+        if not req.decode:
+            dec.done = True
+        return dec
