@@ -18,6 +18,7 @@ from minicpmo_triton.model_config import PresetConfig
 
 STAGE_PREFIXES = {
     "audio_encoder": ("apm.", "audio_projection_layer."),
+    "vision_encoder": ("vpm.", "resampler."),
     "llm": ("llm.",),
     "tts": ("tts.",),
     "token2wav": ("token2wav.",),
@@ -70,7 +71,19 @@ def preset_from_config(preset: PresetConfig, config: dict) -> PresetConfig:
         num_text_tokens=t.get("num_text_tokens", preset.tts.num_text_tokens),
         num_audio_tokens=t.get("num_audio_tokens", preset.tts.num_audio_tokens),
     )
-    return dataclasses.replace(preset, llm=llm, audio=audio, tts=tts)
+    v = config.get("vision_config", {})
+    vision = dataclasses.replace(
+        preset.vision,
+        image_size=v.get("image_size", preset.vision.image_size),
+        patch=v.get("patch_size", preset.vision.patch),
+        d_model=v.get("hidden_size", preset.vision.d_model),
+        layers=v.get("num_hidden_layers", preset.vision.layers),
+        heads=v.get("num_attention_heads", preset.vision.heads),
+        ffn=v.get("intermediate_size", preset.vision.ffn),
+        queries=config.get("query_num", preset.vision.queries),
+        resampler_heads=max(1, llm.hidden // 128),  # MiniCPM-o's resampler: LLM width / 128 heads
+    )
+    return dataclasses.replace(preset, llm=llm, audio=audio, tts=tts, vision=vision)
 
 
 def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,7 +92,7 @@ def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
         if stage == "llm" or stage == "tts" or stage == "token2wav":
             name = name.split(".", 1)[1]
         out[name] = value
-    if stage == "audio_encoder":
+    if stage in ("audio_encoder", "vision_encoder"):  # Hugging Face keeps q/k/v apart
         for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
             base = key[: -len("q_proj.weight")]
             ws = [out.pop(f"{base}{p}.weight") for p in _QKV]
@@ -101,7 +114,7 @@ def _to_checkpoint_names(stage: str, state: dict[str, torch.Tensor]) -> dict[str
     prefix = {"llm": "llm.", "tts": "tts.", "token2wav": "token2wav."}.get(stage, "")
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
-        if name.endswith("in_proj_weight") or name.endswith("in_proj_bias"):
+        if ".self_attn.in_proj_" in name:  # the resampler's own attention keeps torch's fused names
             base, kind = name.rsplit("in_proj_", 1)
             for proj, part in zip(_QKV, value.chunk(3), strict=True):
                 if not (proj == "k_proj" and kind == "bias"):  # Whisper's k_proj has no bias

@@ -9,6 +9,7 @@ from minicpmo_triton.model_config import (
     SpecialTokens,
     Token2WavDims,
     TtsDims,
+    VisionDims,
 )
 from minicpmo_triton.tokenizer import TINY_SPECIALS, tiny_special_ids
 
@@ -66,6 +67,8 @@ def minicpmo45() -> PresetConfig:
         token2wav=Token2WavDims(channels=256),
         tokens=MINICPMO45_TOKENS,
         tokenizer="huggingface",
+        # SigLIP-400M: 1152 wide, 27 layers with the last dropped; resampler heads = LLM width / 128
+        vision=VisionDims(d_model=1152, layers=26, heads=16, ffn=4304, resampler_heads=32),
     )
 
 

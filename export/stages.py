@@ -15,8 +15,9 @@ from .modules.audio_encoder import AudioEncoder
 from .modules.llm import DuplexLLM
 from .modules.token2wav import Token2Wav
 from .modules.tts import DuplexTTS
+from .modules.vision import VisionEncoder
 
-STAGE_NAMES = ("audio_encoder", "llm", "tts", "token2wav")
+STAGE_NAMES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")
 
 
 @dataclass
@@ -54,6 +55,8 @@ def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
         "tts": DuplexTTS(preset.tts, h),
         "token2wav": Token2Wav(preset.token2wav, preset.tts.num_audio_tokens),
     }
+    # Built last, so adding it left the other stages' random weights as they were.
+    modules["vision_encoder"] = VisionEncoder(preset.vision, h)
     init_random_weights(modules)
     return modules
 
@@ -100,6 +103,10 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
             **_decoder_inputs(g, tts.layers, tts.kv_heads, tts.head_dim, b, t, p),
         }
 
+    def vision_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        size = preset.vision.image_size
+        return {"pixels": torch.rand(b, 3, size, size, generator=g) * 2 - 1}
+
     def t2w_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         return {"tokens": torch.randint(0, preset.tts.num_audio_tokens, (b, 32), generator=g)}
 
@@ -110,6 +117,8 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     return [
         StageGraph("audio_encoder", modules["audio_encoder"], audio_inputs, ["embeds"],
                    {"audio": {0: batch, 1: Dim("samples", min=1600, max=16_000 * 30)}}),
+        StageGraph("vision_encoder", modules["vision_encoder"], vision_inputs, ["embeds"],
+                   {"pixels": {0: batch}}),
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],

@@ -29,12 +29,14 @@ from .protocol import (
 )
 from .session import DuplexProtocolState, new_response_id
 from .settings import Settings
-from .triton_stream import StepRequest, TritonSession
+from .triton_stream import StepEvent, StepRequest, TritonSession
 
 log = logging.getLogger("gateway")
 
 # Step error codes that end the session with that reason instead of `backend_error`.
 CLOSE_REASONS = {"context_full": "context_full"}
+# Step error codes that are the client's input: rejected, the session goes on (its state is untouched).
+CLIENT_ERRORS = {"invalid_chat", "bad_image"}
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Connection:
         return True
 
     async def _run_steps(self) -> None:
-        while True:
+        while self._closing is None:
             step = await self._queue.get()
             try:
                 await asyncio.wait_for(self._run_step(step), self.settings.step_timeout_s)
@@ -100,13 +102,14 @@ class Connection:
             await self._run_turn(msg, step.options)
             return
         if isinstance(msg, InputAppend):
-            req = StepRequest(audio=msg.audio, force_listen=msg.force_listen, options=step.options)
+            req = StepRequest(audio=msg.audio, force_listen=msg.force_listen, options=step.options, frames=msg.frames,
+                              max_slice_nums=msg.max_slice_nums if msg.frames else [])
         else:
             req = StepRequest(context={"text": msg.text, "kind": msg.kind, "respond": msg.respond},
                               options=step.options)
         async for ev in self.triton.step(req):
             if ev.kind == "error":
-                self._fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+                await self._step_error(ev)
                 return
             await self.send(self.state.on_step_event(msg.input_id, ev))
         if isinstance(msg, InputContext):
@@ -119,10 +122,7 @@ class Connection:
         audio: list[np.ndarray] = []
         async for ev in self.triton.step(req):
             if ev.kind == "error":
-                if ev.code == "invalid_chat":  # the client's mistake: say so, keep the session
-                    await self.reject(ev.code, ev.message)
-                    return
-                self._fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+                await self._step_error(ev)
                 return
             if ev.kind == "audio":
                 audio.append(ev.audio)
@@ -130,6 +130,12 @@ class Connection:
             out = self.state.on_chat_event(turn.input_id, response_id, ev, turn.streaming, whole)
             if out is not None:
                 await self.send(out)
+
+    async def _step_error(self, ev: StepEvent) -> None:
+        if ev.code in CLIENT_ERRORS:  # the client's mistake, found by the stages: say so, keep the session
+            await self.reject(ev.code, ev.message)
+        else:
+            self._fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
 
     def _fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
@@ -142,11 +148,10 @@ class Connection:
             await asyncio.shield(self._closing)
             return
         self._closing = asyncio.get_running_loop().create_future()
+        log.info("session %s: closing (%s)", self.session_id, reason)
         try:
             if asyncio.current_task() is not self._worker:
-                self._worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._worker
+                await self._stop_worker()
             try:
                 await self.triton.close()  # ends the Triton sequence: state is freed before we answer
             except Exception:  # noqa: BLE001
@@ -159,6 +164,16 @@ class Connection:
                     await self.ws.close(code=ws_code, reason=reason[:120])
         finally:
             self._closing.set_result(None)
+            log.info("session %s: closed (%s); Triton sequence %d ended", self.session_id, reason, self.triton.corr_id)
+
+    async def _stop_worker(self) -> None:
+        # Python 3.10/3.11's wait_for can swallow a cancel that lands as the step completes; cancel again.
+        for _ in range(5):
+            self._worker.cancel()
+            done, _ = await asyncio.wait({self._worker}, timeout=1.0)
+            if done:
+                return
+        log.error("session %s: the step worker would not stop", self.session_id)
 
     async def reject(self, code: str, message: str) -> None:
         """A client error that keeps the session open."""

@@ -6,6 +6,8 @@ Accepts the field aliases the reference server accepts (`audio` / `audio_base64`
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64
 MODES = ("full_duplex", "turn_based")
 MAX_APPEND_SECONDS = 5
 MAX_FRAMES = 4
+MAX_IMAGE_BYTES = 8 << 20
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
@@ -51,7 +54,7 @@ class SessionInit:
 class InputAppend:
     input_id: str | None
     audio: np.ndarray | None
-    frames: list[str] = field(default_factory=list)
+    frames: list[bytes] = field(default_factory=list)  # encoded images, base64-decoded
     max_slice_nums: list[int] = field(default_factory=list)
     force_listen: bool = False
     hints: dict[str, Any] = field(default_factory=dict)
@@ -141,7 +144,17 @@ def _audio_field(payload: dict[str, Any]) -> str | None:
     return audio if isinstance(audio, str) and audio else None
 
 
-def _frames(payload: dict[str, Any]) -> list[str]:
+def _image_bytes(data: str) -> bytes:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError("bad_image", f"an image is not valid base64: {exc}") from exc
+    if not raw or len(raw) > MAX_IMAGE_BYTES:
+        raise ProtocolError("bad_image", f"an image must be 1 byte to {MAX_IMAGE_BYTES // (1 << 20)} MiB")
+    return raw
+
+
+def _frames(payload: dict[str, Any]) -> list[bytes]:
     frames = _first(payload.get("frame_base64_list"), payload.get("video_frames"), payload.get("frames")) or []
     if not isinstance(frames, list):
         raise ProtocolError("invalid_payload", "frames must be a list")
@@ -150,7 +163,7 @@ def _frames(payload: dict[str, Any]) -> list[str]:
         data = _first(frame.get("data"), frame.get("base64")) if isinstance(frame, dict) else frame
         if not isinstance(data, str) or not data:
             raise ProtocolError("invalid_payload", "each frame must be a base64 JPEG string or {data}")
-        out.append(data)
+        out.append(_image_bytes(data))
     if len(out) > MAX_FRAMES:
         raise ProtocolError("invalid_payload", f"at most {MAX_FRAMES} frames per input")
     return out
@@ -160,6 +173,8 @@ def _slices(value: Any, n_frames: int) -> list[int]:
     if value is None:
         return [1] * n_frames
     values = value if isinstance(value, list) else [value] * max(n_frames, 1)
+    if isinstance(value, list) and n_frames and len(values) != n_frames:
+        raise ProtocolError("invalid_payload", "max_slice_nums as a list needs one entry per frame")
     if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 9 for v in values):
         raise ProtocolError("invalid_payload", "max_slice_nums must be an integer 1..9 or a list of them")
     return values
@@ -218,7 +233,7 @@ def _chat_message(raw: Any) -> dict[str, Any]:
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list):
         raise ProtocolError("invalid_payload", "message content must be a string or a list of parts")
-    text, audio = [], m.get("audio")
+    text, audio, images = [], m.get("audio"), []
     for part in parts:
         part = _object(part, "each content part")
         kind = part.get("type")
@@ -227,7 +242,15 @@ def _chat_message(raw: Any) -> dict[str, Any]:
         elif kind in ("audio", "input_audio"):
             audio = _first(part.get("audio"), part.get("data"), part.get("audio_base64"))
         elif kind in ("image", "image_url", "input_image"):
-            raise ProtocolError("unsupported_content", "image content is not served yet")
+            data = _first(part.get("image"), part.get("data"), part.get("base64"), part.get("image_url"))
+            if isinstance(data, dict):
+                data = data.get("url")
+            if isinstance(data, str) and data.startswith("data:"):
+                data = data.split(",", 1)[-1]  # a data URL
+            if not isinstance(data, str):
+                raise ProtocolError("bad_image", "image content must be base64 (or a base64 data URL)")
+            _image_bytes(data)
+            images.append(data)
         else:
             raise ProtocolError("invalid_payload", f"unknown content part {kind!r}")
     if audio is not None:
@@ -237,7 +260,7 @@ def _chat_message(raw: Any) -> dict[str, Any]:
             decode_f32_base64(audio, MAX_CHAT_AUDIO_SECONDS * INPUT_RATE)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc)) from exc
-    return {"role": role, "text": "".join(text), "audio": audio}
+    return {"role": role, "text": "".join(text), "audio": audio, "images": images}
 
 
 def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
@@ -253,9 +276,14 @@ def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
     if not isinstance(max_new, int) or isinstance(max_new, bool) or not 1 <= max_new <= 4096:
         raise ProtocolError("invalid_payload", "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
+    image_opts = payload.get("image") if isinstance(payload.get("image"), dict) else {}
+    slices = _slices(_first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums")), 1)[0]
+    parsed = [_chat_message(m) for m in messages]
+    for m in parsed:
+        m["max_slice_nums"] = slices
     return ChatTurn(
         input_id=str(input_id) if input_id is not None else None,
-        messages=[_chat_message(m) for m in messages],
+        messages=parsed,
         streaming=bool(_first(payload.get("streaming"), True)),
         generate_audio=bool(_first(payload.get("generate_audio"), tts.get("enabled"), False)),
         max_new_tokens=max_new,

@@ -54,6 +54,8 @@ class StepRequest:
     context: dict[str, Any] | None = None
     options: dict[str, Any] | None = None
     chat: dict[str, Any] | None = None  # a turn-based turn
+    frames: list[bytes] = field(default_factory=list)  # encoded images
+    max_slice_nums: list[int] = field(default_factory=list)
 
 
 def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
@@ -79,6 +81,14 @@ def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
         inputs.append(_string_input("options", req.options))
     if req.chat is not None:
         inputs.append(_string_input("chat", req.chat))
+    if req.frames:
+        t = grpcclient.InferInput("frames", [1, len(req.frames)], "BYTES")
+        t.set_data_from_numpy(np.array([req.frames], dtype=np.object_))
+        inputs.append(t)
+        slices = np.array([req.max_slice_nums or [1] * len(req.frames)], np.int64)
+        t = grpcclient.InferInput("max_slice_nums", list(slices.shape), "INT64")
+        t.set_data_from_numpy(slices)
+        inputs.append(t)
     if not inputs:  # an END-only request still needs one tensor
         t = grpcclient.InferInput("force_listen", [1, 1], "BOOL")
         t.set_data_from_numpy(np.array([[False]]))

@@ -35,7 +35,8 @@ class TritonBlsStages:
         ).async_exec()
         if response.has_error():
             message = response.error().message()
-            code = "context_full" if CONTEXT_FULL_MARK in message else "stage_error"
+            code = "context_full" if CONTEXT_FULL_MARK in message else \
+                "bad_image" if message.startswith("ImageError") else "stage_error"
             raise StepError(code, f"{model}: {message}")
 
         def get(name: str) -> np.ndarray | None:
@@ -46,6 +47,9 @@ class TritonBlsStages:
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         return await self._exec("audio_encoder", request, io.AudioEncoderResult)
+
+    async def vision_encoder(self, request: io.VisionEncoderRequest) -> io.VisionEncoderResult:
+        return await self._exec("vision_encoder", request, io.VisionEncoderResult)
 
     async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
         return await self._exec("llm", call.request, io.LlmResult, call)

@@ -14,14 +14,18 @@ from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
+from .stages.vision_encoder import VisionEncoderStage
 from .tokenizer import load_tokenizer
 
 
-def _one(stage: SequenceStage[Any, Any, Any], call: StageCall[Any]) -> Any:
-    result = stage.run([call])[0]
+def _raise(result: Any) -> Any:
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def _one(stage: SequenceStage[Any, Any, Any], call: StageCall[Any]) -> Any:
+    return _raise(stage.run([call])[0])
 
 
 class InProcessStages:
@@ -31,15 +35,16 @@ class InProcessStages:
         self.tokenizer = load_tokenizer(self.preset, repository / "duplex" / "1")
         v = lambda name: repository / name / "1"  # noqa: E731
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
+        self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision.image_size)
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s)
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
         self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
-        result = self.encoder.run([request])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return _raise(self.encoder.run([request])[0])
+
+    async def vision_encoder(self, request: io.VisionEncoderRequest) -> io.VisionEncoderResult:
+        return _raise(self.vision.run([request])[0])
 
     async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
         return _one(self.llm_stage, call)

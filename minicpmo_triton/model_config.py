@@ -25,6 +25,20 @@ class AudioEncoderDims:
 
 
 @dataclass(frozen=True)
+class VisionDims:
+    """SigLIP-style ViT + a 64-query resampler: every 448x448 slice becomes 64 LLM tokens."""
+
+    image_size: int = 448
+    patch: int = 14
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 256
+    queries: int = 64
+    resampler_heads: int = 4
+
+
+@dataclass(frozen=True)
 class DecoderDims:
     hidden: int = 128
     layers: int = 2
@@ -111,6 +125,7 @@ class PresetConfig:
     tokens: SpecialTokens
     duplex: DuplexDefaults = field(default_factory=DuplexDefaults)
     tokenizer: str = "bytes"  # "bytes" or "huggingface" (files in the stage folder)
+    vision: VisionDims = field(default_factory=VisionDims)
 
     @property
     def audio_tokens_per_second(self) -> int:
@@ -139,6 +154,7 @@ class PresetConfig:
             tokens=SpecialTokens(**data["tokens"]),
             duplex=DuplexDefaults(**data.get("duplex", {})),
             tokenizer=data.get("tokenizer", "bytes"),
+            vision=VisionDims(**data.get("vision", {})),
         )
 
     @classmethod

@@ -26,6 +26,8 @@ from .stage_io import (
     Token2WavResult,
     TtsRequest,
     TtsResult,
+    VisionEncoderRequest,
+    VisionEncoderResult,
 )
 from .stages.base import StageCall
 from .stages.llm import ContextFull
@@ -40,6 +42,8 @@ CHARS_PER_SECOND = 14  # how much speech (25 tokens/s) the TTS makes for a chunk
 
 class StageClient(Protocol):
     async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult: ...
+
+    async def vision_encoder(self, request: VisionEncoderRequest) -> VisionEncoderResult: ...
 
     async def llm(self, call: StageCall[LlmRequest]) -> LlmResult: ...
 
@@ -64,6 +68,8 @@ class StepInput:
     context_kind: str = "tool_result"
     respond: bool = True
     options: DuplexOptions | None = None  # at START
+    frames: list[bytes] = field(default_factory=list)  # JPEG, seen with this second of audio
+    max_slice_nums: list[int] = field(default_factory=list)  # one per frame
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,13 @@ class ChatMessage:
     role: str
     text: str = ""
     audio: np.ndarray | None = None  # 16 kHz float32
+    images: tuple[bytes, ...] = ()
+    max_slice_nums: int = 1
 
     def key(self) -> tuple[str, str, bytes]:
-        """What identifies a message already in the context (audio by its bytes)."""
-        return (self.role, self.text, b"" if self.audio is None else self.audio.tobytes())
+        """What identifies a message already in the context (audio and images by their bytes)."""
+        media = (b"" if self.audio is None else self.audio.tobytes()) + b"".join(self.images)
+        return (self.role, self.text, media)
 
 
 @dataclass
@@ -166,13 +175,22 @@ class DuplexPipeline:
             ctx = self.tokenizer.encode(f"[{inp.context_kind}] {inp.context_text}\n")
             ids += ctx
             n_text_in += len(ctx)
+        n_vision = 0
         if len(inp.audio):
             if len(inp.audio) > MAX_CHUNK_SECONDS * 16_000:
                 raise StepError("invalid_audio", f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
+            ids.append(tk.unit)
+            if inp.frames:
+                t = time.perf_counter()
+                vision_ids, vision, n_slices = await self._vision(inp.frames, inp.max_slice_nums)
+                metrics.update(cost_vision_ms=_ms(t), vision_slices=n_slices, vision_tokens=len(vision))
+                ids += vision_ids
+                n_vision = len(vision)
             t = time.perf_counter()
-            embeds = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
+            audio = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
             metrics["cost_audio_encoder_ms"] = _ms(t)
-            ids += [tk.unit, *([tk.audio_placeholder] * len(embeds))]
+            ids += [tk.audio_placeholder] * len(audio)
+            embeds = np.concatenate([vision, audio]) if n_vision else audio
         listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds,
@@ -191,8 +209,8 @@ class DuplexPipeline:
             state.chunk_index += 1
         metrics.update(cost_llm_ms=_ms(t), prefill_ms=round(llm.prefill_ms, 2), generate_ms=round(llm.decode_ms, 2),
                        n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
-        usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds),
-                 "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
+        usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision,
+                 "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
 
         if llm.is_listen:
@@ -230,6 +248,21 @@ class DuplexPipeline:
             await send(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics))
 
 
+    async def _vision(self, frames: list[bytes], max_slice_nums: list[int]) -> tuple[list[int], np.ndarray, int]:
+        """Token ids and embeddings of images: <image>[64]</image>, then <slice>[64]</slice> per HD slice."""
+        tk = self.preset.tokens
+        slices = list(max_slice_nums) or [1] * len(frames)
+        result = await self.stages.vision_encoder(VisionEncoderRequest(
+            images=np.array(frames, dtype=np.object_), max_slice_nums=np.asarray(slices, np.int64)))
+        per_slice = result.embeds.shape[1]
+        ids: list[int] = []
+        for n in result.slices:
+            ids += [tk.image, *([tk.audio_placeholder] * per_slice), tk.image_end]
+            for _ in range(int(n) - 1):
+                ids += [tk.slice, *([tk.audio_placeholder] * per_slice), tk.slice_end]
+        embeds = result.embeds.reshape(-1, result.embeds.shape[-1])
+        return ids, embeds, int(result.slices.sum())
+
     async def _chat(self, corr_id: int, state: DuplexSession, chat: ChatInput, emit: Emit) -> None:
         t0 = time.perf_counter()
         tk, opts = self.preset.tokens, state.options
@@ -251,9 +284,15 @@ class DuplexPipeline:
             if new[0].role == "system":
                 system, new = new[0].text, new[1:]
             ids += [tk.im_start, *enc(f"system\n{system}"), tk.im_end, *enc("\n")]
-        n_audio = 0
+        n_audio = n_vision = 0
         for m in new:
-            ids += [tk.im_start, *enc(f"{m.role}\n{m.text}")]
+            ids += [tk.im_start, *enc(f"{m.role}\n")]
+            if m.images:
+                vision_ids, vision, _ = await self._vision(list(m.images), [m.max_slice_nums] * len(m.images))
+                ids += vision_ids
+                embeds.append(vision)
+                n_vision += len(vision)
+            ids += enc(m.text)
             if m.audio is not None and len(m.audio):
                 emb = (await self.stages.audio_encoder(AudioEncoderRequest(m.audio))).embeds
                 embeds.append(emb)
@@ -261,8 +300,8 @@ class DuplexPipeline:
                 ids += [tk.audio_start, *([tk.audio_placeholder] * len(emb)), tk.audio_end]
             ids += [tk.im_end, *enc("\n")]
         ids += [tk.im_start, *enc("assistant\n")]
-        usage = {"input_text_tokens": len(ids) - n_audio, "input_audio_tokens": n_audio, "output_text_tokens": 0,
-                 "output_speech_tokens": 0}
+        usage = {"input_text_tokens": len(ids) - n_audio - n_vision, "input_audio_tokens": n_audio,
+                 "input_vision_tokens": n_vision, "output_text_tokens": 0, "output_speech_tokens": 0}
         metrics: dict[str, Any] = {"backend": "triton"}
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True

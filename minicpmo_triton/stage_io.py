@@ -54,7 +54,7 @@ def decode(cls: type[T], get: Callable[[str], np.ndarray | None]) -> T:
 def triton_dtype(f: dataclasses.Field) -> str:
     scalar = _scalar_type(f)
     dtype = _SCALAR_DTYPES[scalar] if scalar is not None else f.metadata["dtype"]
-    return {np.bool_: "TYPE_BOOL", np.int64: "TYPE_INT64", np.float32: "TYPE_FP32"}[dtype]
+    return {np.bool_: "TYPE_BOOL", np.int64: "TYPE_INT64", np.float32: "TYPE_FP32", np.object_: "TYPE_STRING"}[dtype]
 
 
 def triton_dims(f: dataclasses.Field) -> list[int]:
@@ -70,6 +70,19 @@ class AudioEncoderRequest:
 @dataclass
 class AudioEncoderResult:
     embeds: np.ndarray = tensor(np.float32, 2)  # [10 per second, llm hidden]
+
+
+# ---- vision_encoder ----
+@dataclass
+class VisionEncoderRequest:
+    images: np.ndarray = tensor(np.object_, 1)  # encoded images (JPEG, PNG) as bytes
+    max_slice_nums: np.ndarray = tensor(np.int64, 1)  # one per image, 1..9
+
+
+@dataclass
+class VisionEncoderResult:
+    embeds: np.ndarray = tensor(np.float32, 3)  # [slices of all images, 64, llm hidden]
+    slices: np.ndarray = tensor(np.int64, 1)  # slices per image (the overview included)
 
 
 # ---- llm ----
@@ -138,6 +151,7 @@ class Token2WavResult:
 
 STAGE_IO: dict[str, tuple[type, type]] = {
     "audio_encoder": (AudioEncoderRequest, AudioEncoderResult),
+    "vision_encoder": (VisionEncoderRequest, VisionEncoderResult),
     "llm": (LlmRequest, LlmResult),
     "tts": (TtsRequest, TtsResult),
     "token2wav": (Token2WavRequest, Token2WavResult),

@@ -28,6 +28,7 @@ from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
+from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceStore
 from .tokenizer import load_tokenizer
 
@@ -163,16 +164,34 @@ class Token2WavModel(_StatefulStageModel):
         return Token2WavStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
 
 
-class AudioEncoderModel:
-    """Stateless: dynamic batching hands it chunks from many sessions at once."""
+class _StatelessStageModel:
+    """Dynamic batching hands it the inputs of many sessions at once."""
+
+    stage_name = ""
+
+    def make_stage(self, ctx: _ModelContext) -> Any:
+        raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
-        ctx = _ModelContext(args)
-        self.stage = AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
+        self.stage = self.make_stage(_ModelContext(args))
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        calls = [decode(STAGE_IO["audio_encoder"][0], lambda n, r=r: _get_row(r, n)) for r in requests]
+        calls = [decode(STAGE_IO[self.stage_name][0], lambda n, r=r: _get_row(r, n)) for r in requests]
         return [_response(r) for r in self.stage.run(calls)]
+
+
+class AudioEncoderModel(_StatelessStageModel):
+    stage_name = "audio_encoder"
+
+    def make_stage(self, ctx: _ModelContext) -> AudioEncoderStage:
+        return AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
+
+
+class VisionEncoderModel(_StatelessStageModel):
+    stage_name = "vision_encoder"
+
+    def make_stage(self, ctx: _ModelContext) -> VisionEncoderStage:
+        return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision.image_size)
 
 
 def _json_input(request: Any, name: str) -> dict[str, Any]:
@@ -250,7 +269,11 @@ class DuplexModel:
                 raise StepError("invalid_config", str(exc)) from exc
         if chat:
             return _chat_input(chat, options)
+        frames = _input(request, "frames")
+        slices = _input(request, "max_slice_nums")
         return StepInput(
+            frames=[bytes(f) for f in frames.reshape(-1)] if frames is not None else [],
+            max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
             audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32),
             force_listen=bool(force is not None and force.reshape(-1)[0]),
             context_text=str(context.get("text") or ""),
@@ -268,7 +291,9 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInpu
     try:
         messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""),
                                 np.frombuffer(base64.b64decode(m["audio"]), "<f4").astype(np.float32)
-                                if m.get("audio") else None)
+                                if m.get("audio") else None,
+                                tuple(base64.b64decode(i) for i in m.get("images") or ()),
+                                int(m.get("max_slice_nums") or 1))
                     for m in chat["messages"]]
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
                          options)

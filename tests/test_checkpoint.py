@@ -24,6 +24,7 @@ SMALL_CONFIG = {  # the real checkpoint's config keys, at a size a CPU test can 
     "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
     "intermediate_size": 64, "vocab_size": 151_936,
     "audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64},
+    "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64},
     "tts_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
                    "num_text_tokens": 152_064, "num_audio_tokens": 6562},
 }
@@ -58,7 +59,9 @@ def test_checkpoint_names_follow_minicpmo(checkpoint) -> None:
     for expected in ("llm.model.embed_tokens.weight", "llm.model.layers.0.self_attn.q_norm.weight",
                      "llm.lm_head.weight", "apm.layers.0.self_attn.k_proj.weight",
                      "apm.layers.0.self_attn.q_proj.bias", "audio_projection_layer.linear1.weight",
-                     "tts.emb_code.0.weight", "tts.head_code.0.weight", "tts.model.layers.0.mlp.gate_proj.weight"):
+                     "tts.emb_code.0.weight", "tts.head_code.0.weight", "tts.model.layers.0.mlp.gate_proj.weight",
+                     "vpm.embeddings.patch_embedding.weight", "vpm.encoder.layers.0.self_attn.q_proj.weight",
+                     "vpm.encoder.layers.0.mlp.fc1.weight", "resampler.attn.in_proj_weight", "resampler.query"):
         assert expected in names
     assert "apm.layers.0.self_attn.k_proj.bias" not in names  # Whisper's k_proj has no bias
 
@@ -68,7 +71,7 @@ def test_loading_restores_every_tensor(checkpoint) -> None:
     preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
     fresh = build_modules(preset, seed=999)
     loaded = load_checkpoint(folder, fresh, require=("audio_encoder", "llm", "tts"))
-    assert set(loaded) == {"audio_encoder", "llm", "tts", "token2wav"}
+    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "token2wav"}
     for stage in loaded:
         for (name, a), (_, b) in zip(original[stage].state_dict().items(), fresh[stage].state_dict().items(),
                                      strict=True):
@@ -92,11 +95,12 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(checkpoint, tmp_p
     done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
                            "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loaded audio_encoder, llm, tts, token2wav" in done.stdout
+    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
-    for stage in ("audio_encoder", "llm", "tts", "token2wav"):
+    for stage in ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav"):
         assert (repo / stage / "1" / "model.onnx").exists()
+    assert preset.vision.d_model == 32 and preset.vision.resampler_heads == 1
     tok = load_tokenizer(preset, repo / "duplex" / "1")
     assert tok.encode("hi") == [ord("h") - 32, ord("i") - 32]
     assert not tok.is_text(MINICPMO45_TOKENS.listen)

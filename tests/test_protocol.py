@@ -43,7 +43,8 @@ def test_input_append_reads_frames_and_hints() -> None:
     parsed = parse_client_message(msg({"type": "input.append", "input": {
         "audio": {"data": encode_f32_base64(AUDIO)}, "frames": ["AAAA", {"data": "BBBB"}],
         "hints": {"force_listen": True, "max_slice_nums": 2}}}))
-    assert parsed.frames == ["AAAA", "BBBB"] and parsed.force_listen and parsed.max_slice_nums == [2, 2]
+    assert parsed.frames == [b"\x00\x00\x00", b"\x04\x10\x41"]  # base64-decoded once, here
+    assert parsed.force_listen and parsed.max_slice_nums == [2, 2]
 
 
 @pytest.mark.parametrize(("audio", "fragment"), [

@@ -81,7 +81,7 @@ async def test_audio_in_and_out(gateway, speech) -> None:
 async def test_bad_turns_are_rejected_and_the_session_goes_on(gateway) -> None:
     ws, _ = await open_session(gateway.ws, mode="turn_based")
     for messages, code in [
-        ([{"role": "user", "content": [{"type": "image", "image": "AAAA"}]}], "unsupported_content"),
+        ([{"role": "user", "content": [{"type": "image", "image": "AAAA"}]}], "bad_image"),  # not an image
         ([{"role": "robot", "content": "hi"}], "invalid_payload"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "invalid_chat"),
         ([], "missing_field"),
