@@ -22,6 +22,7 @@ STAGE_PREFIXES = {
     "llm": ("llm.",),
     "tts": ("tts.",),
     "token2wav": ("token2wav.",),
+    "speaker_encoder": ("speaker_encoder.",),
 }
 _QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -89,7 +90,7 @@ def preset_from_config(preset: PresetConfig, config: dict) -> PresetConfig:
 def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
-        if stage == "llm" or stage == "tts" or stage == "token2wav":
+        if stage in ("llm", "tts", "token2wav", "speaker_encoder"):
             name = name.split(".", 1)[1]
         out[name] = value
     if stage in ("audio_encoder", "vision_encoder"):  # Hugging Face keeps q/k/v apart
@@ -111,7 +112,8 @@ def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def _to_checkpoint_names(stage: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = {"llm": "llm.", "tts": "tts.", "token2wav": "token2wav."}.get(stage, "")
+    prefix = {"llm": "llm.", "tts": "tts.", "token2wav": "token2wav.", "speaker_encoder": "speaker_encoder."}.get(
+        stage, "")
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         if ".self_attn.in_proj_" in name:  # the resampler's own attention keeps torch's fused names

@@ -13,11 +13,12 @@ from minicpmo_triton.model_config import PresetConfig
 
 from .modules.audio_encoder import AudioEncoder
 from .modules.llm import DuplexLLM
+from .modules.speaker import SpeakerEncoder
 from .modules.token2wav import Token2Wav
 from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
 
-STAGE_NAMES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")
+STAGE_NAMES = ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StageGraph:
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
 AUDIO_GAIN = 10.0  # random audio embeddings as loud as token embeddings, so what is heard matters
+SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random TTS and vocoder make
 
 
 def init_random_weights(modules: dict[str, nn.Module]) -> None:
@@ -42,8 +44,16 @@ def init_random_weights(modules: dict[str, nn.Module]) -> None:
                 nn.init.normal_(m.weight, std=INIT_STD)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+    for m in modules["token2wav"].modules():  # variance-keeping, so the waveform follows its tokens
+        if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+            fan_in = m.in_channels * (m.kernel_size[0] if isinstance(m, nn.Conv1d) else 1)
+            nn.init.normal_(m.weight, std=(2.0 / fan_in) ** 0.5)
+            nn.init.zeros_(m.bias)
     with torch.no_grad():
         modules["audio_encoder"].audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
+        # a zero speaker (the default voice) still adds nothing
+        modules["tts"].projector_spk.weight.mul_(SPEAKER_GAIN)
+        modules["token2wav"].speaker_proj.weight.mul_(SPEAKER_GAIN)
 
 
 def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
@@ -57,6 +67,7 @@ def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
     }
     # Built last, so adding it left the other stages' random weights as they were.
     modules["vision_encoder"] = VisionEncoder(preset.vision, h)
+    modules["speaker_encoder"] = SpeakerEncoder(preset.speaker)
     init_random_weights(modules)
     return modules
 
@@ -101,6 +112,7 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
             "code_ids": torch.randint(0, preset.tts.num_audio_tokens, (b, t), generator=g),
             "is_code": is_code,
             **_decoder_inputs(g, tts.layers, tts.kv_heads, tts.head_dim, b, t, p),
+            "speaker": torch.randn(b, preset.speaker.dim, generator=g),
         }
 
     def vision_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -108,12 +120,17 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         return {"pixels": torch.rand(b, 3, size, size, generator=g) * 2 - 1}
 
     def t2w_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"tokens": torch.randint(0, preset.tts.num_audio_tokens, (b, 32), generator=g)}
+        return {"tokens": torch.randint(0, preset.tts.num_audio_tokens, (b, 32), generator=g),
+                "speaker": torch.randn(b, preset.speaker.dim, generator=g)}
+
+    def speaker_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"audio": 0.1 * torch.randn(b, 24_000, generator=g)}
 
     bt = {0: batch, 1: seq}
     kv = {1: batch, 3: past}
     decoder_axes = {"position_ids": bt, "past_mask": {0: batch, 1: past}, "past_key": kv, "past_value": kv,
                     "last_index": {0: batch}}
+    speaker = {"speaker": {0: batch}}
     return [
         StageGraph("audio_encoder", modules["audio_encoder"], audio_inputs, ["embeds"],
                    {"audio": {0: batch, 1: Dim("samples", min=1600, max=16_000 * 30)}}),
@@ -122,7 +139,9 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],
-                   {"text_ids": bt, "llm_hidden": bt, "code_ids": bt, "is_code": bt, **decoder_axes}),
+                   {"text_ids": bt, "llm_hidden": bt, "code_ids": bt, "is_code": bt, **decoder_axes, **speaker}),
         StageGraph("token2wav", modules["token2wav"], t2w_inputs, ["waveform"],
-                   {"tokens": {0: batch, 1: Dim("window", min=8, max=4096)}}),
+                   {"tokens": {0: batch, 1: Dim("window", min=8, max=4096)}, **speaker}),
+        StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
+                   {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
     ]

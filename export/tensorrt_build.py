@@ -31,9 +31,16 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     ctx = preset.duplex.context_tokens
     if stage == "audio_encoder":
         return {"audio": ((1, 1600), (max_batch // 2, 16_000), (max_batch, 16_000 * 4))}
+    spk = preset.speaker.dim
     if stage == "token2wav":
         w = preset.token2wav.left_context + preset.token2wav.lookahead
-        return {"tokens": ((1, w + 1), (max_batch // 2, w + 25), (max_batch, w + 200))}
+        return {"tokens": ((1, w + 1), (max_batch // 2, w + 25), (max_batch, w + 200)),
+                "speaker": ((1, spk), (max_batch // 2, spk), (max_batch, spk))}
+    if stage == "vision_encoder":
+        s = preset.vision.image_size
+        return {"pixels": ((1, 3, s, s), (8, 3, s, s), (36, 3, s, s))}
+    if stage == "speaker_encoder":
+        return {"audio": ((1, 1600), (1, 16_000 * 5), (4, 16_000 * 30))}
     d = preset.llm if stage == "llm" else preset.tts.decoder
     kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731
     seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))
@@ -45,6 +52,8 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     shapes["past_mask"] = past
     shapes["past_key"] = shapes["past_value"] = tuple(kv(p) for p in past)
     shapes["last_index"] = tuple((b,) for b, _ in seq)
+    if stage == "tts":
+        shapes["speaker"] = tuple((b, spk) for b, _ in seq)
     return shapes
 
 

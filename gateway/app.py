@@ -28,6 +28,7 @@ from .protocol import (
     loads,
     parse_client_message,
     parse_init,
+    voice_refs,
 )
 from .session import DuplexProtocolState, new_session_id
 from .settings import Settings
@@ -142,7 +143,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             gw.release(None)
             await _send_and_close(ws, error_event("backend_unavailable", str(exc)), CLOSE_SERVER_ERROR)
             return
-        conn = Connection(ws, DuplexProtocolState(session_id, init.mode), triton, options, settings)
+        conn = Connection(ws, DuplexProtocolState(session_id, init.mode), triton, options, settings, voice_refs(init))
         gw.sessions[session_id] = conn
         try:
             await conn.send(conn.state.created())

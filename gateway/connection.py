@@ -43,16 +43,18 @@ CLIENT_ERRORS = {"invalid_chat", "bad_image"}
 class _Step:
     message: ClientMessage
     options: dict[str, Any] | None
+    voice: dict[str, np.ndarray] | None = None
 
 
 class Connection:
     def __init__(self, ws: WebSocket, state: DuplexProtocolState, triton: TritonSession, options: DuplexOptions,
-                 settings: Settings) -> None:
+                 settings: Settings, voice: dict[str, np.ndarray] | None = None) -> None:
         self.ws = ws
         self.state = state
         self.triton = triton
         self.settings = settings
         self._options: dict[str, Any] | None = options.to_dict()  # travels with the first step
+        self._voice = voice or {}
         self._queue: asyncio.Queue[_Step] = asyncio.Queue(maxsize=settings.max_pending_steps)
         self._send_lock = asyncio.Lock()
         self._worker = asyncio.create_task(self._run_steps())
@@ -98,15 +100,17 @@ class Connection:
 
     async def _run_step(self, step: _Step) -> None:
         msg = step.message
+        if step.options is not None:  # the first step
+            step.voice = self._voice
         if isinstance(msg, ChatTurn):
-            await self._run_turn(msg, step.options)
+            await self._run_turn(msg, step.options, step.voice)
             return
         if isinstance(msg, InputAppend):
             req = StepRequest(audio=msg.audio, force_listen=msg.force_listen, options=step.options, frames=msg.frames,
-                              max_slice_nums=msg.max_slice_nums if msg.frames else [])
+                              max_slice_nums=msg.max_slice_nums if msg.frames else [], voice=step.voice)
         else:
             req = StepRequest(context={"text": msg.text, "kind": msg.kind, "respond": msg.respond},
-                              options=step.options)
+                              options=step.options, voice=step.voice)
         async for ev in self.triton.step(req):
             if ev.kind == "error":
                 await self._step_error(ev)
@@ -115,9 +119,10 @@ class Connection:
         if isinstance(msg, InputContext):
             await self.send(self.state.context_accepted(msg.input_id, msg.operation_id, msg.kind, msg.respond))
 
-    async def _run_turn(self, turn: ChatTurn, options: dict[str, Any] | None) -> None:
-        req = StepRequest(options=options, chat={"messages": turn.messages, "max_new_tokens": turn.max_new_tokens,
-                                                 "generate_audio": turn.generate_audio})
+    async def _run_turn(self, turn: ChatTurn, options: dict[str, Any] | None,
+                        voice: dict[str, np.ndarray] | None) -> None:
+        chat = {"messages": turn.messages, "max_new_tokens": turn.max_new_tokens, "generate_audio": turn.generate_audio}
+        req = StepRequest(options=options, voice=voice, chat=chat)
         response_id = new_response_id()
         audio: list[np.ndarray] = []
         async for ev in self.triton.step(req):

@@ -21,6 +21,7 @@ MODES = ("full_duplex", "turn_based")
 MAX_APPEND_SECONDS = 5
 MAX_FRAMES = 4
 MAX_IMAGE_BYTES = 8 << 20
+VOICE_SECONDS = (0.5, 30.0)  # a voice reference's allowed duration
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
@@ -124,7 +125,7 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
     voice = _first(payload.get("voice"), payload.get("defaults")) or {}
     if not isinstance(voice, dict):
         raise ProtocolError("invalid_payload", "voice must be an object", CLOSE_POLICY)
-    return SessionInit(
+    init = SessionInit(
         mode=mode,
         system_prompt=prompt,
         config=config,
@@ -132,6 +133,26 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
         tts_ref_audio_base64=_first(payload.get("tts_ref_audio_base64"), voice.get("tts_ref_audio_base64"),
                                     voice.get("tts_ref_audio")),
     )
+    voice_refs(init)  # refused now, not at the first step
+    return init
+
+
+def voice_refs(init: SessionInit) -> dict[str, np.ndarray]:
+    """The session's voice references as 16 kHz float32, within VOICE_SECONDS (else `invalid_voice`)."""
+    out = {}
+    for name, data in (("ref_audio", init.ref_audio_base64), ("tts_ref_audio", init.tts_ref_audio_base64)):
+        if data is None:
+            continue
+        if not isinstance(data, str):
+            raise ProtocolError("invalid_voice", f"{name} must be base64 float32 16 kHz audio", CLOSE_POLICY)
+        try:
+            audio = decode_f32_base64(data, int(VOICE_SECONDS[1] * INPUT_RATE))
+        except AudioDecodeError as exc:
+            raise ProtocolError("invalid_voice", f"{name}: {exc}", CLOSE_POLICY) from exc
+        if len(audio) < VOICE_SECONDS[0] * INPUT_RATE:
+            raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", CLOSE_POLICY)
+        out[name] = audio
+    return out
 
 
 def _audio_field(payload: dict[str, Any]) -> str | None:

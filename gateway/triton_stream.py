@@ -56,6 +56,7 @@ class StepRequest:
     chat: dict[str, Any] | None = None  # a turn-based turn
     frames: list[bytes] = field(default_factory=list)  # encoded images
     max_slice_nums: list[int] = field(default_factory=list)
+    voice: dict[str, np.ndarray] | None = None  # ref_audio / tts_ref_audio (16 kHz), with the first step
 
 
 def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
@@ -64,13 +65,19 @@ def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
     return t
 
 
+def _f32_input(name: str, values: np.ndarray) -> grpcclient.InferInput:
+    arr = np.ascontiguousarray(values, np.float32).reshape(1, -1)
+    t = grpcclient.InferInput(name, list(arr.shape), "FP32")
+    t.set_data_from_numpy(arr)
+    return t
+
+
 def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
     inputs = []
     if req.audio is not None and len(req.audio):
-        audio = np.ascontiguousarray(req.audio, np.float32).reshape(1, -1)
-        t = grpcclient.InferInput("audio", list(audio.shape), "FP32")
-        t.set_data_from_numpy(audio)
-        inputs.append(t)
+        inputs.append(_f32_input("audio", req.audio))
+    for name, ref in (req.voice or {}).items():
+        inputs.append(_f32_input(name, ref))
     if req.force_listen:
         t = grpcclient.InferInput("force_listen", [1, 1], "BOOL")
         t.set_data_from_numpy(np.array([[True]]))

@@ -12,6 +12,7 @@ from .pipeline import DuplexPipeline
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
+from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
@@ -36,6 +37,7 @@ class InProcessStages:
         v = lambda name: repository / name / "1"  # noqa: E731
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
         self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision.image_size)
+        self.speaker = SpeakerEncoderStage(load_engine(v("speaker_encoder"), threads))
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s)
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
         self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
@@ -45,6 +47,9 @@ class InProcessStages:
 
     async def vision_encoder(self, request: io.VisionEncoderRequest) -> io.VisionEncoderResult:
         return _raise(self.vision.run([request])[0])
+
+    async def speaker_encoder(self, request: io.SpeakerEncoderRequest) -> io.SpeakerEncoderResult:
+        return _raise(self.speaker.run([request])[0])
 
     async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
         return _one(self.llm_stage, call)

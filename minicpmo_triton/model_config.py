@@ -39,6 +39,15 @@ class VisionDims:
 
 
 @dataclass(frozen=True)
+class SpeakerDims:
+    """A CAM++-style speaker encoder: reference audio -> a 192-d voice embedding for TTS and token2wav."""
+
+    n_mels: int = 80
+    channels: int = 64
+    dim: int = 192
+
+
+@dataclass(frozen=True)
 class DecoderDims:
     hidden: int = 128
     layers: int = 2
@@ -126,6 +135,7 @@ class PresetConfig:
     duplex: DuplexDefaults = field(default_factory=DuplexDefaults)
     tokenizer: str = "bytes"  # "bytes" or "huggingface" (files in the stage folder)
     vision: VisionDims = field(default_factory=VisionDims)
+    speaker: SpeakerDims = field(default_factory=SpeakerDims)
 
     @property
     def audio_tokens_per_second(self) -> int:
@@ -155,6 +165,7 @@ class PresetConfig:
             duplex=DuplexDefaults(**data.get("duplex", {})),
             tokenizer=data.get("tokenizer", "bytes"),
             vision=VisionDims(**data.get("vision", {})),
+            speaker=SpeakerDims(**data.get("speaker", {})),
         )
 
     @classmethod

@@ -22,6 +22,8 @@ from .stage_io import (
     AudioEncoderResult,
     LlmRequest,
     LlmResult,
+    SpeakerEncoderRequest,
+    SpeakerEncoderResult,
     Token2WavRequest,
     Token2WavResult,
     TtsRequest,
@@ -44,6 +46,8 @@ class StageClient(Protocol):
     async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult: ...
 
     async def vision_encoder(self, request: VisionEncoderRequest) -> VisionEncoderResult: ...
+
+    async def speaker_encoder(self, request: SpeakerEncoderRequest) -> SpeakerEncoderResult: ...
 
     async def llm(self, call: StageCall[LlmRequest]) -> LlmResult: ...
 
@@ -70,6 +74,15 @@ class StepInput:
     options: DuplexOptions | None = None  # at START
     frames: list[bytes] = field(default_factory=list)  # JPEG, seen with this second of audio
     max_slice_nums: list[int] = field(default_factory=list)  # one per frame
+    voice: VoiceRefs | None = None  # at START
+
+
+@dataclass(frozen=True)
+class VoiceRefs:
+    """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
+
+    ref_audio: np.ndarray | None = None
+    tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class ChatInput:
     max_new_tokens: int = 256
     generate_audio: bool = False
     options: DuplexOptions | None = None  # at START
+    voice: VoiceRefs | None = None  # at START
 
 
 @dataclass
@@ -115,6 +129,8 @@ class DuplexSession:
     chunk_index: int = 0
     tts_turn_open: bool = False
     chat_history: list[tuple[str, str, bytes]] = field(default_factory=list)  # messages in the LLM's context
+    voice: VoiceRefs = field(default_factory=VoiceRefs)
+    speaker: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # empty: the default voice
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -133,18 +149,31 @@ class DuplexPipeline:
         state.started.add(stage)
         return StageCall(request, corr_id, start=start)
 
-    def system_prefix(self, options: DuplexOptions) -> list[int]:
+    async def _speaker(self, state: DuplexSession) -> None:
+        ref = state.voice.tts_ref_audio if state.voice.tts_ref_audio is not None else state.voice.ref_audio
+        if ref is not None:
+            state.speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(ref))).embedding
+
+    async def system_prefix(self, state: DuplexSession, prompt: str) -> tuple[list[int], np.ndarray]:
+        """`<|im_start|>system\n{prompt}\n<|audio_start|>[the LLM's voice reference]<|audio_end|><|im_end|>`."""
         tk = self.preset.tokens
-        return [tk.im_start, *self.tokenizer.encode(f"system\n{options.system_prompt}\n"), tk.audio_start,
-                tk.audio_end, tk.im_end]
+        ref = np.zeros((0, self.preset.llm.hidden), np.float32)
+        if state.voice.ref_audio is not None:
+            ref = (await self.stages.audio_encoder(AudioEncoderRequest(state.voice.ref_audio))).embeds
+        ids = [tk.im_start, *self.tokenizer.encode(f"system\n{prompt}\n"), tk.audio_start,
+               *([tk.audio_placeholder] * len(ref)), tk.audio_end, tk.im_end]
+        return ids, ref
 
     async def step(self, corr_id: int, start: bool, end: bool, inp: StepInput | ChatInput, emit: Emit) -> None:
         if start:
             options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
-            self.sessions.start(corr_id, DuplexSession(options, self.tokenizer.decoder()))
+            state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
+            self.sessions.start(corr_id, state)
         state = self.sessions.get(corr_id)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us
             try:
+                if start:
+                    await self._speaker(state)
                 if isinstance(inp, ChatInput):
                     await self._chat(corr_id, state, inp, emit)
                 elif len(inp.audio) or inp.context_text:
@@ -168,9 +197,12 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
         metrics: dict[str, Any] = {"backend": "triton"}
-        ids: list[int] = [] if "llm" in state.started else self.system_prefix(opts)
-        embeds = np.zeros((0, self.preset.llm.hidden), np.float32)
-        n_text_in = len(ids)
+        ids: list[int] = []
+        prefix = np.zeros((0, self.preset.llm.hidden), np.float32)
+        if "llm" not in state.started:
+            ids, prefix = await self.system_prefix(state, opts.system_prompt)
+        embeds = prefix
+        n_text_in = len(ids) - len(prefix)
         if inp.context_text:
             ctx = self.tokenizer.encode(f"[{inp.context_kind}] {inp.context_text}\n")
             ids += ctx
@@ -190,7 +222,7 @@ class DuplexPipeline:
             audio = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
             metrics["cost_audio_encoder_ms"] = _ms(t)
             ids += [tk.audio_placeholder] * len(audio)
-            embeds = np.concatenate([vision, audio]) if n_vision else audio
+            embeds = np.concatenate([prefix, vision, audio]) if n_vision else np.concatenate([prefix, audio])
         listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds,
@@ -223,11 +255,12 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
+            speaker=state.speaker,
         )))
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=state.speaker,
         )))
         metrics["cost_token2wav_ms"] = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
@@ -279,12 +312,15 @@ class DuplexPipeline:
         ids: list[int] = []
         embeds: list[np.ndarray] = []
         new = messages[len(history):]
+        n_audio = n_vision = 0
         if "llm" not in state.started:
             system = opts.system_prompt
             if new[0].role == "system":
                 system, new = new[0].text, new[1:]
-            ids += [tk.im_start, *enc(f"system\n{system}"), tk.im_end, *enc("\n")]
-        n_audio = n_vision = 0
+            prefix_ids, prefix = await self.system_prefix(state, system)
+            ids += [*prefix_ids, *enc("\n")]
+            embeds.append(prefix)
+            n_audio += len(prefix)
         for m in new:
             ids += [tk.im_start, *enc(f"{m.role}\n")]
             if m.images:
@@ -349,9 +385,9 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed)))
+            seed=state.options.seed, speaker=state.speaker)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn)))
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=state.speaker)))
         return wav.waveform, len(tts.speech_tokens)
 
 

@@ -72,6 +72,17 @@ class AudioEncoderResult:
     embeds: np.ndarray = tensor(np.float32, 2)  # [10 per second, llm hidden]
 
 
+# ---- speaker_encoder ----
+@dataclass
+class SpeakerEncoderRequest:
+    audio: np.ndarray = tensor(np.float32, 1)  # a voice reference, 16 kHz mono
+
+
+@dataclass
+class SpeakerEncoderResult:
+    embedding: np.ndarray = tensor(np.float32, 1)  # 192-d, unit length
+
+
 # ---- vision_encoder ----
 @dataclass
 class VisionEncoderRequest:
@@ -128,6 +139,7 @@ class TtsRequest:
     n_tokens: int = 25
     temperature: float = 0.8
     seed: int = 0
+    speaker: np.ndarray = tensor(np.float32, 1)  # the voice; empty: the default voice
 
 
 @dataclass
@@ -142,6 +154,7 @@ class Token2WavRequest:
     speech_tokens: np.ndarray = tensor(np.int64, 1)
     turn_start: bool = False
     finalize: bool = False
+    speaker: np.ndarray = tensor(np.float32, 1)  # the voice; empty: the default voice
 
 
 @dataclass
@@ -152,6 +165,7 @@ class Token2WavResult:
 STAGE_IO: dict[str, tuple[type, type]] = {
     "audio_encoder": (AudioEncoderRequest, AudioEncoderResult),
     "vision_encoder": (VisionEncoderRequest, VisionEncoderResult),
+    "speaker_encoder": (SpeakerEncoderRequest, SpeakerEncoderResult),
     "llm": (LlmRequest, LlmResult),
     "tts": (TtsRequest, TtsResult),
     "token2wav": (Token2WavRequest, Token2WavResult),

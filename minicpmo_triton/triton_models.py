@@ -21,11 +21,12 @@ from .bls import TritonBlsStages
 from .duplex_options import DuplexOptions, InvalidOptions
 from .engines import load_engine
 from .model_config import load_stage_config
-from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepError, StepEvent, StepInput
+from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepError, StepEvent, StepInput, VoiceRefs
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
+from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
@@ -261,14 +262,19 @@ class DuplexModel:
         force = _input(request, "force_listen")
         context = _json_input(request, "context")
         chat = _json_input(request, "chat")
-        options = None
+        options = voice = None
         if start:
             try:
                 options = DuplexOptions.from_config(_json_input(request, "options"), self.pipeline.preset.duplex)
             except InvalidOptions as exc:
                 raise StepError("invalid_config", str(exc)) from exc
+            ref, tts_ref = _input(request, "ref_audio"), _input(request, "tts_ref_audio")
+            voice = VoiceRefs(None if ref is None else ref.reshape(-1).astype(np.float32),
+                              None if tts_ref is None else tts_ref.reshape(-1).astype(np.float32))
         if chat:
-            return _chat_input(chat, options)
+            turn = _chat_input(chat, options)
+            turn.voice = voice
+            return turn
         frames = _input(request, "frames")
         slices = _input(request, "max_slice_nums")
         return StepInput(
@@ -280,10 +286,18 @@ class DuplexModel:
             context_kind=str(context.get("kind") or "tool_result"),
             respond=bool(context.get("respond", True)),
             options=options,
+            voice=voice,
         )
 
     def finalize(self) -> None:
         self.gauge.close()
+
+
+class SpeakerEncoderModel(_StatelessStageModel):
+    stage_name = "speaker_encoder"
+
+    def make_stage(self, ctx: _ModelContext) -> SpeakerEncoderStage:
+        return SpeakerEncoderStage(load_engine(ctx.version_dir, _threads(ctx)))
 
 
 def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInput:

@@ -71,7 +71,7 @@ def test_loading_restores_every_tensor(checkpoint) -> None:
     preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
     fresh = build_modules(preset, seed=999)
     loaded = load_checkpoint(folder, fresh, require=("audio_encoder", "llm", "tts"))
-    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "token2wav"}
+    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "token2wav", "speaker_encoder"}
     for stage in loaded:
         for (name, a), (_, b) in zip(original[stage].state_dict().items(), fresh[stage].state_dict().items(),
                                      strict=True):
@@ -95,10 +95,10 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(checkpoint, tmp_p
     done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
                            "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav" in done.stdout
+    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav, speaker_encoder" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
-    for stage in ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav"):
+    for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav"):
         assert (repo / stage / "1" / "model.onnx").exists()
     assert preset.vision.d_model == 32 and preset.vision.resampler_heads == 1
     tok = load_tokenizer(preset, repo / "duplex" / "1")

@@ -17,6 +17,7 @@ from gateway.protocol import (
     loads,
     parse_client_message,
     parse_init,
+    voice_refs,
 )
 from gateway.session import DuplexProtocolState
 from gateway.triton_stream import StepEvent
@@ -60,9 +61,19 @@ def test_bad_audio_is_a_coded_error(audio: str, fragment: str) -> None:
 
 
 def test_init_reads_aliases_and_defaults() -> None:
+    ref = encode_f32_base64(AUDIO)
     init = parse_init(msg({"type": "session.init", "payload": {"instructions": "Be brief.",
-                                                               "voice": {"ref_audio": "QUJD"}}}))
-    assert init.mode == "full_duplex" and init.system_prompt == "Be brief." and init.ref_audio_base64 == "QUJD"
+                                                               "voice": {"ref_audio": ref}}}))
+    assert init.mode == "full_duplex" and init.system_prompt == "Be brief." and init.ref_audio_base64 == ref
+    assert list(voice_refs(init)) == ["ref_audio"]
+
+
+@pytest.mark.parametrize("ref", [encode_f32_base64(AUDIO[:4000]), encode_f32_base64(np.zeros(16_000 * 31, np.float32)),
+                                 "QUJD", 7])
+def test_voice_references_are_bounded(ref) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_init(msg({"type": "session.init", "payload": {"voice": {"tts_ref_audio": ref}}}))
+    assert info.value.code == "invalid_voice" and info.value.close_code == 1008
 
 
 def test_invalid_json_closes_with_1003() -> None:

@@ -160,7 +160,7 @@ def test_tts_gives_25_tokens_per_chunk_and_batches(preset) -> None:
         assert (a.speech_tokens < preset.tts.num_audio_tokens - 1).all()  # no EOS mid-turn
 
 
-@pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder", "vision_encoder"])
+@pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder", "vision_encoder", "speaker_encoder"])
 def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     """config.pbtxt and the dataclasses the code exchanges must not drift apart."""
     text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
@@ -169,5 +169,5 @@ def test_model_configs_declare_the_stage_tensors(model: str) -> None:
         declared = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]', block)
         expected = [(f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f)))) for f in dataclasses.fields(cls)]
         assert declared == expected
-    if model not in ("audio_encoder", "vision_encoder"):
+    if model not in ("audio_encoder", "vision_encoder", "speaker_encoder"):
         assert "CONTROL_SEQUENCE_START" in text and "CONTROL_SEQUENCE_CORRID" in text and "oldest" in text

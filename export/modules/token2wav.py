@@ -14,6 +14,8 @@ from minicpmo_triton.model_config import Token2WavDims
 
 
 class Token2Wav(nn.Module):
+    """[B, W] tokens and a [B, 192] voice -> [B, (W - 7) * 960] samples."""
+
     def __init__(self, d: Token2WavDims, num_audio_tokens: int) -> None:
         super().__init__()
         c = d.channels
@@ -25,9 +27,10 @@ class Token2Wav(nn.Module):
         self.upsamplers = nn.ModuleList(
             nn.ConvTranspose1d(chans[i], chans[i + 1], s, stride=s) for i, s in enumerate(d.upsample)
         )
+        self.speaker_proj = nn.Linear(192, c)  # registered last: the other weights stay as they were
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, W] -> [B, (W - 7) * 960]
-        x = self.embed(tokens).transpose(1, 2)
+    def forward(self, tokens: torch.Tensor, speaker: torch.Tensor) -> torch.Tensor:  # [B, W], [B, 192]
+        x = (self.embed(tokens) + self.speaker_proj(speaker)[:, None, :]).transpose(1, 2)
         for conv in self.convs:
             x = nn.functional.leaky_relu(conv(x), 0.1)
         for i, up in enumerate(self.upsamplers):

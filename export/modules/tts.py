@@ -21,7 +21,7 @@ class DuplexTTS(nn.Module):
         self.emb_code = nn.ModuleList([nn.Embedding(d.num_audio_tokens, h)])
         self.head_code = nn.ModuleList([nn.Linear(h, d.num_audio_tokens, bias=False)])
         self.projector_semantic = nn.Linear(llm_hidden, h)
-        self.projector_spk = nn.Linear(192, h)  # speaker embedding (voice references, later)
+        self.projector_spk = nn.Linear(192, h)  # the speaker embedding of a voice reference
 
     def forward(
         self,
@@ -34,9 +34,10 @@ class DuplexTTS(nn.Module):
         past_key: torch.Tensor,
         past_value: torch.Tensor,
         last_index: torch.Tensor,
+        speaker: torch.Tensor,  # [B, 192]: the voice (zeros: the default voice)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         semantic = nn.functional.normalize(self.projector_semantic(llm_hidden), dim=-1, eps=1e-6)
-        condition = self.emb_text(text_ids) + semantic
+        condition = self.emb_text(text_ids) + semantic + self.projector_spk(speaker)[:, None, :]
         x = torch.where(is_code[..., None], self.emb_code[0](code_ids), condition)
         hidden, present_key, present_value = self.model(x, position_ids, past_mask, past_key, past_value)
         last = hidden[torch.arange(hidden.shape[0]), last_index]

@@ -31,9 +31,14 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         super().__init__(ttl_s)
         self.engine = engine
         self.d = preset.token2wav
+        self.speaker_dim = preset.speaker.dim
 
     def new_state(self, call: StageCall[Token2WavRequest]) -> Token2WavSession:
         return Token2WavSession()
+
+    def check(self, request: Token2WavRequest, state: Token2WavSession) -> None:
+        if len(request.speaker) not in (0, self.speaker_dim):
+            raise ValueError(f"token2wav: a speaker embedding has {self.speaker_dim} values")
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start
@@ -64,8 +69,10 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             window = self._window(req, sess)
             if window is not None:
                 groups[len(window)].append((i, window))
+        speakers = [req.speaker if len(req.speaker) else np.zeros(self.speaker_dim, np.float32) for req, _ in items]
         for rows in groups.values():
-            wav = self.engine.run({"tokens": np.stack([w for _, w in rows])})["waveform"]
+            wav = self.engine.run({"tokens": np.stack([w for _, w in rows]),
+                                   "speaker": np.stack([speakers[i] for i, _ in rows])})["waveform"]
             for row, (i, _) in enumerate(rows):
                 results[i] = Token2WavResult(waveform=wav[row])
         return results

@@ -58,14 +58,20 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     def check(self, request: TtsRequest, state: TtsSession) -> None:
         if len(request.tts_hidden) != len(request.text_ids):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
+        if len(request.speaker) not in (0, self.preset.speaker.dim):
+            raise ValueError(f"tts: a speaker embedding has {self.preset.speaker.dim} values")
         if not (request.turn_start or len(request.text_ids) or state.pending is not None):
             raise ValueError("tts: nothing to condition on (no text, no pending token, not a turn start)")
+
+    def _speaker(self, req: TtsRequest) -> np.ndarray:
+        return req.speaker if len(req.speaker) else np.zeros(self.preset.speaker.dim, np.float32)
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
         for req, sess in items:
             if req.turn_start:
                 sess.cache, sess.pending, sess.history = self._empty(), None, []
         prefill = [self._prefill(req, sess) for req, sess in items]
+        speakers = np.stack([self._speaker(req) for req, _ in items])
         codes: list[list[int]] = [[] for _ in items]
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
@@ -91,10 +97,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             n = len(rows)
             return {"text_ids": np.zeros((n, 1), np.int64),
                     "llm_hidden": np.zeros((n, 1, self.preset.llm.hidden), np.float32),
-                    "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool)}
+                    "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool),
+                    "speaker": speakers[rows]}
 
         caches, _ = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
-                                   ("logits",))
+                                   ("logits",), constant_feeds={"speaker": speakers})
         results = []
         for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
             sess.cache = cache

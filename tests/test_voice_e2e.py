@@ -1,0 +1,71 @@
+"""Voice references at session.init condition the LLM (ref_audio) and the TTS + token2wav (tts_ref_audio)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import websockets
+
+from gateway.audio import encode_f32_base64
+from gateway.client import converse
+
+from .helpers import GREEDY, SPEAKING_TEXT, audio_of, deltas, open_session, recv_until, transcript
+
+MAX_CHUNKS = 8
+
+
+def seconds(audio: np.ndarray, n: int) -> np.ndarray:
+    return audio[: min(n, len(audio) // 16_000) * 16_000]
+
+
+async def converse_with(url: str, audio: np.ndarray, **voice: str):
+    """`converse` with voice references in session.init (the client's own helper has none)."""
+    ws, created = await open_session(url, voice=voice)
+    for i in range(len(audio) // 16_000):
+        await ws.send(json.dumps({"type": "input.append", "input": {
+            "input_id": f"in_{i}", "audio": encode_f32_base64(audio[i * 16_000:(i + 1) * 16_000])}}))
+    last = f"in_{len(audio) // 16_000 - 1}"
+    events = await recv_until(ws, lambda e: e.get("input_id") == last and e.get("kind") in ("audio", "listen"), 60)
+    await asyncio.sleep(0.5)  # a step's audio can follow its text
+    await ws.close()
+    return events
+
+
+@pytest.mark.asyncio
+async def test_tts_reference_changes_the_voice_not_the_words(gateway, triton, speech) -> None:
+    audio = seconds(speech(SPEAKING_TEXT), MAX_CHUNKS)
+    plain = await converse(gateway.ws, audio, realtime=False, config=GREEDY)
+    voice = seconds(speech("This is how I sound when I speak.", voice="en+f3"), 2)
+    voiced = await converse_with(gateway.ws, audio, tts_ref_audio=encode_f32_base64(voice))
+    assert transcript(voiced) == transcript(plain.events)  # same words: the LLM did not hear the TTS reference
+    a, b = audio_of(voiced), audio_of(plain.events)
+    assert len(a) == len(b) > 0 and not np.allclose(a, b, atol=1e-3)  # another voice
+    assert triton.wait_live(lambda lv: not any(lv.values())) == {"duplex": 0, "llm": 0, "tts": 0, "token2wav": 0}
+
+
+@pytest.mark.asyncio
+async def test_llm_reference_joins_the_system_prompt(gateway, speech) -> None:
+    audio = seconds(speech(SPEAKING_TEXT), 1)
+    plain = await converse_with(gateway.ws, audio)
+    ref = speech("Hello, this is my voice, the way I would like you to hear it.")
+    ref_tokens = -(-len(ref) // 1600)  # 10 per second
+    voiced = await converse_with(gateway.ws, audio, ref_audio=encode_f32_base64(ref))
+    first_plain, first_voiced = deltas(plain)[0], deltas(voiced)[0]
+    audio_tokens = lambda ev: ev["chunk_usage"]["input_audio_tokens"]  # noqa: E731
+    assert audio_tokens(first_voiced) == audio_tokens(first_plain) + ref_tokens
+    assert first_voiced["metrics"]["kv_cache_length"] == first_plain["metrics"]["kv_cache_length"] + ref_tokens
+
+
+@pytest.mark.asyncio
+async def test_a_bad_voice_reference_is_refused_at_init(gateway) -> None:
+    async with websockets.connect(gateway.ws) as ws:
+        await ws.send(json.dumps({"type": "session.init", "payload": {
+            "voice": {"tts_ref_audio": encode_f32_base64(np.zeros(16_000 * 40, np.float32))}}}))
+        err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert err["error"]["code"] == "invalid_voice"
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await asyncio.wait_for(ws.recv(), 10)
+        assert info.value.rcvd.code == 1008
