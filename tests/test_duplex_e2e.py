@@ -260,3 +260,25 @@ async def test_input_context_is_accepted(gateway, speech) -> None:
     assert [e["kind"] for e in ctx_deltas] == ["listen"]  # respond: false keeps the model listening
     assert ctx_deltas[0]["chunk_usage"]["input_text_tokens"] > 0
     await ws.close()
+
+
+async def test_a_context_injection_changes_what_the_model_is_conditioned_on(gateway, speech) -> None:
+    audio = chunks_of(speech(SPEAKING_TEXT))
+
+    async def run(context: str | None) -> list[dict]:
+        ws, _ = await open_session(gateway.ws)
+        if context is not None:
+            await ws.send(json.dumps({"type": "input.context", "input_id": "ctx",
+                                      "context": {"text": context, "respond": False}}))
+            await recv_until(ws, lambda e: e["type"] == "input.context.accepted")
+        for i in range(len(audio) // 16_000):
+            await ws.send(append_message(audio[i * 16_000:(i + 1) * 16_000], f"in_{i}"))
+        last = f"in_{len(audio) // 16_000 - 1}"
+        events = await recv_until(ws, lambda e: e.get("input_id") == last, 60)
+        await ws.close()
+        return [e for e in deltas(events) if e["input_id"] != "ctx"]
+
+    plain, informed = await run(None), await run("The user's name is Ada and she is booking a trip to Lisbon.")
+    grown = informed[0]["metrics"]["kv_cache_length"] - plain[0]["metrics"]["kv_cache_length"]
+    assert grown > 40  # the context's tokens are in the LLM's cache before the first chunk
+    assert [(e["kind"], e.get("text")) for e in informed] != [(e["kind"], e.get("text")) for e in plain]
