@@ -9,6 +9,7 @@ from typing import Any
 from .model_config import DuplexDefaults
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+_D = DuplexDefaults()
 
 
 class InvalidOptions(ValueError):
@@ -18,14 +19,14 @@ class InvalidOptions(ValueError):
 @dataclass(frozen=True)
 class DuplexOptions:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    temperature: float = 0.7
-    top_k: int = 20
-    top_p: float = 0.8
-    repetition_penalty: float = 1.05
-    length_penalty: float = 1.1
-    max_new_speak_tokens_per_chunk: int = 20
-    force_listen_count: int = 3
-    tts_temperature: float = 0.8
+    temperature: float = _D.temperature
+    top_k: int = _D.top_k
+    top_p: float = _D.top_p
+    repetition_penalty: float = _D.repetition_penalty
+    length_penalty: float = _D.length_penalty
+    max_new_speak_tokens_per_chunk: int = _D.max_new_speak_tokens_per_chunk
+    force_listen_count: int = _D.force_listen_count
+    tts_temperature: float = _D.tts_temperature
     seed: int = 0
 
     @classmethod

@@ -14,7 +14,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .model_config import DuplexDefaults
+
 T = TypeVar("T")
+_D = DuplexDefaults()  # what a request that leaves an input out gets
 
 _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
 
@@ -103,12 +106,12 @@ class LlmRequest:
     embeds: np.ndarray = tensor(np.float32, 2)
     decode: bool = True  # False: prefill only (a system prompt, a context)
     force_listen: bool = False
-    temperature: float = 0.7
-    top_k: int = 20
-    top_p: float = 0.8
-    repetition_penalty: float = 1.05
-    length_penalty: float = 1.1
-    max_new_tokens: int = 20
+    temperature: float = _D.temperature
+    top_k: int = _D.top_k
+    top_p: float = _D.top_p
+    repetition_penalty: float = _D.repetition_penalty
+    length_penalty: float = _D.length_penalty
+    max_new_tokens: int = _D.max_new_speak_tokens_per_chunk
     seed: int = 0
     chat: bool = False  # turn-based: text until <|im_end|> (else the duplex rules)
     last_chunk: bool = False  # chat: the turn's token budget ends with this call
@@ -136,8 +139,8 @@ class TtsRequest:
     tts_hidden: np.ndarray = tensor(np.float32, 2)
     turn_start: bool = False
     turn_end: bool = False
-    n_tokens: int = 25
-    temperature: float = 0.8
+    n_tokens: int = _D.tts_tokens_per_chunk
+    temperature: float = _D.tts_temperature
     seed: int = 0
     speaker: np.ndarray = tensor(np.float32, 1)  # the voice; empty: the default voice
 
