@@ -117,7 +117,7 @@ class StepEvent:
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
     end_of_turn: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
-    chunk_usage: dict[str, int] | None = None  # on the first event of a step only
+    chunk_usage: dict[str, int] | None = None  # on the last event of a step only
     reason: str = ""  # done: turn_end | length
 
 
@@ -250,6 +250,8 @@ class DuplexPipeline:
             metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return
+        if text:  # the words go out now; their voice follows
+            await emit(StepEvent("text", text=text, metrics=dict(metrics)))
         turn_start = llm.turn_start or not state.tts_turn_open
         t = time.perf_counter()
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
@@ -266,20 +268,15 @@ class DuplexPipeline:
         state.tts_turn_open = not llm.end_of_turn
         usage["output_speech_tokens"] = len(tts.speech_tokens)
         metrics.update(n_tts_tokens=len(tts.speech_tokens), wall_clock_ms=_ms(t0))
-        first = True
-
-        async def send(event: StepEvent) -> None:
-            nonlocal first
-            event.chunk_usage, first = (usage if first else None), False
-            await emit(event)
-
-        if text:
-            await send(StepEvent("text", text=text, metrics=metrics))
-        if len(wav.waveform):
-            await send(StepEvent("audio", audio=wav.waveform, metrics=metrics))
+        # The step's usage rides on its last event, once the speech tokens are counted too.
         if llm.end_of_turn:
-            await send(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics))
-
+            if len(wav.waveform):
+                await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics))
+            await emit(StepEvent("listen", end_of_turn=True, metrics=metrics, chunk_usage=usage))
+        elif len(wav.waveform):
+            await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics, chunk_usage=usage))
+        elif text:
+            await emit(StepEvent("audio", metrics=metrics, chunk_usage=usage))  # no audio yet: usage still goes out
 
     async def _vision(self, frames: list[bytes], max_slice_nums: list[int]) -> tuple[list[int], np.ndarray, int]:
         """Token ids and embeddings of images: <image>[64]</image>, then <slice>[64]</slice> per HD slice."""
