@@ -53,8 +53,8 @@ class Connection:
         self.state = state
         self.triton = triton
         self.settings = settings
-        self._options: dict[str, Any] | None = options.to_dict()  # travels with the first step
-        self._voice = voice or {}
+        # What travels with the first step only: the session's options and its voice references.
+        self._first: tuple[dict[str, Any], dict[str, np.ndarray] | None] | None = (options.to_dict(), voice)
         self._queue: asyncio.Queue[_Step] = asyncio.Queue(maxsize=settings.max_pending_steps)
         self._send_lock = asyncio.Lock()
         self._worker = asyncio.create_task(self._run_steps())
@@ -75,11 +75,12 @@ class Connection:
 
     def submit(self, message: ClientMessage) -> bool:
         """Queue a step; False when the session already has `max_pending_steps` waiting."""
-        options, self._options = self._options, None
+        first, self._first = self._first, None
+        options, voice = first if first is not None else (None, None)
         try:
-            self._queue.put_nowait(_Step(message, options))
+            self._queue.put_nowait(_Step(message, options, voice))
         except asyncio.QueueFull:
-            self._options = self._options or options
+            self._first = first
             return False
         return True
 
@@ -100,8 +101,6 @@ class Connection:
 
     async def _run_step(self, step: _Step) -> None:
         msg = step.message
-        if step.options is not None:  # the first step
-            step.voice = self._voice
         if isinstance(msg, ChatTurn):
             await self._run_turn(msg, step.options, step.voice)
             return

@@ -48,7 +48,6 @@ class DuplexProtocolState:
     usage: Usage = field(default_factory=Usage)
     chunk_index: int = 0
     active_response_id: str | None = None
-    kv_cache_length: int = 0
 
     def created(self) -> dict[str, Any]:
         return event("session.created", session_id=self.session_id, mode=self.mode,
@@ -61,8 +60,7 @@ class DuplexProtocolState:
     def on_step_event(self, input_id: str | None, ev: StepEvent) -> dict[str, Any]:
         """Map one step event (not `error`) to its `response.output.delta`."""
         fields: dict[str, Any] = {"session_id": self.session_id, "input_id": input_id, "metrics": ev.metrics}
-        self.kv_cache_length = int(ev.metrics.get("kv_cache_length", self.kv_cache_length))
-        if ev.chunk_usage is not None:  # the step's first event carries its usage
+        if ev.chunk_usage is not None:  # the step's last event carries its usage
             usage = self.usage.add(ev.chunk_usage)
             fields.update(chunk_index=self.chunk_index, chunk_usage=ev.chunk_usage, usage=usage)
             self.chunk_index += 1
@@ -87,7 +85,6 @@ class DuplexProtocolState:
         """A turn_based turn: deltas when streaming, then `response.done` (with the audio when not)."""
         if ev.kind == "done":
             usage = self.usage.add(ev.chunk_usage or {})
-            self.kv_cache_length = int(ev.metrics.get("kv_cache_length", self.kv_cache_length))
             return event("response.done", session_id=self.session_id, response_id=response_id, input_id=turn_input_id,
                          text=ev.text, audio=None if streaming else audio, reason=ev.reason, metrics=ev.metrics,
                          chunk_usage=ev.chunk_usage, usage=usage)
