@@ -17,6 +17,7 @@ import numpy as np
 
 from .duplex_options import DuplexOptions
 from .model_config import PresetConfig
+from .rendezvous import Member, Rendezvous
 from .stage_io import (
     AudioEncoderRequest,
     AudioEncoderResult,
@@ -138,11 +139,14 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 
 
 class DuplexPipeline:
-    def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float) -> None:
+    def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
+                 llm_gather_s: float = 0.0) -> None:
         self.stages = stages
         self.preset = preset
         self.tokenizer = tokenizer
         self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
+        # Concurrent steps meet before the LLM so the sequence batcher sees them together.
+        self.llm_meet = Rendezvous(llm_gather_s)
 
     def _call(self, state: DuplexSession, stage: str, corr_id: int, request: Any) -> StageCall[Any]:
         start = stage not in state.started
@@ -177,7 +181,8 @@ class DuplexPipeline:
                 if isinstance(inp, ChatInput):
                     await self._chat(corr_id, state, inp, emit)
                 elif len(inp.audio) or inp.context_text:
-                    await self._step(corr_id, state, inp, emit)
+                    async with self.llm_meet.member() as member:
+                        await self._step(corr_id, state, inp, emit, member)
             finally:
                 if end:
                     await self.end(corr_id, state)
@@ -193,7 +198,7 @@ class DuplexPipeline:
                 await fn(StageCall(request, corr_id, end=True))
         state.started.clear()
 
-    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit) -> None:
+    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member) -> None:
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
         metrics: dict[str, Any] = {"backend": "triton"}
@@ -232,6 +237,7 @@ class DuplexPipeline:
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed,
         )
+        await member.arrive()
         t = time.perf_counter()
         try:
             llm = await self.stages.llm(self._call(state, "llm", corr_id, request))

@@ -222,7 +222,8 @@ class DuplexModel:
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
-        self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx))
+        self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
+                                       llm_gather_s=ctx.param("llm_gather_ms", 10.0) / 1000)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
 
     async def execute(self, requests: list[Any]) -> None:
