@@ -57,6 +57,9 @@ class StepRequest:
     frames: list[bytes] = field(default_factory=list)  # encoded images
     max_slice_nums: list[int] = field(default_factory=list)
     voice: dict[str, np.ndarray] | None = None  # ref_audio / tts_ref_audio (16 kHz), with the first step
+    rollback_to: int = -1  # barge-in: the LLM's kv length to go back to
+    replay_audio: np.ndarray | None = None  # ... and the caller's whole seconds since then, heard again
+    cancel: bool = False  # stop the step in flight (sent beside it, answers nothing)
 
 
 def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
@@ -78,9 +81,16 @@ def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
         inputs.append(_f32_input("audio", req.audio))
     for name, ref in (req.voice or {}).items():
         inputs.append(_f32_input(name, ref))
-    if req.force_listen:
-        t = grpcclient.InferInput("force_listen", [1, 1], "BOOL")
-        t.set_data_from_numpy(np.array([[True]]))
+    if req.replay_audio is not None and len(req.replay_audio):
+        inputs.append(_f32_input("replay_audio", req.replay_audio))
+    for name, flag in (("force_listen", req.force_listen), ("cancel", req.cancel)):
+        if flag:
+            t = grpcclient.InferInput(name, [1, 1], "BOOL")
+            t.set_data_from_numpy(np.array([[True]]))
+            inputs.append(t)
+    if req.rollback_to >= 0:
+        t = grpcclient.InferInput("rollback_to", [1, 1], "INT64")
+        t.set_data_from_numpy(np.array([[req.rollback_to]], np.int64))
         inputs.append(t)
     if req.context:
         inputs.append(_string_input("context", req.context))
@@ -194,6 +204,12 @@ class TritonSession:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    async def cancel(self) -> None:
+        """Stop the step in flight: its remaining stages are skipped (its events still end normally)."""
+        if self.started and not self.ended and self._broken is None:
+            async for _ in self.step(StepRequest(cancel=True)):
+                pass
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """End the Triton sequence (once) and close the stream."""

@@ -25,6 +25,9 @@ class KvCache:
     def nbytes(self) -> int:
         return int(self.key.nbytes + self.value.nbytes)
 
+    def truncated(self, length: int) -> KvCache:
+        return KvCache(self.key[:, :, :length].copy(), self.value[:, :, :length].copy())
+
     @classmethod
     def empty(cls, layers: int, kv_heads: int, head_dim: int) -> KvCache:
         z = np.zeros((layers, kv_heads, 0, head_dim), np.float32)

@@ -76,6 +76,10 @@ class StepInput:
     frames: list[bytes] = field(default_factory=list)  # JPEG, seen with this second of audio
     max_slice_nums: list[int] = field(default_factory=list)  # one per frame
     voice: VoiceRefs | None = None  # at START
+    # Barge-in: cut the LLM's context back to what the listener heard (a kv length from an earlier step),
+    # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
+    rollback_to: int = -1
+    replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class DuplexSession:
     voice: VoiceRefs = field(default_factory=VoiceRefs)
     speaker: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # empty: the default voice
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    cancels: int = 0  # bumped by a cancel; a step that sees it change stops making output
 
 
 Emit = Callable[[StepEvent], Awaitable[None]]
@@ -187,6 +192,14 @@ class DuplexPipeline:
                 if end:
                     await self.end(corr_id, state)
 
+    def cancel(self, corr_id: int) -> bool:
+        """Stop the session's step in flight at its next stage boundary (it runs beside it, not behind the lock)."""
+        state = self.sessions.get_or_none(corr_id)
+        if state is None:
+            return False
+        state.cancels += 1
+        return True
+
     async def end(self, corr_id: int, state: DuplexSession) -> None:
         self.sessions.end(corr_id)
         ends = {"llm": (self.stages.llm, LlmRequest(decode=False)),
@@ -213,9 +226,17 @@ class DuplexPipeline:
             ids += ctx
             n_text_in += len(ctx)
         n_vision = 0
+        cancels = state.cancels
+        if inp.rollback_to >= 0:
+            state.tts_turn_open = False
+            replay_ids, replay = await self._replay_units(inp.replay_audio)
+            ids += replay_ids
+            embeds = np.concatenate([embeds, replay])
+            n_text_in += len(replay_ids) - len(replay)
         if len(inp.audio):
             if len(inp.audio) > MAX_CHUNK_SECONDS * 16_000:
                 raise StepError("invalid_audio", f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
+            prior = embeds
             ids.append(tk.unit)
             if inp.frames:
                 t = time.perf_counter()
@@ -227,7 +248,7 @@ class DuplexPipeline:
             audio = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
             metrics["cost_audio_encoder_ms"] = _ms(t)
             ids += [tk.audio_placeholder] * len(audio)
-            embeds = np.concatenate([prefix, vision, audio]) if n_vision else np.concatenate([prefix, audio])
+            embeds = np.concatenate([prior, vision, audio]) if n_vision else np.concatenate([prior, audio])
         listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds,
@@ -235,7 +256,7 @@ class DuplexPipeline:
             force_listen=inp.force_listen or listening or (bool(inp.context_text) and not inp.respond),
             temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
-            max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed,
+            max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
         )
         await member.arrive()
         t = time.perf_counter()
@@ -251,6 +272,10 @@ class DuplexPipeline:
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
 
+        if state.cancels != cancels:  # cancelled (barge-in): no words, no voice; the usage still counts
+            state.tts_turn_open = False
+            await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
+            return
         if llm.is_listen:
             state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
             metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
@@ -283,6 +308,18 @@ class DuplexPipeline:
             await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics, chunk_usage=usage))
         elif text:
             await emit(StepEvent("audio", metrics=metrics, chunk_usage=usage))  # no audio yet: usage still goes out
+
+    async def _replay_units(self, audio: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Caller audio heard again after a rollback, one listened unit per second: <unit>[audio]<|listen|></unit>."""
+        tk = self.preset.tokens
+        ids: list[int] = []
+        parts = [np.zeros((0, self.preset.llm.hidden), np.float32)]
+        for second in range(len(audio) // 16_000):
+            unit = audio[second * 16_000:(second + 1) * 16_000]
+            emb = (await self.stages.audio_encoder(AudioEncoderRequest(unit))).embeds
+            ids += [tk.unit, *([tk.audio_placeholder] * len(emb)), tk.listen, tk.unit_end]
+            parts.append(emb)
+        return ids, np.concatenate(parts)
 
     async def _vision(self, frames: list[bytes], max_slice_nums: list[int]) -> tuple[list[int], np.ndarray, int]:
         """Token ids and embeddings of images: <image>[64]</image>, then <slice>[64]</slice> per HD slice."""
@@ -345,6 +382,7 @@ class DuplexPipeline:
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True
         speaking = False
+        cancels = state.cancels
         while True:
             budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
             request = LlmRequest(
@@ -374,7 +412,7 @@ class DuplexPipeline:
                 if len(wav):
                     await emit(StepEvent("audio", audio=wav, metrics=dict(metrics)))
             first = False
-            if llm.end_of_turn:
+            if llm.end_of_turn or state.cancels != cancels:
                 break
         reason = "turn_end" if llm.generated[-1:] == [tk.im_end] else "length"
         state.chat_history = keys + [ChatMessage("assistant", full_text).key()]

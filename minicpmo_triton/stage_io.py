@@ -115,6 +115,7 @@ class LlmRequest:
     seed: int = 0
     chat: bool = False  # turn-based: text until <|im_end|> (else the duplex rules)
     last_chunk: bool = False  # chat: the turn's token budget ends with this call
+    rollback_to: int = -1  # >= 0: first cut the KV cache to this length and end the spoken turn there
 
 
 @dataclass

@@ -242,6 +242,11 @@ class DuplexModel:
                 pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {exc}")
 
         try:
+            cancel = _input(request, "cancel")
+            if cancel is not None and cancel.reshape(-1)[0]:
+                # Beside the step in flight (not queued behind it): it stops at its next stage boundary.
+                self.pipeline.cancel(corr_id)
+                return
             inp = self._parse(request, start)
 
             async def emit(event: StepEvent) -> None:
@@ -278,6 +283,7 @@ class DuplexModel:
             return turn
         frames = _input(request, "frames")
         slices = _input(request, "max_slice_nums")
+        rollback, replay = _input(request, "rollback_to"), _input(request, "replay_audio")
         return StepInput(
             frames=[bytes(f) for f in frames.reshape(-1)] if frames is not None else [],
             max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
@@ -288,6 +294,8 @@ class DuplexModel:
             respond=bool(context.get("respond", True)),
             options=options,
             voice=voice,
+            rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
+            replay_audio=np.zeros(0, np.float32) if replay is None else replay.reshape(-1).astype(np.float32),
         )
 
     def finalize(self) -> None:

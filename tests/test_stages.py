@@ -171,3 +171,26 @@ def test_model_configs_declare_the_stage_tensors(model: str) -> None:
         assert declared == expected
     if model not in ("audio_encoder", "vision_encoder", "speaker_encoder"):
         assert "CONTROL_SEQUENCE_START" in text and "CONTROL_SEQUENCE_CORRID" in text and "oldest" in text
+
+
+def test_llm_rollback_forgets_what_was_not_heard(preset) -> None:
+    """Rolling back to an earlier step's kv length is as if the later steps never happened, the turn ended."""
+    tk = preset.tokens
+    stage, fresh = llm_stage(preset), llm_stage(preset)
+    rng = np.random.default_rng(5)
+    heard = chunk_request(preset, rng, decode=False)
+    unheard = chunk_request(preset, rng, decode=False)
+    first = stage.run([StageCall(heard, 1, start=True)])[0]
+    stage.run([StageCall(unheard, 1)])
+    assert stage.store.get(1).cache.length > first.kv_length
+    probe = chunk_request(preset, np.random.default_rng(9))
+    rolled = stage.run([StageCall(dataclasses.replace(probe, rollback_to=first.kv_length), 1)])[0]
+    # The same conversation built directly: the heard step, the turn's end, then the probe.
+    fresh.run([StageCall(heard, 2, start=True)])
+    ended = np.concatenate([[tk.turn_eos, tk.unit_end], probe.input_ids])
+    direct = fresh.run([StageCall(dataclasses.replace(probe, input_ids=ended), 2)])[0]
+    assert rolled.generated.tolist() == direct.generated.tolist()
+    assert rolled.kv_length == direct.kv_length
+    np.testing.assert_allclose(stage.store.get(1).cache.key, fresh.store.get(2).cache.key, atol=1e-5)
+    with pytest.raises(ValueError, match="roll back"):
+        stage.check(dataclasses.replace(probe, rollback_to=10**6), stage.store.get(1))

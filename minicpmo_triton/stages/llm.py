@@ -47,7 +47,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return LlmSession(self._empty(), np.random.default_rng(call.request.seed or call.corr_id))
 
     def is_noop(self, request: LlmRequest) -> bool:
-        return len(request.input_ids) == 0 and not request.decode
+        return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
 
     def empty_result(self) -> LlmResult:
         return LlmResult()
@@ -57,6 +57,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
 
     def check(self, request: LlmRequest, state: LlmSession) -> None:
         tk = self.preset.tokens
+        if request.rollback_to > state.cache.length:
+            raise ValueError(f"llm: cannot roll back to {request.rollback_to}, past the {state.cache.length} cached")
         n_placeholders = int((request.input_ids == tk.audio_placeholder).sum())
         if n_placeholders != len(request.embeds):
             raise ValueError(f"llm: {n_placeholders} audio placeholders but {len(request.embeds)} embeddings")
@@ -72,6 +74,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         tk, h = self.preset.tokens, self.preset.llm.hidden
         prefill, decoders, params = [], [], []
         for req, sess in items:
+            if req.rollback_to >= 0:
+                self._roll_back(sess, req.rollback_to)
             ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
             use = ids == tk.audio_placeholder
             if len(ids) == 0:
@@ -129,6 +133,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 cached_tokens=cached,
             ))
         return results
+
+    def _roll_back(self, sess: LlmSession, length: int) -> None:
+        """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the
+        spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would)."""
+        sess.cache = sess.cache.truncated(length)
+        sess.pending = [self.preset.tokens.turn_eos, self.preset.tokens.unit_end]
+        sess.in_turn = False
 
     def _decoder(self, req: LlmRequest, sess: LlmSession) -> ChunkDecoder | ChatDecoder:
         if req.chat:
