@@ -19,7 +19,9 @@ COPY bench ./bench
 
 # The image's own tritonserver and Python backend are used (found on PATH), so no `server` extra.
 # On Linux x86_64, PyPI's torch wheel is the CUDA build; TensorRT comes with the `gpu` extra.
+# silero-vad (server VAD on /v1/realtime) with --no-deps: the gateway reads its ONNX file, never its torch code.
 RUN python3 -m pip install --no-cache-dir -e ".[export,gpu]" \
+ && python3 -m pip install --no-cache-dir --no-deps silero-vad==6.2.3 \
  && python3 -m export --preset tiny
 
 EXPOSE 8006 8000 8001 8002

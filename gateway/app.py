@@ -13,13 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
-from tritonclient.grpc import aio as grpcaio
 
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from .connection import Connection
 from .protocol import (
-    CLOSE_GOING_AWAY,
     CLOSE_POLICY,
     CLOSE_SERVER_ERROR,
     CLOSE_TRY_AGAIN,
@@ -30,52 +28,13 @@ from .protocol import (
     parse_init,
     voice_refs,
 )
+from .realtime.route import realtime_endpoint
+from .registry import Gateway, SessionLimitReached
 from .session import DuplexProtocolState, new_session_id
 from .settings import Settings
-from .triton_stream import ENTRY_MODEL, TritonSession
+from .triton_stream import TritonSession
 
 log = logging.getLogger("gateway")
-
-
-class SessionLimitReached(Exception):
-    pass
-
-
-class Gateway:
-    """Sessions by id, the session limit, and whether Triton's entry model is ready."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.sessions: dict[str, Connection] = {}
-        self._reserved = 0
-        self.ready = False
-        self._health_task: asyncio.Task[None] | None = None
-
-    def reserve(self) -> None:
-        if self._reserved >= self.settings.max_sessions:
-            raise SessionLimitReached
-        self._reserved += 1
-
-    def release(self, session_id: str | None) -> None:
-        self._reserved -= 1
-        if session_id is not None:
-            self.sessions.pop(session_id, None)
-
-    async def watch_triton(self) -> None:
-        client = grpcaio.InferenceServerClient(self.settings.triton_url)
-        try:
-            while True:
-                try:
-                    self.ready = bool(await client.is_model_ready(ENTRY_MODEL))
-                except Exception:  # noqa: BLE001 (not up yet, or gone: report `loading`)
-                    self.ready = False
-                await asyncio.sleep(1.0 if self.ready else 0.25)
-        finally:
-            await client.close()
-
-    async def shutdown(self) -> None:
-        await asyncio.gather(*(c.close("server_shutdown", ws_code=CLOSE_GOING_AWAY)
-                               for c in list(self.sessions.values())), return_exceptions=True)
 
 
 async def _send_and_close(ws: WebSocket, data: dict[str, Any], code: int) -> None:
@@ -92,14 +51,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
         return JSONResponse({
             "status": "ready" if gw.ready else "loading",
             "backend": "triton",
-            "active_sessions": len(gw.sessions),
+            "active_sessions": gw.active_sessions,
             "max_sessions": settings.max_sessions,
-            "active_session_ids": sorted(gw.sessions),
+            "active_session_ids": sorted([*gw.sessions, *gw.realtime]),
+            "queue_length": gw.queue_length,
+            "stale_deltas_dropped": gw.stale_dropped,
         })
 
     async def close_session(request: Request) -> JSONResponse:
         session_id = request.path_params["session_id"]
-        conn = gw.sessions.get(session_id)
+        conn = gw.sessions.get(session_id) or gw.realtime.get(session_id)
         if conn is None:
             return JSONResponse({"ok": False, "error": "session not found", "session_id": session_id}, 404)
         reason = "client_closed"
@@ -192,6 +153,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/health", health),
             Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
             WebSocketRoute("/backend", backend),
+            WebSocketRoute("/v1/realtime", realtime_endpoint(gw)),
         ],
         lifespan=lifespan,
     )

@@ -56,3 +56,21 @@ def write_wav(path: Path, audio: np.ndarray, rate: int = OUTPUT_RATE) -> None:
     import soundfile as sf
 
     sf.write(str(path), np.asarray(audio, np.float32), rate, subtype="FLOAT")
+
+
+def decode_pcm16_base64(data: str, max_samples: int) -> np.ndarray:
+    """Strict 16-bit little-endian PCM (OpenAI's `audio/pcm`) to float32 in [-1, 1]."""
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise AudioDecodeError(f"audio is not valid base64: {exc}") from exc
+    if len(raw) % 2:
+        raise AudioDecodeError(f"audio is {len(raw)} bytes: not a whole number of 16-bit samples")
+    if len(raw) // 2 > max_samples:
+        raise AudioDecodeError(f"audio has {len(raw) // 2} samples; at most {max_samples} per message")
+    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def encode_pcm16_base64(audio: np.ndarray) -> str:
+    pcm = np.clip(np.round(np.asarray(audio, np.float32) * 32768.0), -32768, 32767).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode("ascii")

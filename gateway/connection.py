@@ -7,8 +7,6 @@ disconnect, idle timeout, server shutdown or failure) always ends the Triton seq
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +17,6 @@ from minicpmo_triton.duplex_options import DuplexOptions
 
 from .audio import encode_f32_base64
 from .protocol import (
-    CLOSE_NORMAL,
-    CLOSE_SERVER_ERROR,
     ChatTurn,
     ClientMessage,
     InputAppend,
@@ -28,10 +24,9 @@ from .protocol import (
     error_event,
 )
 from .session import DuplexProtocolState, new_response_id
+from .session_core import SessionCore
 from .settings import Settings
 from .triton_stream import StepEvent, StepRequest, TritonSession
-
-log = logging.getLogger("gateway")
 
 # Step error codes that end the session with that reason instead of `backend_error`.
 CLOSE_REASONS = {"context_full": "context_full"}
@@ -46,27 +41,15 @@ class _Step:
     voice: dict[str, np.ndarray] | None = None
 
 
-class Connection:
+class Connection(SessionCore):
     def __init__(self, ws: WebSocket, state: DuplexProtocolState, triton: TritonSession, options: DuplexOptions,
                  settings: Settings, voice: dict[str, np.ndarray] | None = None) -> None:
+        super().__init__(state.session_id, triton, settings)
         self.ws = ws
         self.state = state
-        self.triton = triton
-        self.settings = settings
         # What travels with the first step only: the session's options and its voice references.
         self._first: tuple[dict[str, Any], dict[str, np.ndarray] | None] | None = (options.to_dict(), voice)
-        self._queue: asyncio.Queue[_Step] = asyncio.Queue(maxsize=settings.max_pending_steps)
         self._send_lock = asyncio.Lock()
-        self._worker = asyncio.create_task(self._run_steps())
-        self._closing: asyncio.Future[None] | None = None
-
-    @property
-    def session_id(self) -> str:
-        return self.state.session_id
-
-    @property
-    def closed(self) -> bool:
-        return self._closing is not None
 
     async def send(self, data: dict[str, Any]) -> None:
         async with self._send_lock:
@@ -77,29 +60,12 @@ class Connection:
         """Queue a step; False when the session already has `max_pending_steps` waiting."""
         first, self._first = self._first, None
         options, voice = first if first is not None else (None, None)
-        try:
-            self._queue.put_nowait(_Step(message, options, voice))
-        except asyncio.QueueFull:
+        if not self.enqueue(_Step(message, options, voice)):
             self._first = first
             return False
         return True
 
-    async def _run_steps(self) -> None:
-        while self._closing is None:
-            step = await self._queue.get()
-            try:
-                await asyncio.wait_for(self._run_step(step), self.settings.step_timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except asyncio.TimeoutError:
-                self._fail("step_timeout", f"a duplex step took over {self.settings.step_timeout_s:.0f} s")
-                return
-            except Exception as exc:  # noqa: BLE001 (Triton failed: the session ends, the server goes on)
-                log.exception("session %s: step failed", self.session_id)
-                self._fail("backend_error", str(exc))
-                return
-
-    async def _run_step(self, step: _Step) -> None:
+    async def run_step(self, step: _Step) -> None:
         msg = step.message
         if isinstance(msg, ChatTurn):
             await self._run_turn(msg, step.options, step.voice)
@@ -139,45 +105,14 @@ class Connection:
         if ev.code in CLIENT_ERRORS:  # the client's mistake, found by the stages: say so, keep the session
             await self.reject(ev.code, ev.message)
         else:
-            self._fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+            self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
 
-    def _fail(self, reason: str, message: str) -> None:
-        code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
-        asyncio.get_running_loop().create_task(self.close(reason, message=message, ws_code=code))
+    async def send_closed(self, reason: str, message: str | None) -> None:
+        await self.send(self.state.closed(reason, message))
 
-    async def close(self, reason: str, *, message: str | None = None, emit: bool = True,
-                    ws_code: int = CLOSE_NORMAL) -> None:
-        """Idempotent: the first caller does the work, later callers wait for it."""
-        if self._closing is not None:
-            await asyncio.shield(self._closing)
-            return
-        self._closing = asyncio.get_running_loop().create_future()
-        log.info("session %s: closing (%s)", self.session_id, reason)
-        try:
-            if asyncio.current_task() is not self._worker:
-                await self._stop_worker()
-            try:
-                await self.triton.close()  # ends the Triton sequence: state is freed before we answer
-            except Exception:  # noqa: BLE001
-                log.exception("session %s: ending the Triton sequence failed", self.session_id)
-            if emit:
-                with contextlib.suppress(Exception):
-                    await self.send(self.state.closed(reason, message))
-            with contextlib.suppress(Exception):
-                if self.ws.application_state == WebSocketState.CONNECTED:
-                    await self.ws.close(code=ws_code, reason=reason[:120])
-        finally:
-            self._closing.set_result(None)
-            log.info("session %s: closed (%s); Triton sequence %d ended", self.session_id, reason, self.triton.corr_id)
-
-    async def _stop_worker(self) -> None:
-        # Python 3.10/3.11's wait_for can swallow a cancel that lands as the step completes; cancel again.
-        for _ in range(5):
-            self._worker.cancel()
-            done, _ = await asyncio.wait({self._worker}, timeout=1.0)
-            if done:
-                return
-        log.error("session %s: the step worker would not stop", self.session_id)
+    async def close_transport(self, code: int, reason: str) -> None:
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            await self.ws.close(code=code, reason=reason[:120])
 
     async def reject(self, code: str, message: str) -> None:
         """A client error that keeps the session open."""

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import Gateway, create_app
+from .app import create_app
+from .registry import Gateway
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
 

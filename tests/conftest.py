@@ -90,6 +90,7 @@ class RunningGateway:
         self.port = port
         self.http = f"http://127.0.0.1:{port}"
         self.ws = f"ws://127.0.0.1:{port}/backend"
+        self.realtime = f"ws://127.0.0.1:{port}/v1/realtime"
 
     def health(self) -> dict:
         return httpx.get(f"{self.http}/health", timeout=5).json()

@@ -1,0 +1,110 @@
+"""The conversation a Realtime session keeps: its items, and for spoken replies which words went with
+which stretch of audio, so a cut at `audio_end_ms` leaves exactly the words the listener heard (pure code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .events import RealtimeError, new_id
+
+
+@dataclass
+class AudioMark:
+    """One stretch of a reply's audio and the words voiced in it."""
+
+    start_ms: float
+    dur_ms: float
+    text: str
+    kv_after: int = -1  # duplex: the LLM's kv length once this step's words were in its context
+    unit: int = -1  # duplex: the input second (step) that made it
+
+
+@dataclass
+class Item:
+    id: str
+    role: str  # user | assistant | system
+    text: str = ""
+    audio: np.ndarray | None = None  # user audio, 16 kHz float32
+    images: list[str] = field(default_factory=list)  # base64
+    status: str = "completed"
+    # assistant replies
+    spoken: bool = True  # an audio reply (else text only)
+    marks: list[AudioMark] = field(default_factory=list)
+    unvoiced: str = ""  # words not voiced yet (text leads audio)
+    audio_ms: float = 0.0  # audio sent
+    truncated_ms: float | None = None
+
+    def add_text(self, text: str, voiced: bool) -> None:
+        self.text += text
+        if voiced:
+            self.unvoiced += text
+
+    def add_audio(self, dur_ms: float, kv_after: int = -1, unit: int = -1) -> AudioMark:
+        mark = AudioMark(self.audio_ms, dur_ms, self.unvoiced, kv_after, unit)
+        self.marks.append(mark)
+        self.unvoiced = ""
+        self.audio_ms += dur_ms
+        return mark
+
+    def heard_text(self, end_ms: float) -> str:
+        """The words voiced before `end_ms`; a stretch cut in its middle keeps that share of its words."""
+        out = []
+        for m in self.marks:
+            if m.start_ms >= end_ms:
+                break
+            share = 1.0 if m.dur_ms <= 0 else min(1.0, (end_ms - m.start_ms) / m.dur_ms)
+            out.append(m.text[: round(len(m.text) * share)])
+        return "".join(out)
+
+    def heard_marks(self, end_ms: float) -> list[AudioMark]:
+        return [m for m in self.marks if m.start_ms < end_ms]
+
+    def truncate(self, end_ms: float) -> float:
+        """Cut the reply to what was heard, clamped to the audio sent; returns the cut point."""
+        end_ms = max(0.0, min(float(end_ms), self.audio_ms))
+        if self.truncated_ms is not None:
+            end_ms = min(end_ms, self.truncated_ms)  # a cut can only move earlier
+        self.truncated_ms = end_ms
+        self.text = self.heard_text(end_ms)
+        self.unvoiced = ""
+        return end_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.role == "assistant":
+            content = [{"type": "output_audio", "transcript": self.text} if self.spoken
+                       else {"type": "output_text", "text": self.text}]
+        else:
+            content = []
+            if self.text:
+                content.append({"type": "input_text", "text": self.text})
+            if self.audio is not None:
+                content.append({"type": "input_audio", "transcript": None})
+            content += [{"type": "input_image"} for _ in self.images]
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": content}
+
+
+@dataclass
+class Conversation:
+    items: list[Item] = field(default_factory=list)
+
+    def add(self, item: Item) -> tuple[str | None, Item]:
+        previous = self.items[-1].id if self.items else None
+        self.items.append(item)
+        return previous, item
+
+    def get(self, item_id: Any) -> Item:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise RealtimeError("item_not_found", f"no conversation item {item_id!r}", "item_id")
+
+    def delete(self, item_id: Any) -> None:
+        self.items.remove(self.get(item_id))
+
+    def new_item(self, role: str, **kw: Any) -> Item:
+        return Item(new_id("item"), role, **kw)

@@ -1,0 +1,597 @@
+"""The OpenAI Realtime dialect as a state machine (pure code: client events and step events in, effects out).
+
+Turn detection decides who opens a response:
+- `duplex` (default): every second of caller audio is a duplex step and the model decides whether to
+  speak; a spoken turn opens a response (`response.speak`) and its end closes it (`response.listen`).
+  While the assistant speaks, the overlap policy judges the caller's audio: noise is dropped, a
+  backchannel is heard and the reply goes on, sustained speech barges in.
+- `server_vad`: Silero VAD segments the caller's speech; its end commits the buffer as a user item and
+  starts a response (a chat turn over the conversation); speech during a reply interrupts it.
+- `null`: the client commits and asks for responses itself.
+
+A barge-in stops the Triton step in flight, bumps the epoch (nothing of the old one reaches the client),
+ends the response `cancelled` / `barge_in`, cuts the reply to what was heard, and, in duplex, rolls the
+LLM's context back to that point with the next step.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from minicpmo_triton.duplex_options import DuplexOptions
+
+from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64, resample
+from ..overlap import OverlapDecision, OverlapPolicy, rms
+from ..session import Usage
+from ..triton_stream import StepEvent, StepRequest
+from ..vad import WINDOW_MS, SpeechSegmenter
+from .config import RealtimeConfig, apply_update, max_output_tokens
+from .conversation import Conversation, Item
+from .engine import UNIT, Effects, EngineState, PlannedStep
+from .events import RealtimeError, error_event, new_id, server_event, usage_block
+
+MAX_APPEND_SECONDS = 5
+MIN_COMMIT_MS = 100
+REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
+CONTEXT_TOKENS = 8192
+MAX_FRAMES = 4
+CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
+                "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
+
+
+class SpeechProbabilities(Protocol):
+    def probabilities(self, audio: np.ndarray) -> list[float]: ...
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    epoch: int
+    kv_before: int = -1  # duplex: where to roll back to if nothing of it was heard
+    unit_before: int = -1
+    usage: Usage = field(default_factory=Usage)
+    first_audio_at: float | None = None
+    ack_ms: float = 0.0
+    ack_at: float | None = None
+    done: bool = False
+    kv_length: int = 0
+
+
+@dataclass
+class OpenAIRealtimeState(EngineState):
+    config: RealtimeConfig = field(default_factory=RealtimeConfig)
+    vad: SpeechProbabilities | None = None
+    conversation: Conversation = field(default_factory=Conversation)
+    response: Response | None = None  # the latest response, open or done
+    past_responses: set[str] = field(default_factory=set)
+    overlap: OverlapPolicy | None = None
+    segmenter: SpeechSegmenter | None = None
+    _unit_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    _buffer: list[np.ndarray] = field(default_factory=list)  # uncommitted caller audio (turn-based), 16 kHz
+    _speech_item: str | None = None
+    _units: int = 0
+    _sent_units: deque[tuple[int, np.ndarray]] = field(default_factory=lambda: deque(maxlen=REPLAY_UNITS))
+    _last_listen: tuple[int, int] = (-1, -1)  # (kv length, unit) after the latest step that did not speak
+    _rollback: tuple[int, int] | None = None  # (kv length, unit) to go back to with the next duplex step
+    _listen_next: bool = False
+    _frames: list[bytes] = field(default_factory=list)
+    _reported: tuple[str, str] | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._reset_detectors()
+
+    def options(self) -> DuplexOptions:
+        return self.config.options()
+
+    def _reset_detectors(self) -> None:
+        td = self.config.turn_detection
+        self.overlap = OverlapPolicy(self.config.overlap)
+        position = self.segmenter.position_ms if self.segmenter else 0
+        self.segmenter = SpeechSegmenter(td.threshold, td.prefix_padding_ms, td.silence_duration_ms,
+                                         position_ms=position)
+
+    # ---- session ----
+    def created(self) -> list[dict[str, Any]]:
+        return [server_event("session.created", session=self._session_dict(), capabilities=CAPABILITIES)]
+
+    def _session_dict(self) -> dict[str, Any]:
+        return {**self.config.to_dict(self.session_id), "epoch": self.epoch}
+
+    @property
+    def active(self) -> Response | None:
+        return self.response if self.response is not None and not self.response.done else None
+
+    # ---- client events ----
+    def on_client(self, msg: dict[str, Any]) -> Effects:
+        kind = msg["type"]
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            raise RealtimeError("unknown_event", f"unknown event type {kind!r}", "type")
+        return handler(self, msg)
+
+    def _session_update(self, msg: dict[str, Any]) -> Effects:
+        config = apply_update(self.config, msg.get("session"), self.started)
+        if config.turn_detection.type == "server_vad" and self.vad is None:
+            raise RealtimeError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
+                                "session.audio.input.turn_detection.type")
+        self.config = config
+        self._reset_detectors()
+        return Effects([server_event("session.updated", session=self._session_dict())])
+
+    def _append(self, msg: dict[str, Any]) -> Effects:
+        data = msg.get("audio")
+        if not isinstance(data, str) or not data:
+            raise RealtimeError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+        rate = self.config.input_rate
+        try:
+            audio = resample(decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate), rate, INPUT_RATE)
+        except AudioDecodeError as exc:
+            raise RealtimeError("bad_audio", str(exc), "audio") from exc
+        hint = msg.get("transcript_hint") or (msg.get("hints") or {}).get("transcript")
+        return self.hear(audio, hint if isinstance(hint, str) else None)
+
+    def hear(self, audio: np.ndarray, hint: str | None = None) -> Effects:
+        """Caller audio (16 kHz float32), however it arrived."""
+        out = Effects()
+        probs = self.vad.probabilities(audio) if self.vad is not None else []
+        vad_events = self.segmenter.feed(probs)
+        if self.config.duplex:
+            audio = self._judge_overlap(audio, probs, any(e.kind == "speech_started" for e in vad_events), hint, out)
+            self._unit_audio = np.concatenate([self._unit_audio, audio])
+            while len(self._unit_audio) >= UNIT:
+                unit, self._unit_audio = self._unit_audio[:UNIT], self._unit_audio[UNIT:]
+                out.steps.append(self._duplex_step(unit))
+            return out
+        self._buffer.append(audio)
+        if self.config.turn_detection.type != "server_vad":
+            return out
+        for ev in vad_events:
+            if ev.kind == "speech_started":
+                self._speech_item = new_id("item")
+                out.events.append(server_event("input_audio_buffer.speech_started", audio_start_ms=ev.audio_ms,
+                                               item_id=self._speech_item))
+                if self.active is not None and self.config.turn_detection.interrupt_response:
+                    out.extend(self._interrupt("barge_in"))
+            else:
+                out.events.append(server_event("input_audio_buffer.speech_stopped", audio_end_ms=ev.audio_ms,
+                                               item_id=self._speech_item))
+                out.extend(self._commit_buffer(self._speech_item))
+                if self.config.turn_detection.create_response and self.active is None:
+                    out.extend(self._respond())
+        return out
+
+    def _judge_overlap(self, audio: np.ndarray, probs: list[float], onset: bool, hint: str | None,
+                       out: Effects) -> np.ndarray:
+        if self.active is None:
+            self.overlap.reset()
+            self._reported = None
+            return audio
+        if probs:
+            speech_ms = sum(p >= self.config.turn_detection.threshold for p in probs) * WINDOW_MS
+        else:  # no VAD model: loud enough counts as speech
+            speech_ms = len(audio) * 1000 // INPUT_RATE if rms(audio) >= self.config.overlap.silence_rms else 0
+        decision = self.overlap.decide(audio, speech_ms, onset, hint)
+        if (decision.action, decision.reason) != self._reported or decision.action == "barge_in":
+            self._reported = (decision.action, decision.reason)
+            out.events.append(self._decision_event(decision))
+        if decision.action == "barge_in":
+            out.extend(self._interrupt("barge_in"))
+            self._listen_next = True  # the second in which the caller barged in is listened to
+        if decision.action == "drop":
+            return np.zeros_like(audio)  # noise under a reply: the model hears silence
+        return audio
+
+    def _decision_event(self, d: OverlapDecision) -> dict[str, Any]:
+        return server_event("overlap.decision", policy=self.config.overlap.policy, action=d.action, reason=d.reason,
+                            speech_ms=d.speech_ms, response_id=self.response.id if self.response else None,
+                            epoch=self.epoch)
+
+    def _duplex_step(self, unit_audio: np.ndarray, force_listen: bool = False) -> PlannedStep:
+        self._units += 1
+        frames, self._frames = self._frames, []
+        req = StepRequest(audio=unit_audio, force_listen=force_listen, frames=frames,
+                          max_slice_nums=[1] * len(frames))
+        return PlannedStep("duplex", req, self.epoch, unit=self._units)
+
+    def prepare(self, step: PlannedStep) -> StepRequest:
+        req = super().prepare(step)
+        if step.kind == "duplex":
+            req.force_listen = req.force_listen or self._listen_next  # the second the caller barged in is heard
+            self._listen_next = False
+            if self._rollback is not None:
+                kv, after = self._rollback
+                self._rollback = None
+                replay = [a for u, a in self._sent_units if u > after]
+                if kv >= 0 and (not self._sent_units or self._sent_units[0][0] <= after + 1):
+                    req.rollback_to = kv
+                    req.replay_audio = np.concatenate(replay) if replay else None
+            self._sent_units.append((step.unit, req.audio))
+        return req
+
+    def _commit(self, msg: dict[str, Any]) -> Effects:
+        if self.config.duplex:
+            unit = _committable(self._unit_audio)
+            self._unit_audio = np.zeros(0, np.float32)
+            return Effects([server_event("input_audio_buffer.committed", item_id=None)], [self._duplex_step(unit)])
+        return self._commit_buffer(None)
+
+    def _commit_buffer(self, item_id: str | None) -> Effects:
+        audio = _committable(np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.float32))
+        self._buffer = []
+        item = Item(item_id or new_id("item"), "user", audio=audio)
+        previous, _ = self.conversation.add(item)
+        return Effects([
+            server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous),
+            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
+            server_event("conversation.item.done", item=item.to_dict()),
+        ])
+
+    def _clear(self, msg: dict[str, Any]) -> Effects:
+        self._buffer, self._unit_audio = [], np.zeros(0, np.float32)
+        return Effects([server_event("input_audio_buffer.cleared")])
+
+    def _item_create(self, msg: dict[str, Any]) -> Effects:
+        raw = msg.get("item")
+        if not isinstance(raw, dict) or raw.get("type", "message") != "message":
+            raise RealtimeError("invalid_value", "item must be a message", "item")
+        role = raw.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", "item.role")
+        item = self.conversation.new_item(role, spoken=False)
+        content = raw.get("content") or []
+        if not isinstance(content, list):
+            raise RealtimeError("invalid_value", "item.content must be a list", "item.content")
+        for part in content:
+            self._add_part(item, part)
+        if not item.text and item.audio is None and not item.images:
+            raise RealtimeError("missing_field", "the item has no text, audio or image content", "item.content")
+        out = Effects()
+        if self.config.duplex:
+            if item.audio is not None:
+                raise RealtimeError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
+                                    "item.content")
+            if len(self._frames) + len(item.images) > MAX_FRAMES:
+                raise RealtimeError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
+            self._frames += [base64.b64decode(i) for i in item.images]  # seen with the next second of audio
+            if item.text:
+                req = StepRequest(context={"text": item.text, "kind": role, "respond": False})
+                out.steps.append(PlannedStep("context", req, self.epoch))
+        previous, _ = self.conversation.add(item)
+        out.events += [server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
+                       server_event("conversation.item.done", item=item.to_dict())]
+        return out
+
+    def _add_part(self, item: Item, part: Any) -> None:
+        if not isinstance(part, dict):
+            raise RealtimeError("invalid_value", "each content part must be an object", "item.content")
+        kind = part.get("type")
+        if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
+            item.text += part["text"]
+        elif kind == "input_audio" and isinstance(part.get("audio"), str):
+            rate = self.config.input_rate
+            try:
+                audio = resample(decode_pcm16_base64(part["audio"], 60 * rate), rate, INPUT_RATE)
+            except AudioDecodeError as exc:
+                raise RealtimeError("bad_audio", str(exc), "item.content.audio") from exc
+            item.audio = _whole_tenths(audio)
+        elif kind == "input_image":
+            url = part.get("image_url")
+            data = url.split(",", 1)[-1] if isinstance(url, str) else part.get("image")
+            try:
+                if not isinstance(data, str) or not base64.b64decode(data, validate=True):
+                    raise ValueError("empty")
+            except (binascii.Error, ValueError) as exc:
+                raise RealtimeError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
+                    from exc
+            item.images.append(data)
+        else:
+            raise RealtimeError("invalid_value", f"unsupported content part {kind!r}", "item.content")
+
+    def _item_retrieve(self, msg: dict[str, Any]) -> Effects:
+        return Effects([server_event("conversation.item.retrieved",
+                                     item=self.conversation.get(msg.get("item_id")).to_dict())])
+
+    def _item_delete(self, msg: dict[str, Any]) -> Effects:
+        item_id = msg.get("item_id")
+        if self.active is not None and self.active.item.id == item_id:
+            raise RealtimeError("invalid_value", "cancel the response before deleting its item", "item_id")
+        self.conversation.delete(item_id)
+        return Effects([server_event("conversation.item.deleted", item_id=item_id)])
+
+    def _item_truncate(self, msg: dict[str, Any]) -> Effects:
+        item = self.conversation.get(msg.get("item_id"))
+        if item.role != "assistant":
+            raise RealtimeError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
+        end = msg.get("audio_end_ms")
+        if isinstance(end, bool) or not isinstance(end, (int, float)) or end < 0:
+            raise RealtimeError("invalid_value", "audio_end_ms must be a number >= 0", "audio_end_ms")
+        out = Effects()
+        response = self.response if self.response is not None and self.response.item is item else None
+        if response is not None and not response.done:
+            out.extend(self._interrupt("client_cancelled", heard_ms=float(end)))
+            return out
+        cut = item.truncate(float(end))
+        if response is not None:
+            self._plan_rollback(response)
+        out.events.append(server_event("conversation.item.truncated", item_id=item.id,
+                                       content_index=msg.get("content_index", 0), audio_end_ms=round(cut)))
+        return out
+
+    def _response_create(self, msg: dict[str, Any]) -> Effects:
+        if self.active is not None:
+            raise RealtimeError("conversation_already_has_active_response",
+                                f"response {self.active.id} is still in progress")
+        spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
+        if self.config.duplex:
+            text = spec.get("instructions")
+            if not isinstance(text, str) or not text.strip():
+                raise RealtimeError("invalid_value", "with duplex turn detection the model decides when to speak; "
+                                    "response.create needs response.instructions to prompt it", "response.instructions")
+            req = StepRequest(context={"text": text.strip(), "kind": "instructions", "respond": True})
+            return Effects(steps=[PlannedStep("context", req, self.epoch)])
+        budget = spec.get("max_output_tokens")
+        return self._respond(self.config.max_output_tokens if budget is None
+                             else max_output_tokens(budget, "response.max_output_tokens"))
+
+    def _respond(self, budget: int | None = None) -> Effects:
+        """A turn-based response: a chat turn over the conversation so far."""
+        messages = [self._chat_message(i) for i in self.conversation.items if i.text or i.audio is not None
+                    or i.images]
+        if not messages or messages[-1]["role"] == "assistant":
+            raise RealtimeError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        out = self._open_response(self.clock())
+        chat = {"messages": messages, "max_new_tokens": budget or self.config.max_output_tokens,
+                "generate_audio": self.config.audio_out}
+        out.steps.append(PlannedStep("chat", StepRequest(chat=chat), self.epoch, response_id=self.response.id))
+        return out
+
+    @staticmethod
+    def _chat_message(item: Item) -> dict[str, Any]:
+        audio = None
+        if item.audio is not None:
+            audio = base64.b64encode(np.ascontiguousarray(item.audio, "<f4").tobytes()).decode("ascii")
+        return {"role": item.role, "text": item.text, "audio": audio, "images": item.images, "max_slice_nums": 1}
+
+    def _response_cancel(self, msg: dict[str, Any]) -> Effects:
+        if self.active is None:
+            raise RealtimeError("response_cancel_not_active", "there is no response in progress to cancel")
+        return self._interrupt("client_cancelled")
+
+    def _output_clear(self, msg: dict[str, Any]) -> Effects:
+        out = self._interrupt("output_cleared") if self.active is not None else Effects()
+        out.events.append(server_event("output_audio_buffer.cleared",
+                                       response_id=self.response.id if self.response else None))
+        return out
+
+    def _playback_ack(self, msg: dict[str, Any]) -> Effects:
+        response_id, played = msg.get("response_id"), msg.get("played_ms")
+        if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
+            raise RealtimeError("invalid_value", "played_ms must be a number >= 0", "played_ms")
+        r = self.response
+        if r is None or response_id != r.id:
+            if response_id in self.past_responses:
+                raise RealtimeError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
+                                    "response_id")
+            raise RealtimeError("unknown_response", f"no response {response_id!r}", "response_id")
+        r.ack_ms = max(r.ack_ms, min(float(played), r.item.audio_ms))  # acks only move forward
+        r.ack_at = self.clock()
+        committed = r.done
+        out = Effects()
+        if r.done and self.config.playback_commit_policy == "ack_only" and r.ack_ms < r.item.audio_ms:
+            cut = r.item.truncate(r.ack_ms)
+            self._plan_rollback(r)
+            out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
+                                           audio_end_ms=round(cut)))
+        out.events.insert(0, server_event("playback.acknowledged", response_id=r.id, played_ms=round(r.ack_ms),
+                                          history_committed=committed))
+        return out
+
+    def _close(self, msg: dict[str, Any]) -> Effects:
+        return Effects(close="client_closed")
+
+    def _heartbeat(self, msg: dict[str, Any]) -> Effects:
+        return Effects()
+
+    # ---- responses ----
+    def _open_response(self, now: float) -> Effects:
+        item = self.conversation.new_item("assistant", status="in_progress", spoken=self.config.audio_out)
+        if self.response is not None:
+            self.past_responses.add(self.response.id)
+        kv, unit = self._last_listen
+        self.response = Response(new_id("resp"), item, self.epoch, kv_before=kv, unit_before=unit)
+        previous, _ = self.conversation.add(item)
+        r = self.response
+        part = {"type": "output_audio" if self.config.audio_out else "output_text",
+                "transcript" if self.config.audio_out else "text": ""}
+        events = []
+        if self.config.duplex:
+            events.append(server_event("response.speak", response_id=r.id, epoch=self.epoch))
+        events += [
+            server_event("response.created", response=self._response_dict(r)),
+            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
+            server_event("response.output_item.added", response_id=r.id, output_index=0, item=item.to_dict()),
+            server_event("response.content_part.added", response_id=r.id, item_id=item.id, output_index=0,
+                         content_index=0, part=part),
+        ]
+        return Effects(events)
+
+    def _response_dict(self, r: Response, status: str = "in_progress",
+                       details: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": r.id, "object": "realtime.response", "status": status, "status_details": details,
+                "output": [r.item.to_dict()] if status != "in_progress" else [],
+                "output_modalities": list(self.config.output_modalities),
+                "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.config.output_rate},
+                                     "voice": self.config.voice}},
+                "usage": usage_block(r.usage.counts) if status != "in_progress" else None}
+
+    def _finish_response(self, status: str, details: dict[str, Any] | None = None) -> Effects:
+        r = self.response
+        r.done = True
+        item = r.item
+        item.status = "completed" if status == "completed" else "incomplete"
+        ids = {"response_id": r.id, "item_id": item.id, "output_index": 0, "content_index": 0}
+        if self.config.audio_out:
+            events = [server_event("response.output_audio.done", **ids),
+                      server_event("response.output_audio_transcript.done", transcript=item.text, **ids)]
+            part = {"type": "output_audio", "transcript": item.text}
+        else:
+            events = [server_event("response.output_text.done", text=item.text, **ids)]
+            part = {"type": "output_text", "text": item.text}
+        events += [
+            server_event("response.content_part.done", part=part, **ids),
+            server_event("response.output_item.done", response_id=r.id, output_index=0, item=item.to_dict()),
+            server_event("conversation.item.done", item=item.to_dict()),
+            server_event("response.done", response=self._response_dict(r, status, details)),
+            server_event("rate_limits.updated", rate_limits=[{
+                "name": "context_tokens", "limit": CONTEXT_TOKENS,
+                "remaining": max(0, CONTEXT_TOKENS - r.kv_length), "reset_seconds": 0}]),
+        ]
+        if self.config.duplex:
+            events.append(server_event("response.listen", response_id=r.id, epoch=self.epoch,
+                                       end_of_turn=status == "completed"))
+        return Effects(events)
+
+    def heard_ms(self, r: Response) -> float:
+        """How much of a reply the listener has heard: acked, else as if played in real time from its first audio."""
+        now = self.clock()
+        if self.config.playback_commit_policy == "ack_only":
+            return r.ack_ms
+        if r.ack_at is not None:
+            return min(r.item.audio_ms, r.ack_ms + (now - r.ack_at) * 1000)
+        if r.first_audio_at is None:
+            return 0.0
+        return min(r.item.audio_ms, (now - r.first_audio_at) * 1000)
+
+    def _interrupt(self, reason: str, heard_ms: float | None = None) -> Effects:
+        """Barge-in, cancel, clear: the reply stops where the listener stopped hearing it."""
+        r = self.active
+        if r is None:
+            return Effects()
+        heard = self.heard_ms(r) if heard_ms is None else heard_ms
+        cut = r.item.truncate(heard)
+        self._plan_rollback(r, always=True)  # the step in flight may have said more than was sent
+        self.epoch += 1
+        out = Effects(cancel=True)
+        out.extend(self._finish_response("cancelled", {"type": "cancelled", "reason": reason}))
+        out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
+                                       audio_end_ms=round(cut)))
+        self.overlap.reset()
+        return out
+
+    def _plan_rollback(self, r: Response, always: bool = False) -> None:
+        """Duplex: the next step takes the LLM back to the last heard step (or to before the reply)."""
+        if not self.config.duplex:
+            return  # turn-based: the next turn's messages carry the cut transcript; the LLM stage rebuilds
+        heard = r.item.heard_marks(r.item.truncated_ms if r.item.truncated_ms is not None else r.item.audio_ms)
+        if not always and len(heard) == len(r.item.marks):
+            return  # every step of the reply was (at least partly) heard: nothing to take back
+        target = (heard[-1].kv_after, heard[-1].unit) if heard else (r.kv_before, r.unit_before)
+        if target[0] >= 0:
+            self._rollback = target
+
+    # ---- step events ----
+    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+        if self.is_stale(step, ev):
+            return Effects()
+        if step.kind == "chat":
+            return self._chat_event(step, ev)
+        out = Effects()
+        kv = int(ev.metrics.get("kv_cache_length", -1))
+        if ev.kind == "listen":
+            if step.kind == "duplex" and kv >= 0:
+                self._last_listen = (kv, step.unit)
+            if self.active is not None:
+                self._count(ev)
+                out.extend(self._finish_response("completed"))
+            return out
+        if self.active is None:
+            out.extend(self._open_response(self.clock()))
+        self._count(ev)
+        if kv >= 0:
+            self.response.kv_length = kv
+        out.events += self._delta_events(ev, kv, step.unit)
+        return out
+
+    def _count(self, ev: StepEvent) -> None:
+        if ev.chunk_usage and self.response is not None:
+            self.response.usage.add(ev.chunk_usage)
+
+    def _delta_events(self, ev: StepEvent, kv: int = -1, unit: int = -1) -> list[dict[str, Any]]:
+        r = self.response
+        ids = {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
+        if ev.kind == "text" and ev.text:
+            r.item.add_text(ev.text, voiced=self.config.audio_out)
+            kind = "response.output_audio_transcript.delta" if self.config.audio_out else "response.output_text.delta"
+            return [server_event(kind, delta=ev.text, **ids)]
+        if ev.kind == "audio" and len(ev.audio) and self.config.audio_out:
+            dur_ms = len(ev.audio) * 1000 / OUTPUT_RATE
+            mark = r.item.add_audio(dur_ms, kv, unit)
+            if r.first_audio_at is None:
+                r.first_audio_at = self.clock()
+            pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, self.config.output_rate))
+            return [server_event("response.output_audio.delta", delta=pcm, **ids, metadata={
+                "epoch": self.epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
+                "kv_cache_length": kv})]
+        return []
+
+    def _chat_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+        if self.active is None or self.active.id != step.response_id:
+            return Effects()
+        self._count(ev)
+        if ev.kind == "done":
+            self.response.kv_length = int(ev.metrics.get("kv_cache_length", 0))
+            return self._finish_response("completed" if ev.reason != "length" else "incomplete",
+                                         None if ev.reason != "length" else {"type": "incomplete",
+                                                                             "reason": "max_output_tokens"})
+        return Effects(self._delta_events(ev))
+
+    def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
+        """A step the stages refused for the client's input: say so; its response (if any) failed."""
+        out = Effects([error_event(RealtimeError(code, message))])
+        if step.epoch == self.epoch and self.active is not None and step.kind == "chat":
+            out.extend(self._finish_response("failed", {"type": "failed", "error": {"code": code,
+                                                                                     "message": message}}))
+        return out
+
+    def wanted(self, step: PlannedStep) -> bool:
+        """A chat step whose response was cancelled while it waited need not run."""
+        return step.kind != "chat" or (self.active is not None and self.active.id == step.response_id)
+
+
+def _whole_tenths(audio: np.ndarray) -> np.ndarray:
+    """Zero-padded to whole tenths of a second: what the audio encoder takes."""
+    return np.pad(audio, (0, -len(audio) % (INPUT_RATE // 10)))
+
+
+def _committable(audio: np.ndarray) -> np.ndarray:
+    if len(audio) < MIN_COMMIT_MS * INPUT_RATE // 1000:
+        raise RealtimeError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
+    return _whole_tenths(audio)
+
+
+_HANDLERS: dict[str, Callable[[OpenAIRealtimeState, dict[str, Any]], Effects]] = {
+    "session.update": OpenAIRealtimeState._session_update,
+    "input_audio_buffer.append": OpenAIRealtimeState._append,
+    "input_audio_buffer.commit": OpenAIRealtimeState._commit,
+    "input_audio_buffer.clear": OpenAIRealtimeState._clear,
+    "conversation.item.create": OpenAIRealtimeState._item_create,
+    "conversation.item.retrieve": OpenAIRealtimeState._item_retrieve,
+    "conversation.item.delete": OpenAIRealtimeState._item_delete,
+    "conversation.item.truncate": OpenAIRealtimeState._item_truncate,
+    "response.create": OpenAIRealtimeState._response_create,
+    "response.cancel": OpenAIRealtimeState._response_cancel,
+    "output_audio_buffer.clear": OpenAIRealtimeState._output_clear,
+    "playback.ack": OpenAIRealtimeState._playback_ack,
+    "session.close": OpenAIRealtimeState._close,
+    "session.heartbeat": OpenAIRealtimeState._heartbeat,
+}

@@ -1,0 +1,254 @@
+"""The Realtime dialects' pure code: audio codec, VAD segmentation, overlap policy, journal, conversation
+cuts, and the OpenAI state machine driven by hand-made step events (no sockets, no Triton)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
+from gateway.journal import Journal
+from gateway.overlap import OverlapPolicy, OverlapSettings
+from gateway.realtime.config import RealtimeConfig, apply_update
+from gateway.realtime.conversation import Item
+from gateway.realtime.events import RealtimeError
+from gateway.realtime.openai_state import OpenAIRealtimeState
+from gateway.triton_stream import StepEvent
+from gateway.vad import WINDOW, SpeechSegmenter
+
+
+class LoudnessVad:
+    """Speech wherever a window is loud: a stand-in for Silero in tests of the code around it."""
+
+    def probabilities(self, audio: np.ndarray) -> list[float]:
+        n = len(audio) // WINDOW
+        return [float(np.abs(audio[i * WINDOW:(i + 1) * WINDOW]).mean() > 0.05) for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pcm(seconds: float, loud: bool, rate: int = 24_000) -> str:
+    n = int(seconds * rate)
+    audio = 0.3 * np.sin(np.arange(n) * 0.05) if loud else np.zeros(n)
+    return encode_pcm16_base64(audio.astype(np.float32))
+
+
+def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
+    clock = Clock()
+    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad(), clock=clock)
+    if session:
+        st.on_client({"type": "session.update", "session": session})
+    return st, clock
+
+
+def types(fx) -> list[str]:
+    return [e["type"] for e in fx.events]
+
+
+def speak(st: OpenAIRealtimeState, step, text: str = "hi", kv: int = 100, seconds: float = 1.0) -> list[str]:
+    out = st.on_step_event(step, StepEvent("text", text=text, metrics={"kv_cache_length": kv}))
+    audio = np.full(int(24_000 * seconds), 0.1, np.float32)
+    out.extend(st.on_step_event(step, StepEvent("audio", audio=audio, metrics={"kv_cache_length": kv})))
+    return types(out)
+
+
+# ---- codecs and detectors ----
+def test_pcm16_round_trip_and_strict_decoding() -> None:
+    audio = np.array([0.0, 0.5, -0.5, 0.999], np.float32)
+    back = decode_pcm16_base64(encode_pcm16_base64(audio), 10)
+    np.testing.assert_allclose(back, audio, atol=1 / 32768)
+    with pytest.raises(AudioDecodeError, match="16-bit"):
+        decode_pcm16_base64(base64.b64encode(b"abc").decode(), 10)
+    with pytest.raises(AudioDecodeError, match="base64"):
+        decode_pcm16_base64("not base64!", 10)
+    with pytest.raises(AudioDecodeError, match="at most"):
+        decode_pcm16_base64(encode_pcm16_base64(np.zeros(11, np.float32)), 10)
+
+
+def test_segmenter_pads_the_start_and_waits_out_the_silence() -> None:
+    seg = SpeechSegmenter(threshold=0.5, prefix_padding_ms=64, silence_duration_ms=96, window_ms=32)
+    events = seg.feed([0.0] * 10 + [0.9] * 5 + [0.1] * 2 + [0.9] + [0.0] * 3)
+    assert [(e.kind, e.audio_ms) for e in events] == [("speech_started", 320 - 64), ("speech_stopped", 576)]
+
+
+def test_overlap_policy_decisions() -> None:
+    loud, quiet = np.full(1600, 0.2, np.float32), np.zeros(1600, np.float32)
+    p = OverlapPolicy(OverlapSettings(short_ack_ms=700, barge_in_ms=1200))
+    assert p.decide(quiet, 0).action == "drop"
+    assert (p.decide(loud, 500).action, p.decide(loud, 0).reason) == ("listen", "noise")  # a pause resets
+    assert p.decide(loud, 300, hint="OK.").reason == "backchannel"
+    assert p.decide(loud, 500).reason == "short_speech"  # 800 ms: past the short ack, under barge-in
+    assert p.decide(loud, 500).action == "barge_in"  # 1300 ms of sustained speech
+    onset = OverlapPolicy(OverlapSettings(policy="barge_in_on_speech"))
+    assert onset.decide(loud, 100, vad_onset=True).reason == "speech_onset"
+    never = OverlapPolicy(OverlapSettings(policy="listen_only"))
+    assert never.decide(loud, 5000).action == "listen"
+
+
+def test_journal_replays_what_follows_and_reports_a_gap() -> None:
+    now = [0.0]
+    j = Journal(max_age_s=10, max_bytes=25, clock=lambda: now[0])
+    for seq in range(1, 4):
+        j.add(seq, f"event-{seq}")  # 7 bytes each
+    assert j.since(1) == ["event-2", "event-3"]
+    j.add(4, "event-4")  # 28 bytes: event 1 goes
+    assert j.since(0) is None and j.since(1) == ["event-2", "event-3", "event-4"]
+    now[0] = 20.0
+    assert j.since(3) is None  # all of it aged out
+
+
+def test_a_cut_keeps_the_words_heard_and_only_moves_earlier() -> None:
+    item = Item("item_1", "assistant")
+    for words in ("Hello there. ", "How are you?"):
+        item.add_text(words, voiced=True)
+        item.add_audio(1000)
+    assert item.heard_text(1500) == "Hello there. How ar"
+    assert item.truncate(99_999) == 2000  # clamped to what was sent
+    assert item.truncate(500) == 500 and item.text == "Hello "
+    assert item.truncate(1800) == 500  # never back out
+
+
+# ---- configuration ----
+def test_session_update_reads_ga_and_beta_shapes() -> None:
+    ga = apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                                                             "turn_detection": {"type": "server_vad",
+                                                                                "silence_duration_ms": 300}}},
+                                         "output_modalities": ["text"]}, started=False)
+    assert (ga.input_rate, ga.turn_detection.type, ga.turn_detection.silence_duration_ms) == (16000, "server_vad", 300)
+    assert not ga.audio_out
+    beta = apply_update(RealtimeConfig(), {"input_audio_format": "pcm16", "turn_detection": None,
+                                           "temperature": 0.0}, started=False)
+    assert beta.turn_detection.type is None and beta.options().temperature == 0.0
+    with pytest.raises(RealtimeError) as err:
+        apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, started=False)
+    assert err.value.code == "unsupported_audio_format"
+    with pytest.raises(RealtimeError) as err:
+        apply_update(RealtimeConfig(), {"turn_detection": {"type": "server_vad"}}, started=True)
+    assert err.value.code == "session_update_not_allowed"
+    with pytest.raises(RealtimeError) as err:
+        apply_update(RealtimeConfig(), {"instructions": "Be brief."}, started=True)
+    assert err.value.code == "session_update_not_allowed"
+    assert apply_update(RealtimeConfig(), {"overlap_barge_in_ms": 900}, started=True).overlap.barge_in_ms == 900
+
+
+# ---- the OpenAI state machine ----
+def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response() -> None:
+    st, _ = state()
+    fx = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(2.5, loud=True)})
+    assert [len(s.request.audio) for s in fx.steps] == [16_000, 16_000]
+    steps = fx.steps
+    for s in steps:
+        st.prepare(s)
+    assert steps[0].request.options is not None and steps[1].request.options is None  # options ride on the first
+    assert types(st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 50}))) == []
+    assert speak(st, steps[1]) == [
+        "response.speak", "response.created", "conversation.item.added", "response.output_item.added",
+        "response.content_part.added", "response.output_audio_transcript.delta", "response.output_audio.delta"]
+    done = st.on_step_event(steps[1], StepEvent("listen", end_of_turn=True, chunk_usage={"output_text_tokens": 2}))
+    assert types(done) == [
+        "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+        "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
+        "response.listen"]
+    response = next(e for e in done.events if e["type"] == "response.done")["response"]
+    assert response["status"] == "completed" and response["usage"]["output_tokens"] == 2
+    assert response["output"][0]["content"][0]["transcript"] == "hi"
+
+
+def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
+    st, clock = state()
+    steps = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(4, loud=False)}).steps
+    for s in steps:
+        st.prepare(s)
+    st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 40}))
+    speak(st, steps[1], "one ", kv=60)
+    clock.now += 0.5
+    speak(st, steps[2], "two ", kv=80)
+    fx = st.on_client({"type": "response.cancel"})
+    assert fx.cancel and st.epoch == 1
+    done = next(e for e in fx.events if e["type"] == "response.done")["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+    truncated = next(e for e in fx.events if e["type"] == "conversation.item.truncated")
+    assert truncated["audio_end_ms"] == 500  # half a second heard, in real time from the first audio
+    assert done["output"][0]["content"][0]["transcript"] == "on"
+    # The step in flight (the old epoch) keeps talking: none of it gets out, its usage still counts.
+    late = st.on_step_event(steps[3], StepEvent("text", text="late", chunk_usage={"output_text_tokens": 1}))
+    assert late.events == [] and st.stale_dropped == 1 and st.usage.counts["output_text_tokens"] == 1
+    # The next step rolls the LLM back to step 1 (partly heard) and hears steps 2 and 3 again.
+    nxt = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
+    req = st.prepare(nxt)
+    assert req.rollback_to == 60 and len(req.replay_audio) == 2 * 16_000
+    assert st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0].request \
+        .rollback_to == -1
+
+
+def test_sustained_speech_under_a_reply_barges_in_and_a_backchannel_does_not() -> None:
+    st, _ = state(overlap_barge_in_ms=1200, overlap_short_ack_ms=700)
+    steps = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps
+    st.prepare(steps[0])
+    speak(st, steps[0])
+    quiet = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.2, loud=False)})
+    assert [e["action"] for e in quiet.events if e["type"] == "overlap.decision"] == ["drop"]
+    ack = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.4, loud=True), "transcript_hint": "ok"})
+    assert [(e["action"], e["reason"]) for e in ack.events] == [("listen", "backchannel")]
+    assert st.active is not None
+    more = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1.0, loud=True)})
+    decisions = [(e["action"], e["reason"]) for e in more.events if e["type"] == "overlap.decision"]
+    assert decisions == [("barge_in", "sustained_speech")] and more.cancel
+    done = next(e for e in more.events if e["type"] == "response.done")["response"]
+    assert done["status_details"]["reason"] == "barge_in"
+
+
+def test_client_errors_are_coded() -> None:
+    st, _ = state()
+
+    def code(event: dict) -> str:
+        with pytest.raises(RealtimeError) as err:
+            st.on_client(event)
+        return err.value.code
+
+    assert code({"type": "response.cancel"}) == "response_cancel_not_active"
+    assert code({"type": "input_audio_buffer.commit"}) == "input_audio_buffer_commit_empty"
+    assert code({"type": "no.such.event"}) == "unknown_event"
+    assert code({"type": "input_audio_buffer.append", "audio": "@@@"}) == "bad_audio"
+    odd = base64.b64encode(b"\x00\x01\x02").decode()
+    assert code({"type": "input_audio_buffer.append", "audio": odd}) == "bad_audio"
+    assert code({"type": "playback.ack", "response_id": "resp_x", "played_ms": 10}) == "unknown_response"
+    step = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
+    st.prepare(step)
+    speak(st, step)
+    first = st.response.id
+    assert code({"type": "response.create", "response": {"instructions": "go"}}) \
+        == "conversation_already_has_active_response"
+    st.on_client({"type": "response.cancel"})
+    step = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
+    st.prepare(step)
+    speak(st, step)
+    assert code({"type": "playback.ack", "response_id": first, "played_ms": 10}) == "playback_ack_too_late"
+    ack = st.on_client({"type": "playback.ack", "response_id": st.response.id, "played_ms": 10**6})
+    assert ack.events[0]["played_ms"] == 1000  # clamped to the audio sent
+
+
+def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> None:
+    st, clock = state(turn_detection=None)
+    st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                               "content": [{"type": "input_text", "text": "Hi"}]}})
+    fx = st.on_client({"type": "response.create"})
+    chat = fx.steps[0].request.chat
+    assert [m["role"] for m in chat["messages"]] == ["user"] and chat["generate_audio"] is True
+    st.prepare(fx.steps[0])
+    st.on_step_event(fx.steps[0], StepEvent("text", text="Hello you"))
+    st.on_step_event(fx.steps[0], StepEvent("audio", audio=np.zeros(24_000, np.float32)))
+    clock.now += 0.2
+    st.on_client({"type": "response.cancel"})
+    st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                               "content": [{"type": "input_text", "text": "Go"}]}})
+    nxt = st.on_client({"type": "response.create"}).steps[0].request.chat["messages"]
+    assert [(m["role"], m["text"]) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
