@@ -16,17 +16,23 @@ class AudioDecodeError(ValueError):
     pass
 
 
-def decode_f32_base64(data: str, max_samples: int) -> np.ndarray:
-    """Strict: valid base64, a whole number of float32 samples, finite values, bounded length."""
+def _samples(data: str, dtype: str, what: str, max_samples: int) -> np.ndarray:
+    """Strict: valid base64, a whole number of samples, bounded length."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise AudioDecodeError(f"audio is not valid base64: {exc}") from exc
-    if len(raw) % 4:
-        raise AudioDecodeError(f"audio is {len(raw)} bytes: not a whole number of float32 samples")
-    audio = np.frombuffer(raw, dtype="<f4")
-    if len(audio) > max_samples:
-        raise AudioDecodeError(f"audio has {len(audio)} samples; at most {max_samples} per message")
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise AudioDecodeError(f"audio is {len(raw)} bytes: not a whole number of {what} samples")
+    if len(raw) // size > max_samples:
+        raise AudioDecodeError(f"audio has {len(raw) // size} samples; at most {max_samples} per message")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def decode_f32_base64(data: str, max_samples: int) -> np.ndarray:
+    """Strict: valid base64, a whole number of float32 samples, finite values, bounded length."""
+    audio = _samples(data, "<f4", "float32", max_samples)
     if not np.isfinite(audio).all():
         raise AudioDecodeError("audio holds NaN or infinite samples")
     return audio.astype(np.float32)
@@ -60,15 +66,7 @@ def write_wav(path: Path, audio: np.ndarray, rate: int = OUTPUT_RATE) -> None:
 
 def decode_pcm16_base64(data: str, max_samples: int) -> np.ndarray:
     """Strict 16-bit little-endian PCM (OpenAI's `audio/pcm`) to float32 in [-1, 1]."""
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise AudioDecodeError(f"audio is not valid base64: {exc}") from exc
-    if len(raw) % 2:
-        raise AudioDecodeError(f"audio is {len(raw)} bytes: not a whole number of 16-bit samples")
-    if len(raw) // 2 > max_samples:
-        raise AudioDecodeError(f"audio has {len(raw) // 2} samples; at most {max_samples} per message")
-    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    return _samples(data, "<i2", "16-bit", max_samples).astype(np.float32) / 32768.0
 
 
 def encode_pcm16_base64(audio: np.ndarray) -> str:

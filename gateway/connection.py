@@ -86,7 +86,8 @@ class Connection(SessionCore):
 
     async def _run_turn(self, turn: ChatTurn, options: dict[str, Any] | None,
                         voice: dict[str, np.ndarray] | None) -> None:
-        chat = {"messages": turn.messages, "max_new_tokens": turn.max_new_tokens, "generate_audio": turn.generate_audio}
+        chat = {"messages": turn.messages, "max_new_tokens": turn.max_new_tokens, "generate_audio": turn.generate_audio,
+                "tts_ref_audio": turn.tts_ref_audio}
         req = StepRequest(options=options, voice=voice, chat=chat)
         response_id = new_response_id()
         audio: list[np.ndarray] = []

@@ -79,6 +79,7 @@ class ChatTurn:
     streaming: bool = True
     generate_audio: bool = False
     max_new_tokens: int = 256
+    tts_ref_audio: str | None = None  # this turn's voice (base64 float32 16 kHz), else the session's
 
 
 ClientMessage = InputAppend | InputContext | ChatTurn
@@ -139,20 +140,21 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
 
 def voice_refs(init: SessionInit) -> dict[str, np.ndarray]:
     """The session's voice references as 16 kHz float32, within VOICE_SECONDS (else `invalid_voice`)."""
-    out = {}
-    for name, data in (("ref_audio", init.ref_audio_base64), ("tts_ref_audio", init.tts_ref_audio_base64)):
-        if data is None:
-            continue
-        if not isinstance(data, str):
-            raise ProtocolError("invalid_voice", f"{name} must be base64 float32 16 kHz audio", CLOSE_POLICY)
-        try:
-            audio = decode_f32_base64(data, int(VOICE_SECONDS[1] * INPUT_RATE))
-        except AudioDecodeError as exc:
-            raise ProtocolError("invalid_voice", f"{name}: {exc}", CLOSE_POLICY) from exc
-        if len(audio) < VOICE_SECONDS[0] * INPUT_RATE:
-            raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", CLOSE_POLICY)
-        out[name] = audio
-    return out
+    refs = (("ref_audio", init.ref_audio_base64), ("tts_ref_audio", init.tts_ref_audio_base64))
+    return {name: voice_ref(name, data, CLOSE_POLICY) for name, data in refs if data is not None}
+
+
+def voice_ref(name: str, data: Any, close_code: int | None) -> np.ndarray:
+    """One voice reference (base64 float32 16 kHz), within VOICE_SECONDS, else `invalid_voice`."""
+    if not isinstance(data, str):
+        raise ProtocolError("invalid_voice", f"{name} must be base64 float32 16 kHz audio", close_code)
+    try:
+        audio = decode_f32_base64(data, int(VOICE_SECONDS[1] * INPUT_RATE))
+    except AudioDecodeError as exc:
+        raise ProtocolError("invalid_voice", f"{name}: {exc}", close_code) from exc
+    if len(audio) < VOICE_SECONDS[0] * INPUT_RATE:
+        raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", close_code)
+    return audio
 
 
 def _audio_field(payload: dict[str, Any]) -> str | None:
@@ -302,12 +304,16 @@ def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
     parsed = [_chat_message(m) for m in messages]
     for m in parsed:
         m["max_slice_nums"] = slices
+    tts_ref = _first(payload.get("tts_ref_audio"), tts.get("ref_audio_data"), tts.get("ref_audio"))
+    if tts_ref is not None:
+        voice_ref("tts_ref_audio", tts_ref, None)  # refused now, the session goes on
     return ChatTurn(
         input_id=str(input_id) if input_id is not None else None,
         messages=parsed,
         streaming=bool(_first(payload.get("streaming"), True)),
         generate_audio=bool(_first(payload.get("generate_audio"), tts.get("enabled"), False)),
         max_new_tokens=max_new,
+        tts_ref_audio=tts_ref,
     )
 
 

@@ -113,6 +113,7 @@ class ChatInput:
     generate_audio: bool = False
     options: DuplexOptions | None = None  # at START
     voice: VoiceRefs | None = None  # at START
+    tts_ref_audio: np.ndarray | None = None  # this turn's voice (16 kHz), else the session's
 
 
 @dataclass
@@ -382,6 +383,9 @@ class DuplexPipeline:
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True
         speaking = False
+        speaker = state.speaker
+        if chat.generate_audio and chat.tts_ref_audio is not None:
+            speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(chat.tts_ref_audio))).embedding
         cancels = state.cancels
         while True:
             budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
@@ -406,7 +410,7 @@ class DuplexPipeline:
             if text:
                 await emit(StepEvent("text", text=text, metrics=dict(metrics)))
             if chat.generate_audio and (len(llm.text_ids) or (speaking and llm.end_of_turn)):
-                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text))
+                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), speaker)
                 speaking = True
                 usage["output_speech_tokens"] += n_speech
                 if len(wav):
@@ -420,15 +424,15 @@ class DuplexPipeline:
         await emit(StepEvent("done", text=full_text, metrics=metrics, chunk_usage=usage, reason=reason))
 
     async def _voice(self, corr_id: int, state: DuplexSession, llm: LlmResult, turn_start: bool,
-                     n_chars: int) -> tuple[np.ndarray, int]:
+                     n_chars: int, speaker: np.ndarray) -> tuple[np.ndarray, int]:
         """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
         n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed, speaker=state.speaker)))
+            seed=state.options.seed, speaker=speaker)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=state.speaker)))
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
         return wav.waveform, len(tts.speech_tokens)
 
 

@@ -318,8 +318,10 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInpu
                                 tuple(base64.b64decode(i) for i in m.get("images") or ()),
                                 int(m.get("max_slice_nums") or 1))
                     for m in chat["messages"]]
+        tts_ref = chat.get("tts_ref_audio")
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
-                         options)
+                         options, tts_ref_audio=np.frombuffer(base64.b64decode(tts_ref), "<f4").astype(np.float32)
+                         if tts_ref else None)
     except (KeyError, TypeError, ValueError) as exc:
         raise StepError("invalid_chat", f"malformed chat request: {exc}") from exc
 

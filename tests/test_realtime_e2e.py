@@ -320,3 +320,34 @@ async def test_minicpm_dialect_with_its_queue(gateway_factory, speech) -> None:
     with pytest.raises(websockets.ConnectionClosed) as closed:
         await waiting.recv()
     assert closed.value.rcvd.code == 1003  # as MiniCPM-o's gateway does
+
+
+async def test_items_with_text_and_an_image(gateway) -> None:
+    from .test_vision_e2e import jpeg
+
+    c, _ = await open_session(gateway.realtime, turn_detection=None, max_output_tokens=16)
+    await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "What is in this picture?"},
+        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{jpeg(640, 480)}"}]})
+    item = (await c.until("conversation.item.done"))["item"]
+    assert [p["type"] for p in item["content"]] == ["input_text", "input_image"]
+    await c.send("response.create")
+    done = await c.until("response.done")
+    details = done["response"]["usage"]["input_token_details"]
+    assert details["image_tokens"] == 64 and details["text_tokens"] > 0  # one overview slice: 64 tokens
+    # An image that does not decode is the stages' finding: a coded error, the response failed, the session on.
+    await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/jpeg;base64,aGVsbG8gd29ybGQ="}]})
+    bad = (await c.until("conversation.item.done"))["item"]
+    await c.send("response.create")
+    assert (await c.until("error"))["error"]["code"] == "bad_image"
+    assert (await c.until("response.done"))["response"]["status"] == "failed"
+    await c.send("conversation.item.delete", item_id=bad["id"])
+    await c.until("conversation.item.deleted")
+    await c.send("response.create")  # the conversation now ends with the assistant: nothing to answer
+    assert (await c.until("error"))["error"]["code"] == "invalid_value"
+    await c.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                   "content": [{"type": "input_text", "text": "And now?"}]})
+    await c.send("response.create")
+    assert (await c.until("response.done"))["response"]["status"] in ("completed", "incomplete")
+    await c.close()

@@ -91,3 +91,21 @@ async def test_bad_turns_are_rejected_and_the_session_goes_on(gateway) -> None:
     ok = (await turn(ws, [{"role": "user", "content": "Still there?"}], max_new_tokens=4))[-1]
     assert ok["type"] == "response.done"
     await ws.close()
+
+
+async def test_a_turn_can_bring_its_own_voice(gateway, speech) -> None:
+    ws, _ = await open_session(gateway.ws, mode="turn_based")
+    ask = [{"role": "user", "content": "Say something, please."}]
+    plain = (await turn(ws, ask, max_new_tokens=16, generate_audio=True, streaming=False))[-1]
+    ref = encode_f32_base64(speech("This is how I sound when I speak.", voice="en+f3")[:32_000])
+    voiced = (await turn(ws, ask, max_new_tokens=16, generate_audio=True, streaming=False,
+                         tts={"enabled": True, "ref_audio_data": ref}))[-1]
+    assert voiced["text"] == plain["text"]  # the same words (greedy, the same context) ...
+    a, b = decode_f32_base64(voiced["audio"], 1 << 30), decode_f32_base64(plain["audio"], 1 << 30)
+    assert len(a) == len(b) > 0 and not np.allclose(a, b, atol=1e-3)  # ... in another voice
+    bad = await turn(ws, ask, tts_ref_audio=encode_f32_base64(np.zeros(800, np.float32)))
+    assert bad[-1]["type"] == "error" and bad[-1]["error"]["code"] == "invalid_voice"
+    again = (await turn(ws, ask, max_new_tokens=16, generate_audio=True, streaming=False))[-1]
+    assert again["text"] == plain["text"]  # the session goes on, in its own voice again
+    np.testing.assert_allclose(decode_f32_base64(again["audio"], 1 << 30), b, atol=1e-4)
+    await ws.close()

@@ -85,7 +85,12 @@ class RealtimeSession(SessionCore):
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
+            log.info("session %s: background task failed: %s", self.session_id, task.exception())
 
     # ---- in ----
     async def handle(self, text: str) -> None:
