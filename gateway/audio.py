@@ -72,3 +72,19 @@ def decode_pcm16_base64(data: str, max_samples: int) -> np.ndarray:
 def encode_pcm16_base64(audio: np.ndarray) -> str:
     pcm = np.clip(np.round(np.asarray(audio, np.float32) * 32768.0), -32768, 32767).astype("<i2")
     return base64.b64encode(pcm.tobytes()).decode("ascii")
+
+
+class StreamResampler:
+    """One stream's resampler, chunk after chunk with no seams between them (soxr keeps its filter state)."""
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self.rate_in, self.rate_out = rate_in, rate_out
+        self._stream = None
+        if rate_in != rate_out:
+            import soxr
+
+            self._stream = soxr.ResampleStream(rate_in, rate_out, 1, dtype="float32")
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        audio = np.asarray(audio, np.float32)
+        return audio if self._stream is None else self._stream.resample_chunk(audio)

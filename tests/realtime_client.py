@@ -17,6 +17,7 @@ class RealtimeClient:
     def __init__(self, ws: websockets.ClientConnection) -> None:
         self.ws = ws
         self.events: list[dict[str, Any]] = []
+        self.rate = 24_000  # the session's input rate
 
     @classmethod
     async def connect(cls, url: str) -> RealtimeClient:
@@ -25,9 +26,9 @@ class RealtimeClient:
     async def send(self, event_type: str, **fields: Any) -> None:
         await self.ws.send(json.dumps({"type": event_type, **fields}))
 
-    async def append(self, audio16k: np.ndarray, rate: int = 24_000, **fields: Any) -> None:
-        await self.send("input_audio_buffer.append", audio=encode_pcm16_base64(resample(audio16k, 16_000, rate)),
-                        **fields)
+    async def append(self, audio16k: np.ndarray, rate: int | None = None, **fields: Any) -> None:
+        pcm = resample(audio16k, 16_000, rate or self.rate)
+        await self.send("input_audio_buffer.append", audio=encode_pcm16_base64(pcm), **fields)
 
     async def recv(self, timeout_s: float = 30.0) -> dict[str, Any]:
         ev = json.loads(await asyncio.wait_for(self.ws.recv(), timeout_s))

@@ -28,6 +28,9 @@ def whole_seconds(audio: np.ndarray, n: int) -> np.ndarray:
     return np.pad(audio, (0, max(0, n * 16_000 - len(audio))))[: n * 16_000]
 
 
+IN_16K = {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}  # whole seconds in, whole steps
+
+
 async def open_session(url: str, **session) -> tuple[RealtimeClient, dict]:
     c = await RealtimeClient.connect(url)
     created = await c.recv()
@@ -83,9 +86,10 @@ async def test_an_openai_turn_with_server_vad(gateway, speech) -> None:
 async def test_model_native_listen_and_speak(gateway, speech) -> None:
     c, _ = await open_session(gateway.realtime, audio={"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                                        "output": {"format": {"type": "audio/pcm", "rate": 16000}}})
-    await c.append(whole_seconds(speech(SPEAKING_TEXT), 3), rate=16_000)
+    c.rate = 16_000
+    await c.append(whole_seconds(speech(SPEAKING_TEXT), 3))
     assert await c.quiet(1.5) == [], "the first three seconds are listened to"
-    await c.append(whole_seconds(speech(SPEAKING_TEXT)[48_000:], 3), rate=16_000)
+    await c.append(whole_seconds(speech(SPEAKING_TEXT)[48_000:], 3))
     speak = await c.until("response.speak")
     deltas = [await c.until("response.output_audio.delta") for _ in range(2)]
     assert all(d["response_id"] == speak["response_id"] and d["metadata"]["epoch"] == 0 for d in deltas)
@@ -95,16 +99,16 @@ async def test_model_native_listen_and_speak(gateway, speech) -> None:
     await c.send("response.cancel")
     listen = await c.until("response.listen")
     assert (listen["response_id"], listen["end_of_turn"]) == (speak["response_id"], False)
-    again = await speak_again(c, rate=16_000)
+    again = await speak_again(c)
     assert again["response_id"] != speak["response_id"] and again["epoch"] == 1
     await c.close()
 
 
-async def speak_again(c: RealtimeClient, rate: int = 24_000, seconds: int = 10) -> dict:
+async def speak_again(c: RealtimeClient, seconds: int = 10) -> dict:
     """Seconds of silence until the model opens another spoken response (greedy decoding: deterministic)."""
     before = len(c.of("response.speak"))
     for _ in range(seconds):
-        await c.append(np.zeros(16_000, np.float32), rate=rate)
+        await c.append(np.zeros(16_000, np.float32))
         await c.quiet(0.3)
         if len(c.of("response.speak")) > before:
             return c.of("response.speak")[-1]
@@ -112,7 +116,8 @@ async def speak_again(c: RealtimeClient, rate: int = 24_000, seconds: int = 10) 
 
 
 async def test_barge_in_cancels_and_no_late_delta_gets_out(gateway, speech) -> None:
-    c, _ = await open_session(gateway.realtime, overlap_policy="barge_in_on_speech")
+    c, _ = await open_session(gateway.realtime, overlap_policy="barge_in_on_speech", audio=IN_16K)
+    c.rate = 16_000
     speak = await speaking(c, speech(SPEAKING_TEXT))
     await c.until("response.output_audio.delta")
     dropped_before = gateway.health()["stale_deltas_dropped"]
@@ -144,7 +149,8 @@ async def test_barge_in_cancels_and_no_late_delta_gets_out(gateway, speech) -> N
 
 
 async def test_a_backchannel_does_not_interrupt(gateway, speech) -> None:
-    c, _ = await open_session(gateway.realtime, overlap_short_ack_ms=700, overlap_barge_in_ms=1200)
+    c, _ = await open_session(gateway.realtime, overlap_short_ack_ms=700, overlap_barge_in_ms=1200, audio=IN_16K)
+    c.rate = 16_000
     speak = await speaking(c, speech(SPEAKING_TEXT))
     await c.quiet(0.5)
     await c.append(np.zeros(8_000, np.float32))  # silence under the reply: dropped as noise
@@ -159,7 +165,8 @@ async def test_a_backchannel_does_not_interrupt(gateway, speech) -> None:
 
 
 async def test_truncate_and_playback_ack(gateway, speech) -> None:
-    c, _ = await open_session(gateway.realtime)
+    c, _ = await open_session(gateway.realtime, audio=IN_16K)
+    c.rate = 16_000
     speak = await speaking(c, speech(SPEAKING_TEXT))
     first = await c.until("response.output_audio.delta")
     await c.send("playback.ack", response_id=speak["response_id"], played_ms=400)

@@ -35,7 +35,7 @@ class Clock:
         return self.now
 
 
-def pcm(seconds: float, loud: bool, rate: int = 24_000) -> str:
+def pcm(seconds: float, loud: bool, rate: int = 16_000) -> str:
     n = int(seconds * rate)
     audio = 0.3 * np.sin(np.arange(n) * 0.05) if loud else np.zeros(n)
     return encode_pcm16_base64(audio.astype(np.float32))
@@ -44,8 +44,9 @@ def pcm(seconds: float, loud: bool, rate: int = 24_000) -> str:
 def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
     clock = Clock()
     st = OpenAIRealtimeState("sess_test", vad=LoudnessVad(), clock=clock)
-    if session:
-        st.on_client({"type": "session.update", "session": session})
+    # 16 kHz in: whole seconds of audio make whole steps (at 24 kHz the resampler holds back a few ms)
+    st.on_client({"type": "session.update", "session": {
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
     return st, clock
 
 
@@ -252,3 +253,15 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
                                                                "content": [{"type": "input_text", "text": "Go"}]}})
     nxt = st.on_client({"type": "response.create"}).steps[0].request.chat["messages"]
     assert [(m["role"], m["text"]) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
+
+
+def test_the_stream_resampler_has_no_seams_between_chunks() -> None:
+    from gateway.audio import StreamResampler, resample
+
+    t = np.arange(24_000) / 24_000
+    audio = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    stream = StreamResampler(24_000, 16_000)
+    chunked = np.concatenate([stream(audio[i:i + 480]) for i in range(0, len(audio), 480)])  # 20 ms chunks
+    whole = resample(audio, 24_000, 16_000)
+    assert 0 <= len(whole) - len(chunked) < 400  # the stream holds back its last few ms, no more
+    np.testing.assert_allclose(chunked, whole[: len(chunked)], atol=1e-4)  # the same signal, seamless

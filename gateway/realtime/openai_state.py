@@ -28,7 +28,15 @@ import numpy as np
 
 from minicpmo_triton.duplex_options import DuplexOptions
 
-from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64, resample
+from ..audio import (
+    INPUT_RATE,
+    OUTPUT_RATE,
+    AudioDecodeError,
+    StreamResampler,
+    decode_pcm16_base64,
+    encode_pcm16_base64,
+    resample,
+)
 from ..overlap import OverlapDecision, OverlapPolicy, rms
 from ..session import Usage
 from ..triton_stream import StepEvent, StepRequest
@@ -85,6 +93,7 @@ class OpenAIRealtimeState(EngineState):
     _listen_next: bool = False
     _frames: list[bytes] = field(default_factory=list)
     _reported: tuple[str, str] | None = None
+    _resampler: StreamResampler | None = None  # the caller's audio, at its rate, to 16 kHz
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -134,16 +143,21 @@ class OpenAIRealtimeState(EngineState):
             raise RealtimeError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
         rate = self.config.input_rate
         try:
-            audio = resample(decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate), rate, INPUT_RATE)
+            pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
         except AudioDecodeError as exc:
             raise RealtimeError("bad_audio", str(exc), "audio") from exc
-        hint = msg.get("transcript_hint") or (msg.get("hints") or {}).get("transcript")
-        return self.hear(audio, hint if isinstance(hint, str) else None)
+        if self._resampler is None or self._resampler.rate_in != rate:
+            self._resampler = StreamResampler(rate, INPUT_RATE)
+        hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
+        hint = msg.get("transcript_hint") or hints.get("transcript")
+        return self.hear(self._resampler(pcm), hint if isinstance(hint, str) else None)
 
     def hear(self, audio: np.ndarray, hint: str | None = None) -> Effects:
         """Caller audio (16 kHz float32), however it arrived."""
         out = Effects()
-        probs = self.vad.probabilities(audio) if self.vad is not None else []
+        # The VAD runs where it is needed: server VAD, or judging speech under a reply (duplex).
+        needed = self.config.turn_detection.type == "server_vad" or (self.config.duplex and self.active is not None)
+        probs = self.vad.probabilities(audio) if self.vad is not None and needed else []
         vad_events = self.segmenter.feed(probs)
         if self.config.duplex:
             audio = self._judge_overlap(audio, probs, any(e.kind == "speech_started" for e in vad_events), hint, out)

@@ -112,6 +112,11 @@ class RealtimeSession(SessionCore):
             if err.close_code is not None:
                 await self.close("protocol_error", message=err.message, ws_code=err.close_code)
             return
+        except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
+            log.exception("session %s: event %r failed", self.session_id, msg.get("type"))
+            await self.emit([error_event(RealtimeError("internal_error", f"{type(exc).__name__}: {exc}",
+                                                       error_type="server_error"), msg.get("event_id"))])
+            return
         await self.apply(fx)
 
     # ---- steps ----
