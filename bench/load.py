@@ -1,8 +1,10 @@
 """Gateway load generator: N real-time WebSocket sessions vs a baseline shaped like the official demo.
 
-    python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
+    python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2] [--cadence-ms 0 250]
 
-Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton.
+Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
+starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
+per `--cadence-ms` (the entry model's shared beat under load; 0 = off), each on a fresh tritonserver.
 Per N: chunk latency (append -> first delta of that step) p50/p95, first-audio latency of each
 spoken turn, late chunks (over the 1 s chunk period) and dropped ones (never answered), Triton's
 per-stage mean batch size, queue and compute time, and tritonserver's resident memory.
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
+import random
 import re
 import subprocess
 import sys
@@ -102,9 +106,13 @@ class RssSampler:
 
 
 async def gateway_load(url: str, n: int, speech: list[np.ndarray]) -> LoadResult:
-    results = await asyncio.gather(
-        *(converse(url, speech[i % len(speech)], realtime=True, config={"do_sample": False}) for i in range(n)),
-        return_exceptions=True)
+    rng = random.Random(n)
+
+    async def caller(i: int) -> object:
+        await asyncio.sleep(rng.random() * CHUNK_MS / 1000)  # a phase of its own within the chunk period
+        return await converse(url, speech[i % len(speech)], realtime=True, config={"do_sample": False})
+
+    results = await asyncio.gather(*(caller(i) for i in range(n)), return_exceptions=True)
     ok = [r for r in results if not isinstance(r, BaseException)]
     lat = [x for r in ok for x in r.chunk_latencies_ms()]
     fa = [s * 1000 for r in ok for s in r.first_audio_latency_s]
@@ -219,15 +227,28 @@ def main() -> int:
     parser.add_argument("--soak-sessions", type=int, default=16)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "load_latency.png")
+    parser.add_argument("--cadence-ms", type=float, nargs="+", default=[0.0, 250.0],
+                        help="the entry model's beat under load, one sweep each (0: off)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="load-"))
     speech = make_speech(work, args.seconds)
     base = baseline(args.model_repository, args.baseline_workers, speech)
     bytes_per_stage = state_bytes(args.model_repository, speech[0])
+    print(f"\nload: tiny preset, {args.seconds} s of espeak-ng speech per session, real-time pace, random phases, "
+          f"2 CPU cores")
+    print(f"state per session after {args.seconds} s: " +
+          ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in bytes_per_stage.items()))
+    for cadence in args.cadence_ms:
+        os.environ["MINICPMO_CADENCE_MS"] = str(cadence)  # tritonserver's environment: the entry model reads it
+        sweep(args, work / f"cadence{cadence:g}", speech, base, cadence)
+    return 0
 
+
+def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: LoadResult, cadence: float) -> None:
     rows: list[tuple[LoadResult, dict[str, tuple[float, float, float]], float]] = []
     soak: list[float] = []
+    work.mkdir(parents=True)
     with serving_stack(args.model_repository, work, max(args.sessions) + 8) as stack:
         server, url = stack.triton, stack.ws_url
         assert server.process is not None
@@ -247,7 +268,8 @@ def main() -> int:
                                 d["nv_inference_queue_duration_us"] / reqs / 1000,
                                 d["nv_inference_compute_infer_duration_us"] / reqs / 1000)
             rows.append((result, per_stage, rss.peak))
-            print(f"{n} sessions: p95 {result.p95:.0f} ms, dropped {result.dropped}", file=sys.stderr)
+            print(f"cadence {cadence:g} ms, {n} sessions: p95 {result.p95:.0f} ms, dropped {result.dropped}",
+                  file=sys.stderr)
         for _ in range(args.soak_rounds):
             asyncio.run(gateway_load(url, args.soak_sessions, speech))
             soak.append(tree_rss_mib(server.process.pid))
@@ -255,10 +277,11 @@ def main() -> int:
                 for m in ("duplex", "llm", "tts", "token2wav")}
 
     results = [r for r, _, _ in rows]
-    plot(results, base, args.plot)
+    if cadence == args.cadence_ms[-1]:
+        plot(results, base, args.plot)
     best = max((r.sessions for r in results if r.real_time), default=0)
     base_capacity = base.sessions if base.real_time else 0
-    print(f"\nload: tiny preset, {args.seconds} s of espeak-ng speech per session, real-time pace, 2 CPU cores\n")
+    print(f"\n## cadence {cadence:g} ms (from 16 live sessions on)\n")
     print("| path | sessions | chunk p50 ms | chunk p95 ms | first audio p50 ms | first audio p95 ms "
           "| late | dropped | tritonserver RSS MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -272,15 +295,12 @@ def main() -> int:
     for r, per_stage, _ in rows:
         cells = " | ".join(f"{b:.2f} / {q:.1f} / {c:.1f}" for b, q, c in (per_stage[m] for m in STAGES))
         print(f"| {r.sessions} | {cells} |")
-    print("\nstate per session after " + f"{args.seconds} s: " +
-          ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in bytes_per_stage.items()))
     print(f"tritonserver RSS: idle {idle_rss:.0f} MiB; after each soak round of {args.soak_sessions} sessions: "
           + ", ".join(f"{x:.0f}" for x in soak) + f" MiB; live sequences after: {live}")
     ratio = best / base_capacity if base_capacity else float("inf")
     print(f"\nlargest real-time session count (p95 < {CHUNK_MS:.0f} ms, none dropped): {best}; "
           f"baseline: {base_capacity} ({args.baseline_workers} workers); ratio {ratio:.1f}x")
     print(f"plot: {args.plot}")
-    return 0
 
 
 if __name__ == "__main__":

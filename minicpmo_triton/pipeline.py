@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .cadence import Cadence
 from .duplex_options import DuplexOptions
 from .model_config import PresetConfig
 from .rendezvous import Member, Rendezvous
@@ -80,6 +81,7 @@ class StepInput:
     # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
     rollback_to: int = -1
     replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    waited_ms: float = 0.0  # held for the cadence's beat (reported in the step's metrics)
 
 
 @dataclass(frozen=True)
@@ -146,13 +148,14 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 llm_gather_s: float = 0.0) -> None:
+                 llm_gather_s: float = 0.0, cadence: Cadence | None = None) -> None:
         self.stages = stages
         self.preset = preset
         self.tokenizer = tokenizer
         self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
         # Concurrent steps meet before the LLM so the sequence batcher sees them together.
         self.llm_meet = Rendezvous(llm_gather_s)
+        self.cadence = cadence or Cadence(0.0, 0)  # off unless the entry model sets one
 
     def _call(self, state: DuplexSession, stage: str, corr_id: int, request: Any) -> StageCall[Any]:
         start = stage not in state.started
@@ -180,6 +183,9 @@ class DuplexPipeline:
             state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
             self.sessions.start(corr_id, state)
         state = self.sessions.get(corr_id)
+        if isinstance(inp, StepInput) and len(inp.audio):
+            waited = await self.cadence.wait(len(self.sessions))
+            inp.waited_ms = round(waited * 1000, 2)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us
             try:
                 if start:
@@ -215,7 +221,7 @@ class DuplexPipeline:
     async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member) -> None:
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
-        metrics: dict[str, Any] = {"backend": "triton"}
+        metrics: dict[str, Any] = {"backend": "triton", "cadence_wait_ms": inp.waited_ms}
         ids: list[int] = []
         prefix = np.zeros((0, self.preset.llm.hidden), np.float32)
         if "llm" not in state.started:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .bls import TritonBlsStages
+from .cadence import Cadence
 from .duplex_options import DuplexOptions, InvalidOptions
 from .engines import load_engine
 from .model_config import load_stage_config
@@ -222,8 +224,11 @@ class DuplexModel:
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
+        # MINICPMO_CADENCE_MS in tritonserver's environment overrides the model's parameter (benchmarks, ops).
+        cadence_ms = float(os.environ.get("MINICPMO_CADENCE_MS") or ctx.param("cadence_ms", 0.0))
+        cadence = Cadence(cadence_ms / 1000, int(ctx.param("cadence_min_sessions", 16)))
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=ctx.param("llm_gather_ms", 10.0) / 1000)
+                                       llm_gather_s=ctx.param("llm_gather_ms", 10.0) / 1000, cadence=cadence)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
 
     async def execute(self, requests: list[Any]) -> None:

@@ -265,11 +265,14 @@ async def test_resume_replays_what_was_missed_and_rotates_the_token(gateway, tri
     assert (await bad.recv())["error"]["code"] == "invalid_resume_token"
     with pytest.raises(websockets.ConnectionClosed):
         await bad.recv()
-    second = await RealtimeClient.connect(gateway.realtime + "?resume=1")
+    second = await RealtimeClient.connect(gateway.realtime)  # a plain connection: a fresh session, then resume
+    fresh = await second.recv()
+    assert fresh["type"] == "session.created"
     await second.send("session.resume", session_id=created["session"]["id"], resume_token=resumed["resume_token"],
                       last_received_server_event_seq=replayed[-1]["server_event_seq"])
     assert (await second.recv())["type"] == "session.resumed"
     assert (await r.until("session.replaced"))["session_id"] == created["session"]["id"]
+    assert fresh["session"]["id"] not in gateway.health()["active_session_ids"]  # dropped for the resumed one
     await second.send("session.close")
     closed = await second.until("session.closed")
     assert closed["reason"] == "client_closed"

@@ -62,3 +62,15 @@ async def test_waiting_is_bounded_and_a_member_that_leaves_does_not_hold_the_oth
     assert isinstance(results[1], RuntimeError)
     assert 0.05 < waited < 0.5, "waits for the slow one at most max_wait_s"
     await slow_task
+
+
+async def test_the_cadence_holds_steps_for_the_next_beat_only_under_load() -> None:
+    from minicpmo_triton.cadence import Cadence
+
+    now = [10.07]
+    beat = Cadence(0.25, min_sessions=16, clock=lambda: now[0])
+    assert beat.delay(15) == 0.0  # below the threshold nothing waits
+    assert beat.delay(16) == pytest.approx(0.18)  # to 10.25
+    now[0] = 10.25
+    assert beat.delay(40) == pytest.approx(0.0)  # on the beat
+    assert Cadence(0.0, 0, clock=lambda: 3.3).delay(100) == 0.0  # off

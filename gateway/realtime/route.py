@@ -196,6 +196,7 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
             if mode is None and text is None:
                 text = await _first_openai_event(session, ws, settings.idle_timeout_s)
                 if text is not None and _is_resume(text):
+                    session.ws = None  # the socket goes on with the resumed session
                     await session.close("resumed_elsewhere", emit=False)
                     await serve(await resume(ws, json.loads(text)), ws)
                     return
