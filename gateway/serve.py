@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = replace(settings, triton_url=server.ports.grpc_url)
         print(f"tritonserver ready: grpc {server.ports.grpc_url}, metrics {server.ports.metrics_url}", flush=True)
     try:
-        print(f"gateway on ws://{args.host}:{args.port}/backend (health: http://{args.host}:{args.port}/health)",
+        print(f"gateway on ws://{args.host}:{args.port}/backend and /v1/realtime "
+              f"(health: http://{args.host}:{args.port}/health)",
               flush=True)
         app = create_app(settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,

@@ -224,11 +224,13 @@ class DuplexModel:
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
-        # MINICPMO_CADENCE_MS in tritonserver's environment overrides the model's parameter (benchmarks, ops).
+        # MINICPMO_CADENCE_MS / MINICPMO_LLM_GATHER_MS in tritonserver's environment override the model's
+        # parameters (benchmarks, operators).
         cadence_ms = float(os.environ.get("MINICPMO_CADENCE_MS") or ctx.param("cadence_ms", 0.0))
+        gather_ms = float(os.environ.get("MINICPMO_LLM_GATHER_MS") or ctx.param("llm_gather_ms", 10.0))
         cadence = Cadence(cadence_ms / 1000, int(ctx.param("cadence_min_sessions", 16)))
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=ctx.param("llm_gather_ms", 10.0) / 1000, cadence=cadence)
+                                       llm_gather_s=gather_ms / 1000, cadence=cadence)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
 
     async def execute(self, requests: list[Any]) -> None:

@@ -303,7 +303,7 @@ async def test_journal_gap_and_grace_expiry_free_the_triton_sequence(gateway_fac
 
 
 async def test_minicpm_dialect_with_its_queue(gateway_factory, speech) -> None:
-    gw = gateway_factory(max_sessions="1")
+    gw = gateway_factory(max_sessions="1", init_timeout_s="2")
     first = await RealtimeClient.connect(gw.realtime + "?mode=audio")
     assert (await first.recv())["type"] == "session.queue_done"
     await first.send("session.update", session={"instructions": "You are a helpful assistant.",
@@ -330,6 +330,14 @@ async def test_minicpm_dialect_with_its_queue(gateway_factory, speech) -> None:
     with pytest.raises(websockets.ConnectionClosed) as closed:
         await waiting.recv()
     assert closed.value.rcvd.code == 1003  # as MiniCPM-o's gateway does
+    # A caller admitted who never configures its session gives the slot back.
+    idle = await RealtimeClient.connect(gw.realtime + "?mode=audio")
+    assert (await idle.recv())["type"] == "session.queue_done"
+    with pytest.raises(websockets.ConnectionClosed):
+        await idle.recv(timeout_s=10)
+    again = await RealtimeClient.connect(gw.realtime + "?mode=audio")
+    assert (await again.recv())["type"] == "session.queue_done"  # not queued: the slot is free
+    await again.ws.close()
 
 
 async def test_items_with_text_and_an_image(gateway) -> None:

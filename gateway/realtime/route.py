@@ -174,9 +174,13 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
                 return
             session_id = new_session_id()
             if mode is not None:
-                await ws.send_text(json.dumps(server_event("session.queue_done", session_id=session_id)))
                 state: EngineState = MiniCPMRealtimeState(session_id, mode=mode)
-                text, msg = await first_event(ws)
+                try:
+                    await ws.send_text(json.dumps(server_event("session.queue_done", session_id=session_id)))
+                    text, msg = await first_event(ws)
+                except BaseException:
+                    gw.release(None)  # no session was made: the slot goes back
+                    raise
             else:
                 state = OpenAIRealtimeState(session_id, vad=_vad())
                 text, msg = None, {}
