@@ -277,7 +277,7 @@ def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: 
                 for m in ("duplex", "llm", "tts", "token2wav")}
 
     results = [r for r, _, _ in rows]
-    if cadence == args.cadence_ms[-1]:
+    if cadence == args.cadence_ms[0]:  # the plot shows the first sweep (the default: off)
         plot(results, base, args.plot)
     best = max((r.sessions for r in results if r.real_time), default=0)
     base_capacity = base.sessions if base.real_time else 0
