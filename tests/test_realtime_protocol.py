@@ -265,3 +265,21 @@ def test_the_stream_resampler_has_no_seams_between_chunks() -> None:
     whole = resample(audio, 24_000, 16_000)
     assert 0 <= len(whole) - len(chunked) < 400  # the stream holds back its last few ms, no more
     np.testing.assert_allclose(chunked, whole[: len(chunked)], atol=1e-4)  # the same signal, seamless
+
+
+def test_the_turn_based_buffer_is_bounded() -> None:
+    st, _ = state(turn_detection=None)
+    for _ in range(12):
+        st.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
+    with pytest.raises(RealtimeError) as err:
+        st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
+    assert err.value.code == "input_audio_buffer_full"
+    vad, _ = state(turn_detection={"type": "server_vad", "prefix_padding_ms": 300})
+    for _ in range(20):  # a minute and more of silence: only the prefix padding is kept
+        vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
+    assert sum(len(a) for a in vad._buffer) == 300 * 16
+    fx = vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=True)})
+    fx.extend(vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}))
+    assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed"]
+    assert "response.created" in types(fx) and fx.steps[0].kind == "chat"

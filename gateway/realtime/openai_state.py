@@ -47,6 +47,7 @@ from .engine import UNIT, Effects, EngineState, PlannedStep
 from .events import RealtimeError, error_event, new_id, server_event, usage_block
 
 MAX_APPEND_SECONDS = 5
+MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
 CONTEXT_TOKENS = 8192
@@ -167,6 +168,10 @@ class OpenAIRealtimeState(EngineState):
                 out.steps.append(self._duplex_step(unit))
             return out
         self._buffer.append(audio)
+        if sum(len(a) for a in self._buffer) > MAX_BUFFER_SECONDS * INPUT_RATE:
+            self._buffer.pop()
+            raise RealtimeError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
+                                "commit or clear it (this append was dropped)")
         if self.config.turn_detection.type != "server_vad":
             return out
         for ev in vad_events:
@@ -182,6 +187,10 @@ class OpenAIRealtimeState(EngineState):
                 out.extend(self._commit_buffer(self._speech_item))
                 if self.config.turn_detection.create_response and self.active is None:
                     out.extend(self._respond())
+        if not self.segmenter.in_speech:  # before speech starts only its prefix padding is worth keeping
+            keep = self.config.turn_detection.prefix_padding_ms * INPUT_RATE // 1000
+            tail = np.concatenate(self._buffer)[-keep:] if keep and self._buffer else np.zeros(0, np.float32)
+            self._buffer = [tail] if len(tail) else []
         return out
 
     def _judge_overlap(self, audio: np.ndarray, probs: list[float], onset: bool, hint: str | None,
