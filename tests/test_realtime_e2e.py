@@ -161,7 +161,12 @@ async def test_a_backchannel_does_not_interrupt(gateway, speech) -> None:
     delta = await c.until("response.output_audio.delta")
     assert delta["response_id"] == speak["response_id"] and delta["metadata"]["epoch"] == 0
     assert not c.of("response.done")
-    await c.close()
+    # Closing the session ends the open response first: every response.created gets its response.done.
+    await c.send("session.close")
+    await c.until("session.closed")
+    done = c.of("response.done")
+    assert [d["response"]["id"] for d in done] == [speak["response_id"]]
+    assert done[0]["response"]["status_details"]["reason"] == "client_closed"
 
 
 async def test_truncate_and_playback_ack(gateway, speech) -> None:
@@ -369,3 +374,15 @@ async def test_items_with_text_and_an_image(gateway) -> None:
     await c.send("response.create")
     assert (await c.until("response.done"))["response"]["status"] in ("completed", "incomplete")
     await c.close()
+
+
+async def test_the_example_client_talks_realtime(gateway, speech) -> None:
+    from gateway.audio import resample
+    from gateway.client import converse_realtime
+
+    audio = resample(speech("Hello, how are you today?"), 16_000, 24_000)
+    events, reply = await converse_realtime(gateway.realtime, audio, turn_detection="server_vad", greedy=True,
+                                            quiet_s=1.0)
+    types = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_stopped" in types and "response.done" in types
+    assert types[-1] == "session.closed" and len(reply) > 0

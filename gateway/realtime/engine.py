@@ -86,3 +86,7 @@ class EngineState:
 
     def wanted(self, step: PlannedStep) -> bool:
         return True
+
+    def on_close(self, reason: str) -> Effects:
+        """What the client is told before `session.closed` (a response still open is ended)."""
+        return Effects()

@@ -586,6 +586,11 @@ class OpenAIRealtimeState(EngineState):
                                                                                      "message": message}}))
         return out
 
+    def on_close(self, reason: str) -> Effects:
+        if self.active is None:
+            return Effects()
+        return self._finish_response("cancelled", {"type": "cancelled", "reason": reason})
+
     def wanted(self, step: PlannedStep) -> bool:
         """A chat step whose response was cancelled while it waited need not run."""
         return step.kind != "chat" or (self.active is not None and self.active.id == step.response_id)

@@ -178,6 +178,7 @@ class RealtimeSession(SessionCore):
 
     # ---- close ----
     async def send_closed(self, reason: str, message: str | None) -> None:
+        await self.emit(self.state.on_close(reason).events)
         await self.emit([server_event("session.closed", session_id=self.session_id, reason=reason,
                                       usage=self.state.usage.snapshot(),
                                       diagnostic={"message": message} if message else None)])
