@@ -257,6 +257,7 @@ class DuplexModel:
             inp = self._parse(request, start)
 
             async def emit(event: StepEvent) -> None:
+                self.gauge.update()  # a sequence started by this step is counted before the client hears of it
                 send(_event_response(_event_dict(event), event.audio))
 
             await self.pipeline.step(corr_id, start, end, inp, emit)
