@@ -318,6 +318,7 @@ async def test_minicpm_dialect_with_its_queue(gateway_factory, speech) -> None:
     waiting = await RealtimeClient.connect(gw.realtime + "?mode=video")
     queued = await waiting.recv()
     assert (queued["type"], queued["position"]) == ("session.queued", 1)
+    await waiting.send("session.update", session={"config": GREEDY})  # early: kept for when its turn comes
     audio = whole_seconds(speech(SPEAKING_TEXT), 6)
     for i in range(6):
         await first.send("input_audio_buffer.append", audio=encode_f32_base64(audio[i * 16_000:(i + 1) * 16_000]))
@@ -328,6 +329,7 @@ async def test_minicpm_dialect_with_its_queue(gateway_factory, speech) -> None:
     await first.send("session.close", reason="stopped")
     assert (await first.until("session.closed"))["reason"] == "stopped"
     assert (await waiting.until("session.queue_done", timeout_s=10))["type"] == "session.queue_done"
+    assert (await waiting.recv())["type"] == "session.created"
     await waiting.ws.send("{not json")
     err = await waiting.until("error")
     assert err["error"]["code"] == "invalid_json"

@@ -91,24 +91,26 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
         await session.attach(ws, after_seq=last)
         return session
 
-    async def admit(ws: WebSocket, queue: bool) -> bool:
-        """A slot for this caller; MiniCPM-o's dialect waits in the FIFO, telling the caller where it stands."""
+    async def admit(ws: WebSocket, queue: bool) -> tuple[bool, str | None]:
+        """A slot for this caller; MiniCPM-o's dialect waits in the FIFO, telling the caller where it stands.
+        Returns whether it got one, and an event the caller sent before its turn (kept, not lost)."""
         try:
             gw.reserve()
-            return True
+            return True, None
         except SessionLimitReached:
             if not queue:
                 await _refuse(ws, RealtimeError("too_many_sessions", f"all {settings.max_sessions} session slots "
                                                 "are taken; retry later", error_type="server_error"), CLOSE_TRY_AGAIN)
-                return False
+                return False, None
         try:
             ticket = gw.enqueue()
         except QueueFull:
             await _refuse(ws, RealtimeError("queue_full", "the queue for a session is full; retry later",
                                             error_type="server_error"), CLOSE_TRY_AGAIN)
-            return False
+            return False, None
         ticket_id = new_id("ticket")
-        watcher = asyncio.create_task(receive_text(ws, None))  # learns of a caller that hangs up
+        early: str | None = None
+        watcher: asyncio.Task[str] | None = asyncio.create_task(receive_text(ws, None))  # a caller who hangs up
         try:
             event = "session.queued"
             while not ticket.done():
@@ -117,15 +119,17 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
                     event, position=position, queue_length=gw.queue_length, ticket_id=ticket_id,
                     estimated_wait_s=round(position * gw.mean_session_s / max(1, settings.max_sessions), 1))))
                 event = "session.queue_update"
-                await asyncio.wait({ticket, watcher}, timeout=QUEUE_UPDATE_S, return_when=asyncio.FIRST_COMPLETED)
-                if watcher.done():
-                    raise Disconnected
-            return True
+                waiting = {ticket} if watcher is None else {ticket, watcher}
+                await asyncio.wait(waiting, timeout=QUEUE_UPDATE_S, return_when=asyncio.FIRST_COMPLETED)
+                if watcher is not None and watcher.done():
+                    early, watcher = watcher.result(), None  # raises Disconnected for a caller who left
+            return True, early
         except (Disconnected, WebSocketDisconnect, RuntimeError):
             gw.leave_queue(ticket)
-            return False
+            return False, None
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
 
     async def serve(session: RealtimeSession, ws: WebSocket, pending: str | None = None) -> None:
         if pending is not None:
@@ -143,8 +147,8 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
                 return  # another socket took the session over
             await session.handle(text)
 
-    async def first_event(ws: WebSocket) -> tuple[str, dict[str, Any]]:
-        text = await receive_text(ws, settings.init_timeout_s)
+    async def first_event(ws: WebSocket, early: str | None = None) -> tuple[str, dict[str, Any]]:
+        text = early if early is not None else await receive_text(ws, settings.init_timeout_s)
         try:
             msg = json.loads(text)
         except json.JSONDecodeError:
@@ -170,14 +174,15 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
                                         "type", close_code=CLOSE_POLICY)
                 await serve(await resume(ws, msg), ws)
                 return
-            if not await admit(ws, queue=mode is not None):
+            admitted, early = await admit(ws, queue=mode is not None)
+            if not admitted:
                 return
             session_id = new_session_id()
             if mode is not None:
                 state: EngineState = MiniCPMRealtimeState(session_id, mode=mode)
                 try:
                     await ws.send_text(json.dumps(server_event("session.queue_done", session_id=session_id)))
-                    text, msg = await first_event(ws)
+                    text, msg = await first_event(ws, early)
                 except BaseException:
                     gw.release(None)  # no session was made: the slot goes back
                     raise
