@@ -28,11 +28,6 @@ from .session_core import SessionCore
 from .settings import Settings
 from .triton_stream import StepEvent, StepRequest, TritonSession
 
-# Step error codes that end the session with that reason instead of `backend_error`.
-CLOSE_REASONS = {"context_full": "context_full"}
-# Step error codes that are the client's input: rejected, the session goes on (its state is untouched).
-CLIENT_ERRORS = {"invalid_chat", "bad_image"}
-
 
 @dataclass
 class _Step:
@@ -103,10 +98,8 @@ class Connection(SessionCore):
                 await self.send(out)
 
     async def _step_error(self, ev: StepEvent) -> None:
-        if ev.code in CLIENT_ERRORS:  # the client's mistake, found by the stages: say so, keep the session
+        if self.step_failed(ev.code, ev.message):
             await self.reject(ev.code, ev.message)
-        else:
-            self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
 
     async def send_closed(self, reason: str, message: str | None) -> None:
         await self.send(self.state.closed(reason, message))

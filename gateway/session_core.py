@@ -17,6 +17,11 @@ from .triton_stream import TritonSession
 
 log = logging.getLogger("gateway")
 
+# Step error codes that end the session with that reason instead of `backend_error`.
+CLOSE_REASONS = {"context_full": "context_full"}
+# Step error codes that are the client's input: rejected, the session goes on (its state is untouched).
+CLIENT_ERRORS = {"invalid_chat", "bad_image"}
+
 
 class SessionCore:
     def __init__(self, session_id: str, triton: TritonSession, settings: Settings) -> None:
@@ -66,6 +71,14 @@ class SessionCore:
                 log.exception("session %s: step failed", self.session_id)
                 self.fail("backend_error", str(exc))
                 return
+
+    def step_failed(self, code: str, message: str) -> bool:
+        """A step answered with a coded error: True when it is the client's input (the caller says so and the
+        session goes on); otherwise the session ends, with that code's reason."""
+        if code in CLIENT_ERRORS:
+            return True
+        self.fail(CLOSE_REASONS.get(code, "backend_error"), f"{code}: {message}")
+        return False
 
     def fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL

@@ -283,3 +283,16 @@ def test_the_turn_based_buffer_is_bounded() -> None:
     assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                              "input_audio_buffer.committed"]
     assert "response.created" in types(fx) and fx.steps[0].kind == "chat"
+
+
+def test_minicpm_session_update_checks_its_voice_references() -> None:
+    from gateway.audio import encode_f32_base64
+    from gateway.realtime.minicpm_state import MiniCPMRealtimeState
+
+    st = MiniCPMRealtimeState("sess_m")
+    with pytest.raises(RealtimeError) as err:
+        st.on_client({"type": "session.update", "session": {"ref_audio": encode_f32_base64(np.zeros(800, np.float32))}})
+    assert (err.value.code, err.value.close_code) == ("invalid_voice", 1008)
+    ref = np.zeros(16_000, np.float32)
+    fx = st.on_client({"type": "session.update", "session": {"tts_ref_audio": encode_f32_base64(ref)}})
+    assert [e["type"] for e in fx.events] == ["session.created"] and set(st.voice) == {"tts_ref_audio"}

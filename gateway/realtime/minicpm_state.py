@@ -15,7 +15,7 @@ from typing import Any
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..audio import encode_f32_base64
-from ..protocol import ProtocolError, SessionInit, parse_input_append, voice_refs
+from ..protocol import CLOSE_POLICY, ProtocolError, parse_input_append, voice_ref
 from ..triton_stream import StepEvent, StepRequest
 from .engine import Effects, EngineState, PlannedStep
 from .events import RealtimeError, error_event, server_event
@@ -79,8 +79,8 @@ class MiniCPMRealtimeState(EngineState):
         self.model = {**(session.get("config") if isinstance(session.get("config"), dict) else {}), **voice_config}
         try:
             self.options()
-            self.voice = voice_refs(SessionInit("full_duplex", None, {}, session.get("ref_audio"),
-                                                session.get("tts_ref_audio")))
+            self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
+                          for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
         except InvalidOptions as exc:
             raise RealtimeError("invalid_payload", str(exc), "session", error_type="client_error") from exc
         except ProtocolError as exc:

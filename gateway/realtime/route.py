@@ -149,11 +149,7 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
 
     async def first_event(ws: WebSocket, early: str | None = None) -> tuple[str, dict[str, Any]]:
         text = early if early is not None else await receive_text(ws, settings.init_timeout_s)
-        try:
-            msg = json.loads(text)
-        except json.JSONDecodeError:
-            msg = {}
-        return text, msg if isinstance(msg, dict) else {}
+        return text, _as_event(text)
 
     async def endpoint(ws: WebSocket) -> None:
         mode = ws.query_params.get("mode")
@@ -204,10 +200,11 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
             await session.emit(state.created())
             if mode is None and text is None:
                 text = await _first_openai_event(session, ws, settings.idle_timeout_s)
-                if text is not None and _is_resume(text):
+                msg = _as_event(text) if text is not None else {}
+                if msg.get("type") == "session.resume":
                     session.ws = None  # the socket goes on with the resumed session
                     await session.close("resumed_elsewhere", emit=False)
-                    await serve(await resume(ws, json.loads(text)), ws)
+                    await serve(await resume(ws, msg), ws)
                     return
             await serve(session, ws, text)
         except RealtimeError as err:
@@ -219,12 +216,13 @@ def realtime_endpoint(gw: Gateway) -> Callable[[WebSocket], Awaitable[None]]:
     return endpoint
 
 
-def _is_resume(text: str) -> bool:
+def _as_event(text: str) -> dict[str, Any]:
+    """A first event, to see what it is ({} when it is not a JSON object; the session then answers it)."""
     try:
         msg = json.loads(text)
     except json.JSONDecodeError:
-        return False
-    return isinstance(msg, dict) and msg.get("type") == "session.resume"
+        return {}
+    return msg if isinstance(msg, dict) else {}
 
 
 async def _first_openai_event(session: RealtimeSession, ws: WebSocket, timeout_s: float) -> str | None:

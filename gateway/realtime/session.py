@@ -18,7 +18,6 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from ..connection import CLIENT_ERRORS, CLOSE_REASONS
 from ..journal import Journal
 from ..protocol import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA
 from ..session_core import SessionCore
@@ -126,10 +125,8 @@ class RealtimeSession(SessionCore):
         request = self.state.prepare(step)
         async for ev in self.triton.step(request):
             if ev.kind == "error":
-                if ev.code in CLIENT_ERRORS:
+                if self.step_failed(ev.code, ev.message):
                     await self.apply(self.state.on_step_error(step, ev.code, ev.message))
-                else:
-                    self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
                 return
             await self.apply(self.state.on_step_event(step, ev))
 
