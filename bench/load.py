@@ -1,10 +1,12 @@
 """Gateway load generator: N real-time WebSocket sessions vs a baseline shaped like the official demo.
 
-    python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2] [--cadence-ms 0 250]
+    python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
+                         [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=0]
 
 Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
 starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
-per `--cadence-ms` (the entry model's shared beat under load; 0 = off), each on a fresh tritonserver.
+per `--variants` entry (`default`, or the entry model's settings as MINICPMO_<KEY>=VALUE[,...] in
+tritonserver's environment), each on a fresh tritonserver; the first is plotted.
 Per N: chunk latency (append -> first delta of that step) p50/p95, first-audio latency of each
 spoken turn, late chunks (over the 1 s chunk period) and dropped ones (never answered), Triton's
 per-stage mean batch size, queue and compute time, and tritonserver's resident memory.
@@ -227,8 +229,8 @@ def main() -> int:
     parser.add_argument("--soak-sessions", type=int, default=16)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "load_latency.png")
-    parser.add_argument("--cadence-ms", type=float, nargs="+", default=[0.0, 250.0],
-                        help="the entry model's beat under load, one sweep each (0: off)")
+    parser.add_argument("--variants", nargs="+", default=["default", "MINICPMO_LLM_BATCH_WINDOW_MS=0"],
+                        help="one sweep each: default, or MINICPMO_<KEY>=VALUE[,...] for the entry model")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="load-"))
@@ -239,13 +241,23 @@ def main() -> int:
           f"2 CPU cores")
     print(f"state per session after {args.seconds} s: " +
           ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in bytes_per_stage.items()))
-    for cadence in args.cadence_ms:
-        os.environ["MINICPMO_CADENCE_MS"] = str(cadence)  # tritonserver's environment: the entry model reads it
-        sweep(args, work / f"cadence{cadence:g}", speech, base, cadence)
+    for i, variant in enumerate(args.variants):
+        settings = dict(kv.split("=", 1) for kv in variant.split(",") if "=" in kv)
+        saved = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)  # tritonserver's environment: the entry model reads MINICPMO_<KEY>
+        try:
+            sweep(args, work / f"variant{i}", speech, base, variant, plot_it=i == 0)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return 0
 
 
-def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: LoadResult, cadence: float) -> None:
+def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: LoadResult, variant: str,
+          plot_it: bool) -> None:
     rows: list[tuple[LoadResult, dict[str, tuple[float, float, float]], float]] = []
     soak: list[float] = []
     work.mkdir(parents=True)
@@ -268,7 +280,7 @@ def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: 
                                 d["nv_inference_queue_duration_us"] / reqs / 1000,
                                 d["nv_inference_compute_infer_duration_us"] / reqs / 1000)
             rows.append((result, per_stage, rss.peak))
-            print(f"cadence {cadence:g} ms, {n} sessions: p95 {result.p95:.0f} ms, dropped {result.dropped}",
+            print(f"{variant}, {n} sessions: p95 {result.p95:.0f} ms, dropped {result.dropped}",
                   file=sys.stderr)
         for _ in range(args.soak_rounds):
             asyncio.run(gateway_load(url, args.soak_sessions, speech))
@@ -277,11 +289,11 @@ def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: 
                 for m in ("duplex", "llm", "tts", "token2wav")}
 
     results = [r for r, _, _ in rows]
-    if cadence == args.cadence_ms[0]:  # the plot shows the first sweep (the default: off)
+    if plot_it:
         plot(results, base, args.plot)
     best = max((r.sessions for r in results if r.real_time), default=0)
     base_capacity = base.sessions if base.real_time else 0
-    print(f"\n## cadence {cadence:g} ms (from 16 live sessions on)\n")
+    print(f"\n## {variant}\n")
     print("| path | sessions | chunk p50 ms | chunk p95 ms | first audio p50 ms | first audio p95 ms "
           "| late | dropped | tritonserver RSS MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -293,7 +305,7 @@ def sweep(args: argparse.Namespace, work: Path, speech: list[np.ndarray], base: 
     print("\n| sessions | " + " | ".join(f"{m} batch / queue ms / compute ms" for m in STAGES) + " |")
     print("|---:|" + "---|" * len(STAGES))
     for r, per_stage, _ in rows:
-        cells = " | ".join(f"{b:.2f} / {q:.1f} / {c:.1f}" for b, q, c in (per_stage[m] for m in STAGES))
+        cells = " | ".join(f"{b:.2f} / {q:.1f} / {c:.1f}" if b else "-" for b, q, c in (per_stage[m] for m in STAGES))
         print(f"| {r.sessions} | {cells} |")
     print(f"tritonserver RSS: idle {idle_rss:.0f} MiB; after each soak round of {args.soak_sessions} sessions: "
           + ", ".join(f"{x:.0f}" for x in soak) + f" MiB; live sequences after: {live}")

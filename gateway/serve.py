@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         app = create_app(settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
-                                log_level="info")
+                                ws_per_message_deflate=settings.ws_deflate, log_level="info")
         GatewayServer(config, app.state.gateway).run()
     finally:
         if server is not None:

@@ -15,10 +15,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cadence import Cadence
 from .duplex_options import DuplexOptions
 from .model_config import PresetConfig
-from .rendezvous import Member, Rendezvous
+from .rendezvous import BatchWindow, Member, Rendezvous
 from .stage_io import (
     AudioEncoderRequest,
     AudioEncoderResult,
@@ -81,7 +80,6 @@ class StepInput:
     # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
     rollback_to: int = -1
     replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    waited_ms: float = 0.0  # held for the cadence's beat (reported in the step's metrics)
 
 
 @dataclass(frozen=True)
@@ -148,14 +146,13 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 llm_gather_s: float = 0.0, cadence: Cadence | None = None) -> None:
+                 llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None) -> None:
         self.stages = stages
         self.preset = preset
         self.tokenizer = tokenizer
         self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
         # Concurrent steps meet before the LLM so the sequence batcher sees them together.
-        self.llm_meet = Rendezvous(llm_gather_s)
-        self.cadence = cadence or Cadence(0.0, 0)  # off unless the entry model sets one
+        self.llm_meet = Rendezvous(llm_gather_s, batch_window, lambda: len(self.sessions))
 
     def _call(self, state: DuplexSession, stage: str, corr_id: int, request: Any) -> StageCall[Any]:
         start = stage not in state.started
@@ -183,9 +180,6 @@ class DuplexPipeline:
             state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
             self.sessions.start(corr_id, state)
         state = self.sessions.get(corr_id)
-        if isinstance(inp, StepInput) and len(inp.audio):
-            waited = await self.cadence.wait(len(self.sessions))
-            inp.waited_ms = round(waited * 1000, 2)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us
             try:
                 if start:
@@ -215,13 +209,15 @@ class DuplexPipeline:
         for stage in STATEFUL_STAGES:
             if stage in state.started:
                 fn, request = ends[stage]
+                if stage == "llm":
+                    await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
                 await fn(StageCall(request, corr_id, end=True))
         state.started.clear()
 
     async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member) -> None:
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
-        metrics: dict[str, Any] = {"backend": "triton", "cadence_wait_ms": inp.waited_ms}
+        metrics: dict[str, Any] = {"backend": "triton"}
         ids: list[int] = []
         prefix = np.zeros((0, self.preset.llm.hidden), np.float32)
         if "llm" not in state.started:
@@ -232,7 +228,7 @@ class DuplexPipeline:
             ctx = self.tokenizer.encode(f"[{inp.context_kind}] {inp.context_text}\n")
             ids += ctx
             n_text_in += len(ctx)
-        n_vision = 0
+        n_vision = n_audio = 0
         cancels = state.cancels
         if inp.rollback_to >= 0:
             state.tts_turn_open = False
@@ -243,29 +239,29 @@ class DuplexPipeline:
         if len(inp.audio):
             if len(inp.audio) > MAX_CHUNK_SECONDS * 16_000:
                 raise StepError("invalid_audio", f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
-            prior = embeds
             ids.append(tk.unit)
             if inp.frames:
                 t = time.perf_counter()
                 vision_ids, vision, n_slices = await self._vision(inp.frames, inp.max_slice_nums)
                 metrics.update(cost_vision_ms=_ms(t), vision_slices=n_slices, vision_tokens=len(vision))
                 ids += vision_ids
+                embeds = np.concatenate([embeds, vision])
                 n_vision = len(vision)
-            t = time.perf_counter()
-            audio = (await self.stages.audio_encoder(AudioEncoderRequest(inp.audio))).embeds
-            metrics["cost_audio_encoder_ms"] = _ms(t)
-            ids += [tk.audio_placeholder] * len(audio)
-            embeds = np.concatenate([prior, vision, audio]) if n_vision else np.concatenate([prior, audio])
+            # The LLM stage encodes the step's audio itself; its tokens follow everything before them.
+            n_audio = -(-len(inp.audio) // self.preset.samples_per_audio_token)
+            ids += [tk.audio_placeholder] * n_audio
         listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
-            input_ids=np.asarray(ids, np.int64), embeds=embeds,
+            input_ids=np.asarray(ids, np.int64), embeds=embeds, audio=inp.audio,
             decode=len(inp.audio) > 0 or inp.respond,
             force_listen=inp.force_listen or listening or (bool(inp.context_text) and not inp.respond),
             temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
         )
+        t = time.perf_counter()
         await member.arrive()
+        metrics["llm_wait_ms"] = _ms(t)  # at the door, for other sessions' steps to batch with
         t = time.perf_counter()
         try:
             llm = await self.stages.llm(self._call(state, "llm", corr_id, request))
@@ -273,9 +269,10 @@ class DuplexPipeline:
             raise StepError("context_full", str(exc)) from exc
         if len(inp.audio):
             state.chunk_index += 1
-        metrics.update(cost_llm_ms=_ms(t), prefill_ms=round(llm.prefill_ms, 2), generate_ms=round(llm.decode_ms, 2),
+        metrics.update(cost_llm_ms=_ms(t), cost_audio_encoder_ms=round(llm.encode_ms, 2),
+                       prefill_ms=round(llm.prefill_ms, 2), generate_ms=round(llm.decode_ms, 2),
                        n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
-        usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision,
+        usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
 

@@ -104,6 +104,9 @@ class VisionEncoderResult:
 class LlmRequest:
     input_ids: np.ndarray = tensor(np.int64, 1)  # prefill; `audio_placeholder` where embeds go
     embeds: np.ndarray = tensor(np.float32, 2)
+    # The step's own audio (16 kHz): the stage encodes it, batched with the other rows, and its
+    # embeddings fill the placeholders after `embeds` (one hop less per step than a separate encoder).
+    audio: np.ndarray = tensor(np.float32, 1)
     decode: bool = True  # False: prefill only (a system prompt, a context)
     force_listen: bool = False
     temperature: float = _D.temperature
@@ -130,6 +133,7 @@ class LlmResult:
     n_prefill: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    encode_ms: float = 0.0  # the request's audio through the audio encoder
     cached_tokens: int = 0  # context reused from earlier steps / turns (the KV length before this call)
 
 

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .bls import TritonBlsStages
-from .cadence import Cadence
 from .duplex_options import DuplexOptions, InvalidOptions
 from .engines import load_engine
 from .model_config import load_stage_config
 from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepError, StepEvent, StepInput, VoiceRefs
+from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
@@ -66,12 +67,17 @@ class _LiveGauge:
         self._evicted = self._evicted_family.Metric(labels={"model": model})
         self._store = store
         self._reported_evictions = 0
+        self._reported_live = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sweep, args=(period_s,), daemon=True)
         self._thread.start()
 
     def update(self) -> None:
-        self._gauge.set(len(self._store))
+        # Each set is a round trip to the server process: only a changed count is sent.
+        live = len(self._store)
+        if live != self._reported_live:
+            self._gauge.set(live)
+            self._reported_live = live
         new = self._store.evicted_total - self._reported_evictions
         if new:
             self._evicted.increment(new)
@@ -137,6 +143,11 @@ def _get_row(request: Any, name: str) -> np.ndarray | None:
     return None if arr is None else arr[0]
 
 
+def _setting(ctx: _ModelContext, key: str, default: float) -> float:
+    """A model parameter; MINICPMO_<KEY> in tritonserver's environment overrides it (benchmarks, operators)."""
+    return float(os.environ.get(f"MINICPMO_{key.upper()}") or ctx.param(key, default))
+
+
 def _ttl(ctx: _ModelContext) -> float:
     return ctx.param("state_ttl_s", 600.0)
 
@@ -149,8 +160,12 @@ class LlmModel(_StatefulStageModel):
     stage_name = "llm"
 
     def make_stage(self, ctx: _ModelContext) -> LlmStage:
-        tokenizer = load_tokenizer(ctx.preset, ctx.version_dir.parent.parent / "duplex" / "1")
-        return LlmStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, tokenizer, _ttl(ctx))
+        models = ctx.version_dir.parent.parent
+        tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
+        # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
+        encoder = AudioEncoderStage(load_engine(models / "audio_encoder" / "1", _threads(ctx)),
+                                    ctx.preset.samples_per_audio_token)
+        return LlmStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, tokenizer, _ttl(ctx), encoder)
 
 
 class TtsModel(_StatefulStageModel):
@@ -224,16 +239,22 @@ class DuplexModel:
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
-        # MINICPMO_CADENCE_MS / MINICPMO_LLM_GATHER_MS in tritonserver's environment override the model's
-        # parameters (benchmarks, operators).
-        cadence_ms = float(os.environ.get("MINICPMO_CADENCE_MS") or ctx.param("cadence_ms", 0.0))
-        gather_ms = float(os.environ.get("MINICPMO_LLM_GATHER_MS") or ctx.param("llm_gather_ms", 10.0))
-        cadence = Cadence(cadence_ms / 1000, int(ctx.param("cadence_min_sessions", 16)))
+        window = BatchWindow(target=int(_setting(ctx, "llm_batch_target", 8)),
+                             max_s=_setting(ctx, "llm_batch_window_ms", 250.0) / 1000,
+                             min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 16)))
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=gather_ms / 1000, cadence=cadence)
+                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
+        self._bls_threads = int(_setting(ctx, "bls_threads", 256))
+        self._executor: ThreadPoolExecutor | None = None
 
     async def execute(self, requests: list[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            # The stub runs each BLS call (async_exec) blocking in the loop's default executor, whose
+            # few threads (cores + 4) would cap the stage calls in flight for all sessions together.
+            self._executor = ThreadPoolExecutor(self._bls_threads, thread_name_prefix="bls")
+            loop.set_default_executor(self._executor)
         await asyncio.gather(*(self._handle(r) for r in requests))
         return None
 
@@ -308,6 +329,8 @@ class DuplexModel:
 
     def finalize(self) -> None:
         self.gauge.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SpeakerEncoderModel(_StatelessStageModel):

@@ -1,4 +1,5 @@
-"""The meeting point before the LLM: concurrent steps go together, a lone step waits for nothing."""
+"""The meeting point before the LLM: concurrent steps go together, a lone step waits for nothing,
+and under load the first step holds the door for the ones that follow."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from minicpmo_triton.rendezvous import Rendezvous
+from minicpmo_triton.rendezvous import BatchWindow, Rendezvous
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -64,13 +65,50 @@ async def test_waiting_is_bounded_and_a_member_that_leaves_does_not_hold_the_oth
     await slow_task
 
 
-async def test_the_cadence_holds_steps_for_the_next_beat_only_under_load() -> None:
-    from minicpmo_triton.cadence import Cadence
+async def test_the_window_is_held_only_under_load_and_shrinks_as_sessions_grow() -> None:
+    window = BatchWindow(target=8, max_s=0.25, min_sessions=16)
+    assert window.hold_s(15) == 0.0  # below the threshold nothing is held
+    assert window.hold_s(16) == 0.25  # 7 more would take 467 ms: capped
+    assert window.hold_s(32) == pytest.approx(7 / 31)  # the time 7 of the other 31 take to come
+    assert window.hold_s(64) == pytest.approx(7 / 63)
+    assert BatchWindow(target=8, max_s=0.0).hold_s(64) == 0.0  # off
 
-    now = [10.07]
-    beat = Cadence(0.25, min_sessions=16, clock=lambda: now[0])
-    assert beat.delay(15) == 0.0  # below the threshold nothing waits
-    assert beat.delay(16) == pytest.approx(0.18)  # to 10.25
-    now[0] = 10.25
-    assert beat.delay(40) == pytest.approx(0.0)  # on the beat
-    assert Cadence(0.0, 0, clock=lambda: 3.3).delay(100) == 0.0  # off
+
+async def test_under_load_later_steps_join_the_first_and_the_door_opens_at_the_target() -> None:
+    # 4 live sessions: 3 more steps are expected within a second, the window (capped at 5 s)
+    meet = Rendezvous(max_wait_s=0.01, window=BatchWindow(target=4, max_s=5.0, min_sessions=2),
+                      live_sessions=lambda: 4)
+    released: list[float] = []
+    t0 = time.perf_counter()
+
+    async def step(start_s: float) -> None:
+        await asyncio.sleep(start_s)  # a caller's own phase: it was not in flight when the first arrived
+        async with meet.member() as m:
+            await m.arrive()
+            released.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(step(s) for s in (0.0, 0.05, 0.1, 0.15)))
+    assert min(released) > 0.12, "the first step held the door for the later ones"
+    assert max(released) - min(released) < 0.03 and max(released) < 1.0, "all four went at the fourth"
+    assert meet.met == 4
+
+
+async def test_a_held_door_opens_after_the_window_and_an_end_rides_along() -> None:
+    meet = Rendezvous(max_wait_s=0.01, window=BatchWindow(target=8, max_s=0.2, min_sessions=2),
+                      live_sessions=lambda: 2)
+    t0 = time.perf_counter()
+
+    async def step() -> float:
+        async with meet.member() as m:
+            await m.arrive()
+        return time.perf_counter() - t0
+
+    async def end_later() -> float:
+        await asyncio.sleep(0.05)
+        await meet.pass_through()
+        return time.perf_counter() - t0
+
+    step_at, end_at = await asyncio.gather(step(), end_later())
+    assert 0.15 < step_at < 0.6, "the target never came: the window's end opened the door"
+    assert abs(end_at - step_at) < 0.03, "the END went with the held step"
+    assert meet.met == 2

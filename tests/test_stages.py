@@ -194,3 +194,31 @@ def test_llm_rollback_forgets_what_was_not_heard(preset) -> None:
     np.testing.assert_allclose(stage.store.get(1).cache.key, fresh.store.get(2).cache.key, atol=1e-5)
     with pytest.raises(ValueError, match="roll back"):
         stage.check(dataclasses.replace(probe, rollback_to=10**6), stage.store.get(1))
+
+
+def test_llm_encodes_the_steps_audio_as_the_audio_encoder_would(preset) -> None:
+    """Audio sent to the LLM stage (encoded there, batched across rows) is the same input as its embeddings."""
+    from minicpmo_triton.stage_io import AudioEncoderRequest
+    from minicpmo_triton.stages.audio_encoder import AudioEncoderStage
+
+    encoder = AudioEncoderStage(load_engine(MODEL_REPOSITORY / "audio_encoder" / "1"), preset.samples_per_audio_token)
+    with_audio = LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset, ByteTokenizer(), 600.0, encoder)
+    with_embeds = llm_stage(preset)
+    rng = np.random.default_rng(3)
+    audio = [(rng.standard_normal(16_000) * 0.1).astype(np.float32) for _ in range(2)]
+    tk = preset.tokens
+    ids = np.array([tk.unit] + [tk.audio_placeholder] * 10, np.int64)
+    sent = with_audio.run([StageCall(LlmRequest(input_ids=ids, audio=a, temperature=0.0), c, start=True)
+                           for c, a in ((1, audio[0]), (2, audio[1]))])
+    for c, a, got in ((1, audio[0], sent[0]), (2, audio[1], sent[1])):
+        embeds = encoder.run([AudioEncoderRequest(a)])[0].embeds
+        want = with_embeds.run([StageCall(LlmRequest(input_ids=ids, embeds=embeds, temperature=0.0), c, start=True)])[0]
+        assert got.generated.tolist() == want.generated.tolist()
+        assert got.encode_ms > 0
+        np.testing.assert_allclose(with_audio.store.get(c).cache.key, with_embeds.store.get(c).cache.key, atol=1e-4)
+    assert with_audio.store.get(1).cache.key.tolist() != with_audio.store.get(2).cache.key.tolist()
+    # Audio to a stage without an encoder, or with too few placeholders, fails that request alone.
+    failed = with_embeds.run([StageCall(LlmRequest(input_ids=ids, audio=audio[0]), 1)])[0]
+    assert isinstance(failed, ValueError) and "no audio encoder" in str(failed)
+    failed = with_audio.run([StageCall(LlmRequest(input_ids=ids[:5], audio=audio[0]), 1)])[0]
+    assert isinstance(failed, ValueError) and "placeholders" in str(failed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,8 +13,9 @@ from ..engines import Engine
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..sampling import SamplingParams, apply_repetition_penalty, sample
-from ..stage_io import LlmRequest, LlmResult
+from ..stage_io import AudioEncoderRequest, LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
+from .audio_encoder import AudioEncoderStage
 from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
 
@@ -32,9 +34,11 @@ class LlmSession:
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
-    def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float) -> None:
+    def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
+                 encoder: AudioEncoderStage | None = None) -> None:
         super().__init__(ttl_s)
         self.engine = engine
+        self.encoder = encoder  # for requests that bring their step's audio
         self.preset = preset
         self.tokenizer = tokenizer
         d = preset.llm
@@ -59,9 +63,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         tk = self.preset.tokens
         if request.rollback_to > state.cache.length:
             raise ValueError(f"llm: cannot roll back to {request.rollback_to}, past the {state.cache.length} cached")
+        n_audio = 0
+        if len(request.audio):
+            if self.encoder is None:
+                raise ValueError("llm: this stage has no audio encoder; send embeddings")
+            n_audio = len(self.encoder.pad(request.audio)) // self.encoder.samples_per_token
         n_placeholders = int((request.input_ids == tk.audio_placeholder).sum())
-        if n_placeholders != len(request.embeds):
-            raise ValueError(f"llm: {n_placeholders} audio placeholders but {len(request.embeds)} embeddings")
+        if n_placeholders != len(request.embeds) + n_audio:
+            raise ValueError(f"llm: {n_placeholders} audio placeholders but {len(request.embeds)} embeddings "
+                             f"and {n_audio} audio tokens")
         if len(request.embeds) and request.embeds.shape[1] != self.preset.llm.hidden:
             raise ValueError(f"llm: embeddings of width {request.embeds.shape[1]}, not {self.preset.llm.hidden}")
         if ((request.input_ids < 0) | (request.input_ids >= self.preset.llm.vocab)).any():
@@ -70,10 +80,25 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if need > self.preset.duplex.context_tokens - state.cache.length:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
 
+    def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
+        """Each row's embeddings: what it brought, then its audio's, all rows' audio in one encoder batch."""
+        rows = [i for i, (req, _) in enumerate(items) if len(req.audio)]
+        embeds = [req.embeds.reshape(-1, self.preset.llm.hidden) for req, _ in items]
+        if not rows or self.encoder is None:
+            return embeds, 0.0
+        t0 = time.perf_counter()
+        encoded = self.encoder.run([AudioEncoderRequest(items[i][0].audio) for i in rows])
+        for i, out in zip(rows, encoded, strict=True):
+            if isinstance(out, Exception):
+                raise out
+            embeds[i] = np.concatenate([embeds[i], out.embeds])
+        return embeds, (time.perf_counter() - t0) * 1000
+
     def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
         tk, h = self.preset.tokens, self.preset.llm.hidden
         prefill, decoders, params = [], [], []
-        for req, sess in items:
+        row_embeds, encode_ms = self._encode(items)
+        for (req, sess), req_embeds in zip(items, row_embeds, strict=True):
             if req.rollback_to >= 0:
                 self._roll_back(sess, req.rollback_to)
             ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
@@ -81,7 +106,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             if len(ids) == 0:
                 ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
             embeds = np.zeros((len(ids), h), np.float32)
-            embeds[use] = req.embeds
+            embeds[use] = req_embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
             decoders.append(self._decoder(req, sess))
             params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
@@ -130,6 +155,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 n_prefill=len(pre["input_ids"]),
                 prefill_ms=timing.prefill_ms,
                 decode_ms=timing.decode_ms,
+                encode_ms=encode_ms,
                 cached_tokens=cached,
             ))
         return results
