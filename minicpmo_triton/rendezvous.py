@@ -2,12 +2,14 @@
 
 Two reasons to wait at the door, both bounded:
 - Steps in flight: with no queue delay on the batcher, steps that started together still drift apart
-  by the time they reach the LLM (each spent a different few ms in the audio encoder) and would run
-  one by one. A step that arrives waits for the other steps in flight, at most `max_wait_s`.
+  by the time they reach the LLM (each spent a different few ms on its way: a vision encoder, a
+  replay, the event loop) and would run one by one. A step that arrives waits for the other steps
+  in flight, at most `max_wait_s`.
 - Load (`BatchWindow`): real-time callers' seconds do not line up, so under load the first step at
-  the door holds it open for the steps that will start in the next few ms, long enough to expect a
-  batch of `target`, and never longer than `max_s`. A batch of 6 tiny-model LLM steps costs about
-  what 2 cost one by one on a CPU; below `min_sessions` live sessions nothing is held for load.
+  the door holds it open for the steps that start in the next few hundred ms, long enough to
+  expect a batch of `target`, and never longer than `max_s`. A batch of 8 tiny-model LLM steps costs about
+  what 3 cost one by one on a CPU, which pays once the CPU runs out (32 sessions on 2 cores); below
+  `min_sessions` live sessions nothing is held for load.
 A lone step on a quiet server has nobody to wait for and goes straight on.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 class BatchWindow:
     target: int = 8  # the door opens as soon as this many wait
     max_s: float = 0.0  # 0: never held for load
-    min_sessions: int = 16
+    min_sessions: int = 24
     period_s: float = 1.0  # each live session brings one step per period
 
     def hold_s(self, live_sessions: int) -> float:
