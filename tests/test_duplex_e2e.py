@@ -45,6 +45,15 @@ async def test_health_reports_ready(gateway) -> None:
     assert health["active_sessions"] == 0
 
 
+async def test_websocket_compression_is_off_unless_asked(gateway, gateway_factory) -> None:
+    """The client offers permessage-deflate (websockets does by default); it costs ms per 1 s append."""
+    for gw, negotiated in ((gateway, False), (gateway_factory(ws_deflate="1"), True)):
+        for url in (gw.ws, gw.realtime):
+            async with websockets.connect(url) as ws:
+                extensions = ws.response.headers.get("Sec-WebSocket-Extensions") or ""
+                assert ("permessage-deflate" in extensions) is negotiated, (url, extensions)
+
+
 async def test_listen_and_speak_deltas_and_audio_shape(gateway, speech) -> None:
     result = await converse(gateway.ws, chunks_of(speech(SPEAKING_TEXT)), realtime=False, config=GREEDY)
     kinds = {e["kind"] for e in deltas(result.events)}
