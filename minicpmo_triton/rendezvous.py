@@ -5,11 +5,11 @@ Two reasons to wait at the door, both bounded:
   by the time they reach the LLM (each spent a different few ms on its way: a vision encoder, a
   replay, the event loop) and would run one by one. A step that arrives waits for the other steps
   in flight, at most `max_wait_s`.
-- Load (`BatchWindow`): real-time callers' seconds do not line up, so under load the first step at
-  the door holds it open for the steps that start in the next few hundred ms, long enough to
-  expect a batch of `target`, and never longer than `max_s`. A batch of 8 tiny-model LLM steps costs about
-  what 3 cost one by one on a CPU, which pays once the CPU runs out (32 sessions on 2 cores); below
-  `min_sessions` live sessions nothing is held for load.
+- Load (`BatchWindow`, off unless `max_s` > 0): real-time callers' seconds do not line up, so under
+  load the first step at the door holds it open for the steps that start in the next few hundred
+  ms, long enough to expect a batch of `target`, and never longer than `max_s`; below
+  `min_sessions` live sessions nothing is held for load. On 2 CPU cores it raised the LLM's batch
+  but cost more latency than the batch saved; it is meant for accelerators.
 A lone step on a quiet server has nobody to wait for and goes straight on.
 """
 

@@ -240,7 +240,7 @@ class DuplexModel:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
         window = BatchWindow(target=int(_setting(ctx, "llm_batch_target", 8)),
-                             max_s=_setting(ctx, "llm_batch_window_ms", 250.0) / 1000,
+                             max_s=_setting(ctx, "llm_batch_window_ms", 0.0) / 1000,
                              min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)))
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window)

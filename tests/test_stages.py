@@ -169,6 +169,11 @@ def test_model_configs_declare_the_stage_tensors(model: str) -> None:
         declared = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]', block)
         expected = [(f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f)))) for f in dataclasses.fields(cls)]
         assert declared == expected
+    # Triton batches only requests whose inputs have equal shapes unless told otherwise; the stages pad
+    # (or group) rows themselves, so every variable-length input must be ragged or batches stay tiny.
+    inputs = text.split("\ninput [", 1)[1].split("\n]", 1)[0]
+    for line in re.findall(r'\{ name: "\w+" data_type: \w+ dims: \[ [-\d, ]*-1[-\d, ]* \][^\n]*', inputs):
+        assert "allow_ragged_batch: true" in line, line
     if model not in ("audio_encoder", "vision_encoder", "speaker_encoder"):
         assert "CONTROL_SEQUENCE_START" in text and "CONTROL_SEQUENCE_CORRID" in text and "oldest" in text
 
