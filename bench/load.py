@@ -30,6 +30,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -243,16 +244,9 @@ def main() -> int:
           ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in bytes_per_stage.items()))
     for i, variant in enumerate(args.variants):
         settings = dict(kv.split("=", 1) for kv in variant.split(",") if "=" in kv)
-        saved = {k: os.environ.get(k) for k in settings}
-        os.environ.update(settings)  # tritonserver's environment: the entry model reads MINICPMO_<KEY>
-        try:
+        # tritonserver's environment, for this sweep only: the entry model reads MINICPMO_<KEY>
+        with mock.patch.dict(os.environ, settings):
             sweep(args, work / f"variant{i}", speech, base, variant, plot_it=i == 0)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return 0
 
 

@@ -146,6 +146,10 @@ class PresetConfig:
     def samples_per_audio_token(self) -> int:
         return SAMPLE_RATE_IN // self.audio_tokens_per_second
 
+    def audio_tokens(self, n_samples: int) -> int:
+        """Tokens the audio encoder makes of `n_samples` (it pads to a whole token)."""
+        return -(-n_samples // self.samples_per_audio_token)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 

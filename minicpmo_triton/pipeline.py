@@ -248,7 +248,7 @@ class DuplexPipeline:
                 embeds = np.concatenate([embeds, vision])
                 n_vision = len(vision)
             # The LLM stage encodes the step's audio itself; its tokens follow everything before them.
-            n_audio = -(-len(inp.audio) // self.preset.samples_per_audio_token)
+            n_audio = self.preset.audio_tokens(len(inp.audio))
             ids += [tk.audio_placeholder] * n_audio
         listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(

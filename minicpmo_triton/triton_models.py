@@ -340,19 +340,19 @@ class SpeakerEncoderModel(_StatelessStageModel):
         return SpeakerEncoderStage(load_engine(ctx.version_dir, _threads(ctx)))
 
 
+def _f32_base64(data: str | None) -> np.ndarray | None:
+    return np.frombuffer(base64.b64decode(data), "<f4").astype(np.float32) if data else None
+
+
 def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInput:
     """The gateway's chat JSON: messages of {role, text, audio (base64 float32 16 kHz)}."""
     try:
-        messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""),
-                                np.frombuffer(base64.b64decode(m["audio"]), "<f4").astype(np.float32)
-                                if m.get("audio") else None,
+        messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""), _f32_base64(m.get("audio")),
                                 tuple(base64.b64decode(i) for i in m.get("images") or ()),
                                 int(m.get("max_slice_nums") or 1))
                     for m in chat["messages"]]
-        tts_ref = chat.get("tts_ref_audio")
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
-                         options, tts_ref_audio=np.frombuffer(base64.b64decode(tts_ref), "<f4").astype(np.float32)
-                         if tts_ref else None)
+                         options, tts_ref_audio=_f32_base64(chat.get("tts_ref_audio")))
     except (KeyError, TypeError, ValueError) as exc:
         raise StepError("invalid_chat", f"malformed chat request: {exc}") from exc
 

@@ -67,7 +67,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if len(request.audio):
             if self.encoder is None:
                 raise ValueError("llm: this stage has no audio encoder; send embeddings")
-            n_audio = len(self.encoder.pad(request.audio)) // self.encoder.samples_per_token
+            n_audio = self.preset.audio_tokens(len(request.audio))
         n_placeholders = int((request.input_ids == tk.audio_placeholder).sum())
         if n_placeholders != len(request.embeds) + n_audio:
             raise ValueError(f"llm: {n_placeholders} audio placeholders but {len(request.embeds)} embeddings "
