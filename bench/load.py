@@ -1,7 +1,7 @@
 """Gateway load generator: N real-time WebSocket sessions vs a baseline shaped like the official demo.
 
     python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
-                         [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=250]
+                         [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=0]
 
 Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
 starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
@@ -230,7 +230,7 @@ def main() -> int:
     parser.add_argument("--soak-sessions", type=int, default=16)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "load_latency.png")
-    parser.add_argument("--variants", nargs="+", default=["default", "MINICPMO_LLM_BATCH_WINDOW_MS=250"],
+    parser.add_argument("--variants", nargs="+", default=["default", "MINICPMO_LLM_BATCH_WINDOW_MS=0"],
                         help="one sweep each: default, or MINICPMO_<KEY>=VALUE[,...] for the entry model")
     args = parser.parse_args()
 

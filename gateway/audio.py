@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 from pathlib import Path
 
 import numpy as np
+import pybase64  # SIMD base64: the stdlib's took 0.35 ms of each 1 s append's path
 
 INPUT_RATE = 16_000
 OUTPUT_RATE = 24_000
@@ -19,7 +19,7 @@ class AudioDecodeError(ValueError):
 def _samples(data: str, dtype: str, what: str, max_samples: int) -> np.ndarray:
     """Strict: valid base64, a whole number of samples, bounded length."""
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise AudioDecodeError(f"audio is not valid base64: {exc}") from exc
     size = np.dtype(dtype).itemsize
@@ -39,7 +39,7 @@ def decode_f32_base64(data: str, max_samples: int) -> np.ndarray:
 
 
 def encode_f32_base64(audio: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(audio, dtype="<f4").tobytes()).decode("ascii")
+    return pybase64.b64encode_as_string(np.ascontiguousarray(audio, dtype="<f4").tobytes())
 
 
 def resample(audio: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
@@ -71,7 +71,7 @@ def decode_pcm16_base64(data: str, max_samples: int) -> np.ndarray:
 
 def encode_pcm16_base64(audio: np.ndarray) -> str:
     pcm = np.clip(np.round(np.asarray(audio, np.float32) * 32768.0), -32768, 32767).astype("<i2")
-    return base64.b64encode(pcm.tobytes()).decode("ascii")
+    return pybase64.b64encode_as_string(pcm.tobytes())
 
 
 class StreamResampler:

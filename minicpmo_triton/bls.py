@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from . import stage_io as io
-from .pipeline import StepError
+from .pipeline import Ready, StepError
 from .stages.base import StageCall
 
 CONTEXT_FULL_MARK = "context full"
@@ -24,26 +23,26 @@ def _flags(call: StageCall[Any]) -> int:
 
 
 class TritonBlsStages:
-    async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None) -> Any:
+    async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None,
+                    ready: Ready | None = None) -> Any:
         tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
         outputs = [f for f in result_cls.__dataclass_fields__]
-        response = await pb_utils.InferenceRequest(
-            model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs
-        ).async_exec()
+        infer = pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs)
+        if ready is not None:
+            # Built first: steps released from the door together reach the batcher together.
+            await ready()
+        response = await infer.async_exec()
         if response.has_error():
             message = response.error().message()
             code = "context_full" if CONTEXT_FULL_MARK in message else \
                 "bad_image" if message.startswith("ImageError") else "stage_error"
             raise StepError(code, f"{model}: {message}")
 
-        def get(name: str) -> np.ndarray | None:
-            t = pb_utils.get_output_tensor_by_name(response, name)
-            return None if t is None else t.as_numpy()[0]
-
-        return io.decode(result_cls, get)
+        outputs_by_name = {t.name(): t.as_numpy()[0] for t in response.output_tensors()}
+        return io.decode(result_cls, outputs_by_name.get)
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         return await self._exec("audio_encoder", request, io.AudioEncoderResult)
@@ -54,8 +53,8 @@ class TritonBlsStages:
     async def speaker_encoder(self, request: io.SpeakerEncoderRequest) -> io.SpeakerEncoderResult:
         return await self._exec("speaker_encoder", request, io.SpeakerEncoderResult)
 
-    async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
-        return await self._exec("llm", call.request, io.LlmResult, call)
+    async def llm(self, call: StageCall[io.LlmRequest], ready: Ready | None = None) -> io.LlmResult:
+        return await self._exec("llm", call.request, io.LlmResult, call, ready)
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return await self._exec("tts", call.request, io.TtsResult, call)

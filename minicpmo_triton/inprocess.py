@@ -8,7 +8,7 @@ from typing import Any
 from . import stage_io as io
 from .engines import load_engine
 from .model_config import PresetConfig, load_stage_config
-from .pipeline import DuplexPipeline
+from .pipeline import DuplexPipeline, Ready
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
@@ -51,7 +51,9 @@ class InProcessStages:
     async def speaker_encoder(self, request: io.SpeakerEncoderRequest) -> io.SpeakerEncoderResult:
         return _raise(self.speaker.run([request])[0])
 
-    async def llm(self, call: StageCall[io.LlmRequest]) -> io.LlmResult:
+    async def llm(self, call: StageCall[io.LlmRequest], ready: Ready | None = None) -> io.LlmResult:
+        if ready is not None:
+            await ready()
         return _one(self.llm_stage, call)
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:

@@ -43,6 +43,9 @@ CHAT_CHUNK_TOKENS = 16  # a turn-based reply streams in chunks of this many toke
 CHARS_PER_SECOND = 14  # how much speech (25 tokens/s) the TTS makes for a chunk of turn-based text
 
 
+Ready = Callable[[], Awaitable[None]]
+
+
 class StageClient(Protocol):
     async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult: ...
 
@@ -50,7 +53,9 @@ class StageClient(Protocol):
 
     async def speaker_encoder(self, request: SpeakerEncoderRequest) -> SpeakerEncoderResult: ...
 
-    async def llm(self, call: StageCall[LlmRequest]) -> LlmResult: ...
+    async def llm(self, call: StageCall[LlmRequest], ready: Ready | None = None) -> LlmResult:
+        """`ready` is awaited once the call is built, just before it is sent (the batching door)."""
+        ...
 
     async def tts(self, call: StageCall[TtsRequest]) -> TtsResult: ...
 
@@ -175,6 +180,7 @@ class DuplexPipeline:
         return ids, ref
 
     async def step(self, corr_id: int, start: bool, end: bool, inp: StepInput | ChatInput, emit: Emit) -> None:
+        t0 = time.perf_counter()
         if start:
             options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
             state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
@@ -188,10 +194,23 @@ class DuplexPipeline:
                     await self._chat(corr_id, state, inp, emit)
                 elif len(inp.audio) or inp.context_text:
                     async with self.llm_meet.member() as member:
-                        await self._step(corr_id, state, inp, emit, member)
+                        await self._step(corr_id, state, inp, self._timed(emit, t0, member), member)
             finally:
                 if end:
                     await self.end(corr_id, state)
+
+    def _timed(self, emit: Emit, t0: float, member: Member) -> Emit:
+        """`emit` that tells the LLM's door what the step took to its first event, less its wait there."""
+        first = True
+
+        async def timed(event: StepEvent) -> None:
+            nonlocal first
+            if first:
+                first = False
+                self.llm_meet.recent.add(time.perf_counter() - t0 - member.waited_s)
+            await emit(event)
+
+        return timed
 
     def cancel(self, corr_id: int) -> bool:
         """Stop the session's step in flight at its next stage boundary (it runs beside it, not behind the lock)."""
@@ -260,18 +279,17 @@ class DuplexPipeline:
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
         )
         t = time.perf_counter()
-        await member.arrive()
-        metrics["llm_wait_ms"] = _ms(t)  # at the door, for other sessions' steps to batch with
-        t = time.perf_counter()
         try:
-            llm = await self.stages.llm(self._call(state, "llm", corr_id, request))
+            # The call waits at the door, built, for other sessions' steps to batch with.
+            llm = await self.stages.llm(self._call(state, "llm", corr_id, request), ready=member.arrive)
         except ContextFull as exc:  # in-process; over BLS the message carries the code
             raise StepError("context_full", str(exc)) from exc
+        metrics["llm_wait_ms"] = round(member.waited_s * 1000, 2)
         if len(inp.audio):
             state.chunk_index += 1
-        metrics.update(cost_llm_ms=_ms(t), cost_audio_encoder_ms=round(llm.encode_ms, 2),
-                       prefill_ms=round(llm.prefill_ms, 2), generate_ms=round(llm.decode_ms, 2),
-                       n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
+        metrics.update(cost_llm_ms=round(_ms(t) - metrics["llm_wait_ms"], 2),
+                       cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
+                       generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])

@@ -8,8 +8,9 @@ Two reasons to wait at the door, both bounded:
 - Load (`BatchWindow`, off unless `max_s` > 0): real-time callers' seconds do not line up, so under
   load the first step at the door holds it open for the steps that start in the next few hundred
   ms, long enough to expect a batch of `target`, and never longer than `max_s`; below
-  `min_sessions` live sessions nothing is held for load. On 2 CPU cores it raised the LLM's batch
-  but cost more latency than the batch saved; it is meant for accelerators.
+  `min_sessions` live sessions nothing is held for load. It holds only while there is room for it:
+  recent steps' p90 time to their first event (less their own wait here) plus the hold must fit in
+  `budget_s`, so near saturation, where the queues batch by themselves, it stands aside.
 A lone step on a quiet server has nobody to wait for and goes straight on.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -26,13 +29,53 @@ class BatchWindow:
     target: int = 8  # the door opens as soon as this many wait
     max_s: float = 0.0  # 0: never held for load
     min_sessions: int = 24
+    max_sessions: int = 40  # from here on the queues batch by themselves: holding would only add its wait
     period_s: float = 1.0  # each live session brings one step per period
+    budget_s: float = 0.5  # recent steps' p90 (without the door) plus the hold stay under this
 
-    def hold_s(self, live_sessions: int) -> float:
-        """How long the first step at the door holds it for `target - 1` more (0: not at all)."""
-        if self.max_s <= 0 or self.target < 2 or live_sessions < max(self.min_sessions, 2):
+    def hold_s(self, live_sessions: int, recent_s: float = 0.0) -> float:
+        """How long the first step at the door holds it for `target - 1` more (0: not at all), given
+        recent steps' p90 time to their first event without the door (`recent_s`)."""
+        if self.max_s <= 0 or self.target < 2 or not max(self.min_sessions, 2) <= live_sessions < self.max_sessions:
             return 0.0
-        return min(self.max_s, (self.target - 1) * self.period_s / (live_sessions - 1))
+        hold = min(self.max_s, (self.target - 1) * self.period_s / (live_sessions - 1), self.budget_s - recent_s)
+        return max(0.0, hold)
+
+
+class RecentPeak:
+    """The highest value seen in the last one to two `span_s` (two buckets): sessions that are winding
+    down one by one still count as the load they were part of, so the door is not held for them."""
+
+    def __init__(self, span_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.span_s = span_s
+        self._clock = clock
+        self._bucket_start = clock()
+        self._current = self._previous = 0
+
+    def see(self, value: int) -> int:
+        now = self._clock()
+        if now - self._bucket_start >= self.span_s:
+            # A whole idle bucket forgets everything; otherwise the current becomes the previous.
+            self._previous = self._current if now - self._bucket_start < 2 * self.span_s else 0
+            self._current, self._bucket_start = 0, now
+        self._current = max(self._current, value)
+        return max(self._current, self._previous)
+
+
+class RecentLatency:
+    """The last `size` steps' time to their first event, less their wait at the door."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self._values.append(seconds)
+
+    def quantile(self, q: float = 0.9) -> float:
+        if not self._values:
+            return 0.0
+        ordered = sorted(self._values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Member:
@@ -41,11 +84,14 @@ class Member:
     def __init__(self, meet: Rendezvous) -> None:
         self._meet = meet
         self.arrived = False
+        self.waited_s = 0.0  # at the door
 
     async def arrive(self) -> None:
         if not self.arrived:
             self.arrived = True
+            t0 = time.perf_counter()
             await self._meet._arrive()
+            self.waited_s = time.perf_counter() - t0
 
 
 class Rendezvous:
@@ -54,6 +100,8 @@ class Rendezvous:
         self.max_wait_s = max_wait_s
         self.window = window or BatchWindow()
         self._live_sessions = live_sessions
+        self.recent = RecentLatency()  # what steps cost without the door: the window's room
+        self.peak_sessions = RecentPeak()
         self._expected = 0  # members that have neither arrived nor left
         self._waiting: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -79,7 +127,7 @@ class Rendezvous:
 
     async def _arrive(self) -> None:
         self._expected -= 1
-        hold = self.window.hold_s(self._live_sessions())
+        hold = self.window.hold_s(self.peak_sessions.see(self._live_sessions()), self.recent.quantile())
         if not self._waiting and hold <= 0 and (self._expected == 0 or self.max_wait_s <= 0):
             return  # alone and nobody coming: straight on
         fut = asyncio.get_running_loop().create_future()

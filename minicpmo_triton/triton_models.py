@@ -129,7 +129,7 @@ class _StatefulStageModel:
         calls = []
         for request in requests:
             corr_id, start, end = _control(request)
-            calls.append(StageCall(decode(self.request_cls, lambda n, r=request: _get_row(r, n)), corr_id, start, end))
+            calls.append(StageCall(decode(self.request_cls, _rows(request).get), corr_id, start, end))
         results = self.stage.run(calls)
         self.gauge.update()
         return [_response(r) for r in results]
@@ -138,9 +138,9 @@ class _StatefulStageModel:
         self.gauge.close()
 
 
-def _get_row(request: Any, name: str) -> np.ndarray | None:
-    arr = _input(request, name)
-    return None if arr is None else arr[0]
+def _rows(request: Any) -> dict[str, np.ndarray]:
+    """A request's inputs by name, batch row 0 (one pass: looking each up by name scans them all)."""
+    return {t.name(): t.as_numpy()[0] for t in request.inputs()}
 
 
 def _setting(ctx: _ModelContext, key: str, default: float) -> float:
@@ -194,7 +194,7 @@ class _StatelessStageModel:
         self.stage = self.make_stage(_ModelContext(args))
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        calls = [decode(STAGE_IO[self.stage_name][0], lambda n, r=r: _get_row(r, n)) for r in requests]
+        calls = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
         return [_response(r) for r in self.stage.run(calls)]
 
 
@@ -241,7 +241,9 @@ class DuplexModel:
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
         window = BatchWindow(target=int(_setting(ctx, "llm_batch_target", 8)),
                              max_s=_setting(ctx, "llm_batch_window_ms", 0.0) / 1000,
-                             min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)))
+                             min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)),
+                             max_sessions=int(_setting(ctx, "llm_batch_max_sessions", 40)),
+                             budget_s=_setting(ctx, "llm_batch_budget_ms", 500.0) / 1000)
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from minicpmo_triton.rendezvous import BatchWindow, Rendezvous
+from minicpmo_triton.rendezvous import BatchWindow, RecentPeak, Rendezvous
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -66,12 +66,15 @@ async def test_waiting_is_bounded_and_a_member_that_leaves_does_not_hold_the_oth
 
 
 async def test_the_window_is_held_only_under_load_and_shrinks_as_sessions_grow() -> None:
-    window = BatchWindow(target=8, max_s=0.25, min_sessions=16)
+    window = BatchWindow(target=8, max_s=0.25, min_sessions=16, max_sessions=100)
     assert window.hold_s(15) == 0.0  # below the threshold nothing is held
     assert window.hold_s(16) == 0.25  # 7 more would take 467 ms: capped
     assert window.hold_s(32) == pytest.approx(7 / 31)  # the time 7 of the other 31 take to come
     assert window.hold_s(64) == pytest.approx(7 / 63)
     assert BatchWindow(target=8, max_s=0.0).hold_s(64) == 0.0  # off
+    # From max_sessions on the queues batch by themselves: nothing is held.
+    assert BatchWindow(target=8, max_s=0.25, min_sessions=16, max_sessions=40).hold_s(39) > 0
+    assert BatchWindow(target=8, max_s=0.25, min_sessions=16, max_sessions=40).hold_s(40) == 0.0
 
 
 async def test_under_load_later_steps_join_the_first_and_the_door_opens_at_the_target() -> None:
@@ -112,3 +115,59 @@ async def test_a_held_door_opens_after_the_window_and_an_end_rides_along() -> No
     assert 0.15 < step_at < 0.6, "the target never came: the window's end opened the door"
     assert abs(end_at - step_at) < 0.03, "the END went with the held step"
     assert meet.met == 2
+
+
+async def test_the_window_holds_only_while_recent_steps_leave_it_room() -> None:
+    window = BatchWindow(target=8, max_s=0.25, min_sessions=16, budget_s=0.5)
+    assert window.hold_s(32, recent_s=0.1) == pytest.approx(7 / 31)  # room for the whole hold
+    assert window.hold_s(32, recent_s=0.4) == pytest.approx(0.1)  # what is left of the budget
+    assert window.hold_s(32, recent_s=0.6) == 0.0  # near saturation the queues batch by themselves
+
+
+async def test_a_loaded_server_stops_holding_the_door() -> None:
+    meet = Rendezvous(max_wait_s=0.01, window=BatchWindow(target=4, max_s=5.0, min_sessions=2, budget_s=0.5),
+                      live_sessions=lambda: 4)
+
+    async def lone_step() -> float:
+        async with meet.member() as m:
+            t0 = time.perf_counter()
+            await m.arrive()
+            return time.perf_counter() - t0
+
+    assert await lone_step() > 0.3, "room in the budget: the door is held for the others"
+    for _ in range(64):
+        meet.recent.add(0.7)  # steps now take 700 ms to their first event without the door
+    assert await lone_step() < 0.05, "no room: straight on"
+    assert meet.recent.quantile() == pytest.approx(0.7)
+
+
+async def test_the_member_knows_how_long_it_waited_at_the_door() -> None:
+    meet = Rendezvous(max_wait_s=0.1)
+
+    async def early() -> float:
+        async with meet.member() as m:
+            await m.arrive()
+        return m.waited_s
+
+    async def late() -> float:
+        async with meet.member() as m:
+            await asyncio.sleep(0.05)
+            await m.arrive()
+        return m.waited_s
+
+    late_wait, early_wait = await asyncio.gather(late(), early())  # both in flight, then early arrives
+    assert 0.03 < early_wait < 0.1 and late_wait < 0.02
+
+
+async def test_sessions_winding_down_still_count_as_the_load_they_were_part_of() -> None:
+    now = [0.0]
+    peak = RecentPeak(span_s=5.0, clock=lambda: now[0])
+    assert peak.see(48) == 48
+    now[0] = 4.0
+    assert peak.see(30) == 48, "the last of a 48-session wave: not a 30-session load"
+    now[0] = 6.0
+    assert peak.see(20) == 48, "the previous bucket still remembers"
+    now[0] = 11.0
+    assert peak.see(20) == 20, "a bucket later the wave is forgotten"
+    now[0] = 30.0
+    assert peak.see(3) == 3, "after an idle stretch nothing is remembered"
