@@ -5,12 +5,13 @@ Two reasons to wait at the door, both bounded:
   by the time they reach the LLM (each spent a different few ms on its way: a vision encoder, a
   replay, the event loop) and would run one by one. A step that arrives waits for the other steps
   in flight, at most `max_wait_s`.
-- Load (`BatchWindow`, off unless `max_s` > 0): real-time callers' seconds do not line up, so under
-  load the first step at the door holds it open for the steps that start in the next few hundred
-  ms, long enough to expect a batch of `target`, and never longer than `max_s`; below
-  `min_sessions` live sessions nothing is held for load. It holds only while there is room for it:
-  recent steps' p90 time to their first event (less their own wait here) plus the hold must fit in
-  `budget_s`, so near saturation, where the queues batch by themselves, it stands aside.
+- Load (`BatchWindow`, off unless `max_s` > 0): real-time callers' seconds do not line up, so at
+  mid load the first step at the door holds it open for the steps that start in the next few hundred
+  ms, long enough to expect a batch of `target`, and never longer than `max_s`. Only from
+  `min_sessions` (fewer: a batch takes too long to gather) up to `max_sessions` live sessions (more:
+  the queues batch by themselves), counting the highest number of the last few seconds so that a
+  wave winding down is not held for; and only while recent steps' p90 time to their first event
+  (less their own wait here) plus the hold fits in `budget_s`.
 A lone step on a quiet server has nobody to wait for and goes straight on.
 """
 
