@@ -93,14 +93,13 @@ class _LiveGauge:
         self._stop.set()
 
 
-def _input(request: Any, name: str) -> np.ndarray | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+def _rows(request: Any) -> dict[str, np.ndarray]:
+    """A request's inputs by name, batch row 0 (one pass: looking each up by name scans them all)."""
+    return {t.name(): t.as_numpy()[0] for t in request.inputs()}
 
 
-def _control(request: Any) -> tuple[int, bool, bool]:
-    corr = _input(request, "CORRID")
-    start, end = _input(request, "START"), _input(request, "END")
+def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool]:
+    corr, start, end = rows.get("CORRID"), rows.get("START"), rows.get("END")
     corr_id = int(corr.reshape(-1)[0]) if corr is not None else int(request.correlation_id())
     return corr_id, bool(start is not None and start.reshape(-1)[0]), bool(end is not None and end.reshape(-1)[0])
 
@@ -128,19 +127,14 @@ class _StatefulStageModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         calls = []
         for request in requests:
-            corr_id, start, end = _control(request)
-            calls.append(StageCall(decode(self.request_cls, _rows(request).get), corr_id, start, end))
+            rows = _rows(request)
+            calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
         results = self.stage.run(calls)
         self.gauge.update()
         return [_response(r) for r in results]
 
     def finalize(self) -> None:
         self.gauge.close()
-
-
-def _rows(request: Any) -> dict[str, np.ndarray]:
-    """A request's inputs by name, batch row 0 (one pass: looking each up by name scans them all)."""
-    return {t.name(): t.as_numpy()[0] for t in request.inputs()}
 
 
 def _setting(ctx: _ModelContext, key: str, default: float) -> float:
@@ -212,8 +206,8 @@ class VisionEncoderModel(_StatelessStageModel):
         return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision.image_size)
 
 
-def _json_input(request: Any, name: str) -> dict[str, Any]:
-    raw = _input(request, name)
+def _json_input(rows: dict[str, np.ndarray], name: str) -> dict[str, Any]:
+    raw = rows.get(name)
     if raw is None:
         return {}
     value = raw.reshape(-1)[0]
@@ -262,7 +256,8 @@ class DuplexModel:
 
     async def _handle(self, request: Any) -> None:
         sender = request.get_response_sender()
-        corr_id, start, end = _control(request)
+        rows = _rows(request)
+        corr_id, start, end = _control(request, rows)
 
         def send(response: Any = None, flags: int = 0) -> None:
             # A client that went away (its gRPC stream broken) must not break the step for the stages.
@@ -272,12 +267,12 @@ class DuplexModel:
                 pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {exc}")
 
         try:
-            cancel = _input(request, "cancel")
+            cancel = rows.get("cancel")
             if cancel is not None and cancel.reshape(-1)[0]:
                 # Beside the step in flight (not queued behind it): it stops at its next stage boundary.
                 self.pipeline.cancel(corr_id)
                 return
-            inp = self._parse(request, start)
+            inp = self._parse(rows, start)
 
             async def emit(event: StepEvent) -> None:
                 self.gauge.update()  # a sequence started by this step is counted before the client hears of it
@@ -294,27 +289,27 @@ class DuplexModel:
             self.gauge.update()
             send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _parse(self, request: Any, start: bool) -> StepInput | ChatInput:
-        audio = _input(request, "audio")
-        force = _input(request, "force_listen")
-        context = _json_input(request, "context")
-        chat = _json_input(request, "chat")
+    def _parse(self, rows: dict[str, np.ndarray], start: bool) -> StepInput | ChatInput:
+        audio = rows.get("audio")
+        force = rows.get("force_listen")
+        context = _json_input(rows, "context")
+        chat = _json_input(rows, "chat")
         options = voice = None
         if start:
             try:
-                options = DuplexOptions.from_config(_json_input(request, "options"), self.pipeline.preset.duplex)
+                options = DuplexOptions.from_config(_json_input(rows, "options"), self.pipeline.preset.duplex)
             except InvalidOptions as exc:
                 raise StepError("invalid_config", str(exc)) from exc
-            ref, tts_ref = _input(request, "ref_audio"), _input(request, "tts_ref_audio")
+            ref, tts_ref = rows.get("ref_audio"), rows.get("tts_ref_audio")
             voice = VoiceRefs(None if ref is None else ref.reshape(-1).astype(np.float32),
                               None if tts_ref is None else tts_ref.reshape(-1).astype(np.float32))
         if chat:
             turn = _chat_input(chat, options)
             turn.voice = voice
             return turn
-        frames = _input(request, "frames")
-        slices = _input(request, "max_slice_nums")
-        rollback, replay = _input(request, "rollback_to"), _input(request, "replay_audio")
+        frames = rows.get("frames")
+        slices = rows.get("max_slice_nums")
+        rollback, replay = rows.get("rollback_to"), rows.get("replay_audio")
         return StepInput(
             frames=[bytes(f) for f in frames.reshape(-1)] if frames is not None else [],
             max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
