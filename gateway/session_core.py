@@ -18,9 +18,9 @@ from .triton_stream import TritonSession
 log = logging.getLogger("gateway")
 
 # Step error codes that end the session with that reason instead of `backend_error`.
-CLOSE_REASONS = {"context_full": "context_full"}
+CLOSE_REASONS = {"context_full": "context_full", "invalid_config": "invalid_config"}
 # Step error codes that are the client's input: rejected, the session goes on (its state is untouched).
-CLIENT_ERRORS = {"invalid_chat", "bad_image"}
+CLIENT_ERRORS = {"invalid_chat", "bad_image", "bad_audio"}
 
 
 class SessionCore:

@@ -22,8 +22,9 @@ import triton_python_backend_utils as pb_utils
 from .bls import TritonBlsStages
 from .duplex_options import DuplexOptions, InvalidOptions
 from .engines import load_engine
+from .errors import StepError, to_wire
 from .model_config import load_stage_config
-from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepError, StepEvent, StepInput, VoiceRefs
+from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepEvent, StepInput, VoiceRefs
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage
@@ -106,7 +107,7 @@ def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool
 
 def _response(result: Any) -> Any:
     if isinstance(result, Exception):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(result).__name__}: {result}"))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(result)))  # its code rides along
     return pb_utils.InferenceResponse([pb_utils.Tensor(k, v[None]) for k, v in encode(result).items()])
 
 
