@@ -14,8 +14,10 @@ import pytest
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import StepError, from_wire, to_wire
+from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.pcm import MAX_SAMPLE_ABS, pcm_problem
+from minicpmo_triton.pipeline import StepEvent, StepInput
 from minicpmo_triton.sampling import SamplingParams, sample
 from minicpmo_triton.stage_io import AudioEncoderRequest, LlmRequest, Token2WavRequest, TtsRequest
 from minicpmo_triton.stages.audio_encoder import AudioEncoderStage
@@ -27,6 +29,7 @@ from minicpmo_triton.state_store import SequenceNotStarted
 from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
+from .helpers import OTHER_TEXT
 
 NAN, INF = float("nan"), float("inf")
 
@@ -428,3 +431,31 @@ def test_a_coded_error_keeps_its_code_through_a_triton_error_message() -> None:
 def test_pcm_bound(values: list[float], problem: str | None) -> None:
     found = pcm_problem(np.array(values, np.float32))
     assert (found is None) if problem is None else (problem in found)
+
+
+# ---- the pipeline after a refused step ----
+
+async def test_a_refused_first_step_leaves_the_session_as_new(preset, speech) -> None:
+    """The entry model's pipeline, in process: a first step the LLM refuses (enormous audio) starts nothing,
+    so the session's next step is exactly a fresh session's first (system prompt, START and all)."""
+    stages = InProcessStages(MODEL_REPOSITORY)
+    pipeline = stages.pipeline()
+    second = speech(OTHER_TEXT)[:16_000]
+    options = DuplexOptions.from_config({"do_sample": False, "force_listen_count": 0})
+
+    async def step(corr: int, start: bool, audio: np.ndarray) -> list[StepEvent]:
+        events: list[StepEvent] = []
+
+        async def emit(ev: StepEvent) -> None:
+            events.append(ev)
+
+        await pipeline.step(corr, start, False, StepInput(audio=audio, options=options if start else None), emit)
+        return events
+
+    with pytest.raises(StepError) as info:
+        await step(1, True, second * np.float32(1e30))
+    assert info.value.code == "bad_audio"
+    after = await step(1, False, second)
+    fresh = await step(2, True, second)
+    strip = lambda evs: [(e.kind, e.text, e.metrics["kv_cache_length"], e.chunk_usage) for e in evs]  # noqa: E731
+    assert strip(after) == strip(fresh) and after[-1].metrics["kv_cache_length"] > 20
