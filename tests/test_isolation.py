@@ -19,10 +19,17 @@ from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.pcm import MAX_SAMPLE_ABS, pcm_problem
 from minicpmo_triton.pipeline import StepEvent, StepInput
 from minicpmo_triton.sampling import SamplingParams, sample
-from minicpmo_triton.stage_io import AudioEncoderRequest, LlmRequest, Token2WavRequest, TtsRequest
+from minicpmo_triton.stage_io import (
+    AudioEncoderRequest,
+    LlmRequest,
+    SpeakerEncoderRequest,
+    Token2WavRequest,
+    TtsRequest,
+)
 from minicpmo_triton.stages.audio_encoder import AudioEncoderStage
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
+from minicpmo_triton.stages.speaker_encoder import SpeakerEncoderStage
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.state_store import SequenceNotStarted
@@ -309,7 +316,7 @@ def test_a_hostile_token2wav_row_fails_alone(preset, case: str) -> None:
 
 # ---- the stateless encoders ----
 
-def test_hostile_audio_fails_alone_in_the_audio_encoder(preset) -> None:
+def test_hostile_audio_fails_alone_in_the_audio_and_speaker_encoders(preset) -> None:
     stage = AudioEncoderStage(engine("audio_encoder"), preset.samples_per_audio_token)
     rng = np.random.default_rng(0)
     clean = [(rng.standard_normal(16_000) * 0.1).astype(np.float32) for _ in range(3)]
@@ -322,6 +329,12 @@ def test_hostile_audio_fails_alone_in_the_audio_encoder(preset) -> None:
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(a.embeds, b.embeds)
     assert stage.run([AudioEncoderRequest(np.full(16_000, MAX_SAMPLE_ABS, np.float32))])[0].embeds.shape[0] == 10
+
+    speaker = SpeakerEncoderStage(engine("speaker_encoder"))
+    mixed = speaker.run([SpeakerEncoderRequest(a) for a in [clean[0], hostile[0], clean[1], hostile[2]]])
+    ref = speaker.run([SpeakerEncoderRequest(a) for a in clean[:2]])
+    assert [r.code for r in mixed if isinstance(r, StepError)] == ["bad_audio"] * 2
+    np.testing.assert_array_equal(mixed[2].embedding, ref[1].embedding)
 
 
 # ---- sampling ----

@@ -3,7 +3,6 @@ fails alone."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -48,16 +47,34 @@ def isolated(run_batch: Callable[[list[T]], list[Res]], items: list[T],
     return outs
 
 
-def _snapshot(state: Any) -> Any:
-    """What `compute` may change: it rebinds fields, appends to lists and draws from the rng, and never writes
-    into an array in place (a KV cache is replaced, not grown), so a shallow copy with those copied is enough."""
-    snap = copy.copy(state)
+@dataclass(frozen=True)
+class _RngAt:
+    rng: np.random.Generator
+    state: dict[str, Any]  # its bit generator's state (a deep copy of the generator costs 17x more)
+
+
+def _snapshot(state: Any) -> dict[str, Any]:
+    """What `compute` may change: it rebinds fields, changes lists and draws from the rng, and never writes
+    into an array in place (a KV cache is replaced, not grown), so the fields with lists copied and the rng's
+    position are enough to undo it."""
+    snap: dict[str, Any] = {}
     for name, value in vars(state).items():
         if isinstance(value, list):
-            setattr(snap, name, list(value))
+            value = list(value)
         elif isinstance(value, np.random.Generator):
-            setattr(snap, name, copy.deepcopy(value))
+            value = _RngAt(value, value.bit_generator.state)
+        snap[name] = value
     return snap
+
+
+def _restore(state: Any, snap: dict[str, Any]) -> None:
+    for name, value in snap.items():
+        if isinstance(value, list):
+            value = list(value)  # the snapshot stays intact for a second undo
+        elif isinstance(value, _RngAt):
+            value.rng.bit_generator.state = value.state
+            value = value.rng
+        setattr(state, name, value)
 
 
 class SequenceStage(Generic[Req, Res, State]):
@@ -101,7 +118,7 @@ class SequenceStage(Generic[Req, Res, State]):
             before = [_snapshot(st) for _, st in items]
 
             def undo(row: int) -> None:
-                vars(items[row][1]).update(vars(_snapshot(before[row])))
+                _restore(items[row][1], before[row])
 
             for (i, _, _), out in zip(work, isolated(self.compute, items, undo), strict=True):
                 results[i] = out
