@@ -4,6 +4,7 @@ batch gets exactly what it gets without it (the stages in process, on the export
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from minicpmo_triton.stage_io import (
     SpeakerEncoderRequest,
     Token2WavRequest,
     TtsRequest,
+    VisionEncoderRequest,
 )
 from minicpmo_triton.stages.audio_encoder import AudioEncoderStage
 from minicpmo_triton.stages.base import StageCall
@@ -32,6 +34,7 @@ from minicpmo_triton.stages.llm import LlmStage
 from minicpmo_triton.stages.speaker_encoder import SpeakerEncoderStage
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
+from minicpmo_triton.stages.vision_encoder import VisionEncoderStage
 from minicpmo_triton.state_store import SequenceNotStarted
 from minicpmo_triton.tokenizer import load_tokenizer
 
@@ -335,6 +338,31 @@ def test_hostile_audio_fails_alone_in_the_audio_and_speaker_encoders(preset) -> 
     ref = speaker.run([SpeakerEncoderRequest(a) for a in clean[:2]])
     assert [r.code for r in mixed if isinstance(r, StepError)] == ["bad_audio"] * 2
     np.testing.assert_array_equal(mixed[2].embedding, ref[1].embedding)
+
+
+def _png(gray: int, size: tuple[int, int] = (300, 200)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, (gray, gray, gray)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_a_forward_failure_in_the_vision_encoder_fails_its_request_alone(preset) -> None:
+    """A black image (pixels of -1.0) marks the request whose forward breaks the batch; a bad image is refused."""
+    stage = VisionEncoderStage(PoisonedEngine(engine("vision_encoder"), "pixels", -1.0, mode="raise"),
+                               preset.vision.image_size)
+
+    def req(*images: bytes) -> VisionEncoderRequest:
+        return VisionEncoderRequest(images=np.array(images, dtype=np.object_))
+
+    clean = [req(_png(128)), req(_png(200), _png(60, (900, 300)))]
+    mixed = stage.run([clean[0], req(_png(0)), req(b"not an image"), clean[1]])
+    assert isinstance(mixed[1], RuntimeError)
+    assert isinstance(mixed[2], StepError) and mixed[2].code == "bad_image"
+    for got, ref in zip([mixed[0], mixed[3]], stage.run(clean), strict=True):
+        np.testing.assert_array_equal(got.embeds, ref.embeds)
+        assert got.slices.tolist() == ref.slices.tolist()
 
 
 # ---- sampling ----
