@@ -5,7 +5,8 @@ modeling_minicpmo_unified.py `DuplexCapability.streaming_prefill` with chunk 100
 CNN redundancy 20 ms, sliding window 30 s / 10 s) keeps the session's audio (at most ~30 s), recomputes its
 mel on every chunk and emits the chunk's frames plus 2 frames of context on each side. Below 5 s of audio
 the log-mel is not clamped (its -10 floor is the log10 clamp's own); from 5 s on it is Whisper's max - 8
-over the kept audio. `MelStream` does the same arithmetic for chunks of any whole number of LLM tokens.
+over the kept audio. `MelStream` does the same arithmetic for chunks of any whole number of LLM tokens, but
+computes each frame once: it keeps the per-frame maxima of the frames that no longer change, for the floor.
 """
 
 from __future__ import annotations
@@ -55,10 +56,18 @@ def log_mel(audio: np.ndarray, filters: np.ndarray) -> np.ndarray:
     """log10 power mel of 16 kHz audio, not yet clamped or scaled: [n_mels, len(audio) // 160].
 
     Whisper's framing: centred frames (reflect padding), periodic Hann window, the last frame dropped."""
-    x = np.pad(np.asarray(audio, np.float64), N_FFT // 2, mode="reflect")
-    frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP][:-1]
+    return log_mel_frames(audio, filters, 0, len(audio) // HOP)
+
+
+def log_mel_frames(audio: np.ndarray, filters: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Frames lo..hi-1 of `log_mel(audio)`, computing only those: [n_mels, hi - lo]."""
+    n, half = len(audio), N_FFT // 2
+    first, last = lo * HOP - half, (hi - 1) * HOP + half  # the samples those frames' windows cover
+    x = np.asarray(audio[max(0, first): min(n, last)], np.float64)
+    x = np.pad(x, (max(0, -first), max(0, last - n)), mode="reflect")  # only at the audio's own edges
+    frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)
-    power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2  # [T, n_fft/2 + 1]
+    power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2  # [hi - lo, n_fft/2 + 1]
     return np.log10(np.maximum(filters.astype(np.float64) @ power.T, 1e-10))
 
 
@@ -82,10 +91,13 @@ class MelStream:
     base_frame: int = 0  # global index of kept's first frame
     emitted: int = 0  # global index of the next core frame
     chunks: int = 0
+    # log-mel maximum of each of kept's frames whose window lies inside the kept audio (frames 0 and 1 reflect
+    # its left edge: recomputed when the window slides); the last frames, not final yet, are recomputed per chunk
+    maxima: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def nbytes(self) -> int:
-        return int(self.pending.nbytes + self.kept.nbytes)
+        return int(self.pending.nbytes + self.kept.nbytes + self.maxima.nbytes)
 
     def push(self, audio: np.ndarray, filters: np.ndarray) -> MelChunk:
         """The mel of the next chunk: len(audio) // 160 core frames (a multiple of 10) and their context."""
@@ -97,23 +109,33 @@ class MelStream:
         take = core * HOP + (LEAD_SAMPLES // HOP * HOP if first else 0)
         self.kept = np.concatenate([self.kept, self.pending[:take]])
         self.pending = self.pending[take:]
-        self._slide()
-        spec = log_mel(self.kept, filters)
-        floor = LOG_FLOOR if len(self.kept) < FIXED_FLOOR_SAMPLES else float(spec.max()) - DYNAMIC_RANGE
+        dropped = self._slide()
+        if dropped:
+            self.maxima = self.maxima[dropped:]
+            self.maxima[:2] = log_mel_frames(self.kept, filters, 0, 2).max(axis=0)
+        total = len(self.kept) // HOP
+        stable = min(total, (len(self.kept) - N_FFT // 2) // HOP + 1)  # frames with their whole window
         start = max(0, self.emitted - CONTEXT_FRAMES) - self.base_frame
         end = self.emitted + core + CONTEXT_FRAMES - self.base_frame
-        stable = (len(self.kept) - N_FFT // 2) // HOP + 1  # frames whose window lies inside the kept audio
-        assert end <= min(stable, spec.shape[1]), "a chunk's mel needs its right context"
+        assert end <= stable, "a chunk's mel needs its right context"
+        lo = min(len(self.maxima), start)
+        spec = log_mel_frames(self.kept, filters, lo, total)  # kept's frames lo.. (the whole mel's)
+        self.maxima = np.concatenate([self.maxima, spec[:, len(self.maxima) - lo: stable - lo].max(axis=0)])
+        if len(self.kept) < FIXED_FLOOR_SAMPLES:
+            floor = LOG_FLOOR
+        else:
+            floor = max(float(self.maxima.max()), float(spec[:, stable - lo:].max(initial=-np.inf))) - DYNAMIC_RANGE
         self.emitted += core
         self.chunks += 1
-        return MelChunk(scale(spec[:, start:end], floor), first)
+        return MelChunk(scale(spec[:, start - lo: end - lo], floor), first)
 
-    def _slide(self) -> None:
-        """Past 30 s, drop 10 s from the left (keeping at least 1 s), hop-aligned, as the reference does."""
+    def _slide(self) -> int:
+        """Past 30 s, drop 10 s from the left (keeping at least 1 s), hop-aligned, as the reference does.
+        Returns the frames dropped."""
         n = len(self.kept)
         if n < SLIDE_TRIGGER:
-            return
+            return 0
         drop = min(SLIDE_STRIDE, n - min(SLIDE_KEEP, n - SLIDE_STRIDE)) // HOP * HOP
-        if drop > 0:
-            self.kept = self.kept[drop:]
-            self.base_frame += drop // HOP
+        self.kept = self.kept[drop:]
+        self.base_frame += drop // HOP
+        return drop // HOP
