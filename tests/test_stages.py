@@ -238,6 +238,8 @@ def test_llm_encodes_the_steps_audio_as_the_streaming_encoder_would(preset) -> N
     alone = whole.run([AudioEncoderRequest(audio[2][1])])[0].embeds
     assert np.abs(alone - embeds).max() > 1e-3
     assert with_audio.store.get(1).cache.key.tolist() != with_audio.store.get(2).cache.key.tolist()
+    with_audio.run([StageCall(LlmRequest(decode=False), 2, end=True)])  # the audio stream goes with the session
+    assert 2 not in with_audio.store and with_audio.store.get(1).audio.cache.length == 100
     # Audio to a stage without an encoder, or with too few placeholders, fails that request alone.
     failed = with_embeds.run([StageCall(LlmRequest(input_ids=ids, audio=audio[1][0]), 1)])[0]
     assert isinstance(failed, ValueError) and "no audio encoder" in str(failed)
