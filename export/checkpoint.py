@@ -1,7 +1,8 @@
 """Read (and, for tests, write) a MiniCPM-o-style checkpoint folder: config.json + *.safetensors.
 
-Tensor names are the checkpoint's (`llm.*`, `apm.*`, `audio_projection_layer.*`, `tts.*`); Whisper's
-separate q/k/v projections are fused into torch's `in_proj`, and weight-normed heads are folded.
+Tensor names are the checkpoint's (`llm.*`, `apm.*`, `audio_projection_layer.*`, `tts.*`); the audio encoder's
+modules carry them as they are (see export/modules/audio_encoder.py), the vision tower's separate q/k/v
+projections are fused into torch's `in_proj`, and weight-normed heads are folded.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
         if stage in ("llm", "tts", "token2wav", "speaker_encoder"):
             name = name.split(".", 1)[1]
         out[name] = value
-    if stage in ("audio_encoder", "vision_encoder"):  # Hugging Face keeps q/k/v apart
+    if stage == "vision_encoder":  # Hugging Face keeps q/k/v apart
         for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
             base = key[: -len("q_proj.weight")]
             ws = [out.pop(f"{base}{p}.weight") for p in _QKV]

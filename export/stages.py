@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from minicpmo_triton.audio_mel import CONTEXT_FRAMES
 from minicpmo_triton.model_config import PresetConfig
 
-from .modules.audio_encoder import AudioEncoder
+from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
 from .modules.llm import DuplexLLM
 from .modules.speaker import SpeakerEncoder
 from .modules.token2wav import Token2Wav
@@ -29,6 +30,12 @@ class StageGraph:
     output_names: list[str]
     dynamic_shapes: dict[str, dict[int, Dim]]
     tolerance: float = 1e-3
+    model: str = ""  # the Triton model whose version folder holds the graph (default: `name`)
+    file: str = "model.onnx"
+
+    @property
+    def folder(self) -> str:
+        return self.model or self.name
 
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
@@ -93,6 +100,18 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     def audio_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         return {"audio": 0.1 * torch.randn(b, 16_000, generator=g)}
 
+    def audio_stream_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        a = preset.audio
+        frames = 2 * CONTEXT_FRAMES + 100  # one second
+        mel_mask = torch.ones(b, frames, dtype=torch.bool)
+        mel_mask[0, :CONTEXT_FRAMES] = False  # row 0 starts its stream
+        heads, head_dim = a.heads, a.d_model // a.heads
+        return {
+            "mel": torch.randn(b, a.n_mels, frames, generator=g) * mel_mask[:, None, :],
+            "mel_mask": mel_mask,
+            **{k: v for k, v in _decoder_inputs(g, a.layers, heads, head_dim, b, 50, p).items() if k != "last_index"},
+        }
+
     def llm_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         use = torch.zeros(b, t, dtype=torch.bool)
         use[:, 1:3] = True
@@ -127,6 +146,9 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         return {"audio": 0.1 * torch.randn(b, 24_000, generator=g)}
 
     bt = {0: batch, 1: seq}
+    audio_tokens = Dim("audio_tokens", min=1, max=300)  # a stream chunk: whole LLM tokens of 10 mel frames
+    mel_frames = 2 * CONTEXT_FRAMES + 10 * audio_tokens
+    audio_past = Dim("audio_past", min=0, max=preset.audio.max_positions)
     kv = {1: batch, 3: past}
     decoder_axes = {"position_ids": bt, "past_mask": {0: batch, 1: past}, "past_key": kv, "past_value": kv,
                     "last_index": {0: batch}}
@@ -134,6 +156,13 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     return [
         StageGraph("audio_encoder", modules["audio_encoder"], audio_inputs, ["embeds"],
                    {"audio": {0: batch, 1: Dim("samples", min=1600, max=16_000 * 30)}}),
+        # The duplex step's chunk against the session's Whisper KV cache (used inside the `llm` model).
+        StageGraph("audio_encoder_stream", AudioEncoderStream(modules["audio_encoder"]), audio_stream_inputs,
+                   ["embeds", "present_key", "present_value"],
+                   {"mel": {0: batch, 2: mel_frames}, "mel_mask": {0: batch, 1: mel_frames},
+                    "position_ids": {0: batch, 1: 5 * audio_tokens}, "past_mask": {0: batch, 1: audio_past},
+                    "past_key": {1: batch, 3: audio_past}, "past_value": {1: batch, 3: audio_past}},
+                   model="audio_encoder", file="stream.onnx"),
         StageGraph("vision_encoder", modules["vision_encoder"], vision_inputs, ["embeds"],
                    {"pixels": {0: batch}}),
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],

@@ -31,6 +31,14 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     ctx = preset.duplex.context_tokens
     if stage == "audio_encoder":
         return {"audio": ((1, 1600), (max_batch // 2, 16_000), (max_batch, 16_000 * 4))}
+    if stage == "audio_encoder_stream":  # 1 to 4 s chunks against 0 to 1500 cached positions
+        a = preset.audio
+        frames = tuple((b, 4 + 10 * n) for b, n in ((1, 1), (max_batch // 2, 10), (max_batch, 40)))
+        pasts = ((1, 0), (max_batch // 2, a.max_positions // 2), (max_batch, a.max_positions))
+        kv = tuple((a.layers, b, a.heads, p, a.d_model // a.heads) for b, p in pasts)
+        return {"mel": tuple((b, a.n_mels, f) for b, f in frames), "mel_mask": frames,
+                "position_ids": tuple((b, (f - 4) // 2) for b, f in frames), "past_mask": pasts,
+                "past_key": kv, "past_value": kv}
     spk = preset.speaker.dim
     if stage == "token2wav":
         w = preset.token2wav.left_context + preset.token2wav.lookahead

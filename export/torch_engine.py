@@ -32,6 +32,8 @@ def torch_stages(repository: Path, seed: int = TINY_SEED) -> InProcessStages:
     stages = InProcessStages(repository)
     graphs = {g.name: g for g in stage_graphs(tiny(), build_modules(tiny(), seed))}
     stages.encoder.engine = TorchEngine(graphs["audio_encoder"].module, graphs["audio_encoder"].output_names)
+    stages.stream_encoder.engine = TorchEngine(graphs["audio_encoder_stream"].module,
+                                               graphs["audio_encoder_stream"].output_names)
     stages.llm_stage.engine = TorchEngine(graphs["llm"].module, graphs["llm"].output_names)
     stages.tts_stage.engine = TorchEngine(graphs["tts"].module, graphs["tts"].output_names)
     stages.t2w_stage.engine = TorchEngine(graphs["token2wav"].module, graphs["token2wav"].output_names)

@@ -82,11 +82,13 @@ def gpu_available() -> bool:
         return False
 
 
-def load_engine(folder: Path, threads: int = 1) -> Engine:
+def load_engine(folder: Path, threads: int = 1, stem: str = "model") -> Engine:
+    """`stem`: a version folder may hold more than one graph (audio_encoder: `model`, `stream`)."""
     folder = Path(folder)
-    if (folder / PLAN_FILE).exists() and gpu_available():
-        return TensorRTEngine(folder / PLAN_FILE)
-    path = folder / ONNX_FILE
+    plan = folder / PLAN_FILE.replace("model", stem, 1)
+    if plan.exists() and gpu_available():
+        return TensorRTEngine(plan)
+    path = folder / ONNX_FILE.replace("model", stem, 1)
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `python -m export --preset tiny` first")
     return OnnxEngine(path, threads)

@@ -9,7 +9,7 @@ from . import stage_io as io
 from .engines import load_engine
 from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline, Ready
-from .stages.audio_encoder import AudioEncoderStage
+from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
@@ -38,7 +38,10 @@ class InProcessStages:
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
         self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision.image_size)
         self.speaker = SpeakerEncoderStage(load_engine(v("speaker_encoder"), threads))
-        self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s, self.encoder)
+        self.stream_encoder = AudioStreamEncoder(load_engine(v("audio_encoder"), threads, "stream"), self.preset.audio,
+                                                 self.preset.samples_per_audio_token)
+        self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s,
+                                  self.stream_encoder)
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
         self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
 

@@ -27,7 +27,7 @@ from .model_config import load_stage_config
 from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepEvent, StepInput, VoiceRefs
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
-from .stages.audio_encoder import AudioEncoderStage
+from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
@@ -158,8 +158,8 @@ class LlmModel(_StatefulStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        encoder = AudioEncoderStage(load_engine(models / "audio_encoder" / "1", _threads(ctx)),
-                                    ctx.preset.samples_per_audio_token)
+        encoder = AudioStreamEncoder(load_engine(models / "audio_encoder" / "1", _threads(ctx), "stream"),
+                                     ctx.preset.audio, ctx.preset.samples_per_audio_token)
         return LlmStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, tokenizer, _ttl(ctx), encoder)
 
 

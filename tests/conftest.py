@@ -22,7 +22,8 @@ MODEL_REPOSITORY = REPO / "model_repository"
 
 
 def ensure_exported() -> None:
-    if not (MODEL_REPOSITORY / "llm" / "1" / "model.onnx").exists():
+    if not all((MODEL_REPOSITORY / m / "1" / f).exists()
+               for m, f in (("llm", "model.onnx"), ("audio_encoder", "stream.onnx"))):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 

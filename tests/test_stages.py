@@ -201,29 +201,47 @@ def test_llm_rollback_forgets_what_was_not_heard(preset) -> None:
         stage.check(dataclasses.replace(probe, rollback_to=10**6), stage.store.get(1))
 
 
-def test_llm_encodes_the_steps_audio_as_the_audio_encoder_would(preset) -> None:
-    """Audio sent to the LLM stage (encoded there, batched across rows) is the same input as its embeddings."""
+def test_llm_encodes_the_steps_audio_as_the_streaming_encoder_would(preset) -> None:
+    """Audio sent to the LLM stage is encoded there, batched across rows, as the next chunk of the session's
+    audio stream (its Whisper KV cache): the same input as the streaming encoder's embeddings sent as embeds.
+    A later chunk carries what the session heard before, so it is not the whole-utterance encoding any more."""
     from minicpmo_triton.stage_io import AudioEncoderRequest
-    from minicpmo_triton.stages.audio_encoder import AudioEncoderStage
+    from minicpmo_triton.stages.audio_encoder import AudioEncoderStage, AudioStream, AudioStreamEncoder
 
-    encoder = AudioEncoderStage(load_engine(MODEL_REPOSITORY / "audio_encoder" / "1"), preset.samples_per_audio_token)
-    with_audio = LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset, ByteTokenizer(), 600.0, encoder)
-    with_embeds = llm_stage(preset)
+    folder = MODEL_REPOSITORY / "audio_encoder" / "1"
+
+    def stream_encoder() -> AudioStreamEncoder:
+        return AudioStreamEncoder(load_engine(folder, stem="stream"), preset.audio, preset.samples_per_audio_token)
+
+    with_audio = LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset, ByteTokenizer(), 600.0,
+                          stream_encoder())
+    with_embeds, reference = llm_stage(preset), stream_encoder()
     rng = np.random.default_rng(3)
-    audio = [(rng.standard_normal(16_000) * 0.1).astype(np.float32) for _ in range(2)]
+    audio = {c: [(rng.standard_normal(16_000) * 0.1).astype(np.float32) for _ in range(2)] for c in (1, 2)}
+    streams = {1: AudioStream(), 2: AudioStream()}
     tk = preset.tokens
     ids = np.array([tk.unit] + [tk.audio_placeholder] * 10, np.int64)
-    sent = with_audio.run([StageCall(LlmRequest(input_ids=ids, audio=a, temperature=0.0), c, start=True)
-                           for c, a in ((1, audio[0]), (2, audio[1]))])
-    for c, a, got in ((1, audio[0], sent[0]), (2, audio[1], sent[1])):
-        embeds = encoder.run([AudioEncoderRequest(a)])[0].embeds
-        want = with_embeds.run([StageCall(LlmRequest(input_ids=ids, embeds=embeds, temperature=0.0), c, start=True)])[0]
-        assert got.generated.tolist() == want.generated.tolist()
-        assert got.encode_ms > 0
-        np.testing.assert_allclose(with_audio.store.get(c).cache.key, with_embeds.store.get(c).cache.key, atol=1e-4)
+    for step in range(2):
+        sent = with_audio.run([StageCall(LlmRequest(input_ids=ids, audio=audio[c][step], temperature=0.0), c,
+                                         start=step == 0) for c in (1, 2)])
+        for c, got in zip((1, 2), sent, strict=True):
+            embeds = reference.run([(audio[c][step], streams[c])])[0]
+            want = with_embeds.run([StageCall(LlmRequest(input_ids=ids, embeds=embeds, temperature=0.0), c,
+                                              start=step == 0)])[0]
+            assert got.generated.tolist() == want.generated.tolist()
+            assert got.encode_ms > 0
+            np.testing.assert_allclose(with_audio.store.get(c).cache.key, with_embeds.store.get(c).cache.key,
+                                       atol=1e-4)
+            np.testing.assert_allclose(with_audio.store.get(c).audio.cache.key, streams[c].cache.key, atol=1e-5)
+    assert with_audio.store.get(1).audio.cache.length == 2 * 50  # 50 encoder frames a second, kept across steps
+    whole = AudioEncoderStage(load_engine(folder), preset.samples_per_audio_token)
+    alone = whole.run([AudioEncoderRequest(audio[2][1])])[0].embeds
+    assert np.abs(alone - embeds).max() > 1e-3
     assert with_audio.store.get(1).cache.key.tolist() != with_audio.store.get(2).cache.key.tolist()
+    with_audio.run([StageCall(LlmRequest(decode=False), 2, end=True)])  # the audio stream goes with the session
+    assert 2 not in with_audio.store and with_audio.store.get(1).audio.cache.length == 100
     # Audio to a stage without an encoder, or with too few placeholders, fails that request alone.
-    failed = with_embeds.run([StageCall(LlmRequest(input_ids=ids, audio=audio[0]), 1)])[0]
+    failed = with_embeds.run([StageCall(LlmRequest(input_ids=ids, audio=audio[1][0]), 1)])[0]
     assert isinstance(failed, ValueError) and "no audio encoder" in str(failed)
-    failed = with_audio.run([StageCall(LlmRequest(input_ids=ids[:5], audio=audio[0]), 1)])[0]
+    failed = with_audio.run([StageCall(LlmRequest(input_ids=ids[:5], audio=audio[1][0]), 1)])[0]
     assert isinstance(failed, ValueError) and "placeholders" in str(failed)

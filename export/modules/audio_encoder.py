@@ -1,44 +1,26 @@
-"""The audio encoder stage: 16 kHz float32 -> log-mel -> Whisper encoder -> projector -> AvgPool(5)."""
+"""The audio encoder: 16 kHz float32 -> log-mel -> Whisper encoder (`apm.*`) -> projector -> AvgPool(5).
+
+Names and shapes are the checkpoint's (transformers' `WhisperEncoder` under `apm.`, MiniCPM-o's
+`audio_projection_layer.linear1/linear2`), so a state dict loads without renaming. Two graphs share the weights:
+`AudioEncoder` encodes a whole utterance (voice references, turn-based audio, replays) and
+`AudioEncoderStream` one duplex chunk against the session's Whisper KV cache, as MiniCPM-o 4.5's
+`get_audio_embedding_streaming` does (OpenBMB/MiniCPM-o-Demo MiniCPMO45/modeling_minicpmo_unified.py).
+"""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 
+from minicpmo_triton.audio_mel import CONTEXT_FRAMES, HOP, N_FFT, mel_filterbank
 from minicpmo_triton.model_config import AudioEncoderDims
-
-N_FFT = 400
-HOP = 160
-
-
-def mel_filterbank(n_mels: int, n_fft: int = N_FFT, sr: int = 16_000) -> np.ndarray:
-    """Slaney-style triangular filters, as Whisper's feature extractor uses."""
-
-    def hz_to_mel(f: np.ndarray) -> np.ndarray:
-        f = np.asarray(f, dtype=np.float64)
-        lin = f / (200.0 / 3)
-        log = 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / (np.log(6.4) / 27.0)
-        return np.where(f >= 1000.0, log, lin)
-
-    def mel_to_hz(m: np.ndarray) -> np.ndarray:
-        lin = m * (200.0 / 3)
-        log = 1000.0 * np.exp((np.log(6.4) / 27.0) * (m - 15.0))
-        return np.where(m >= 15.0, log, lin)
-
-    freqs = np.linspace(0, sr / 2, n_fft // 2 + 1)
-    mels = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sr / 2), n_mels + 2))
-    lower = (freqs[None, :] - mels[:-2, None]) / (mels[1:-1, None] - mels[:-2, None])
-    upper = (mels[2:, None] - freqs[None, :]) / (mels[2:, None] - mels[1:-1, None])
-    fb = np.maximum(0.0, np.minimum(lower, upper))
-    fb *= (2.0 / (mels[2:] - mels[:-2]))[:, None]
-    return fb.astype(np.float32)
 
 
 class LogMel(nn.Module):
-    """STFT as a strided convolution with fixed DFT kernels, so it exports to plain ONNX ops."""
+    """Whisper's log-mel with the max - 8 clamp over the utterance. The STFT is a strided convolution with fixed
+    DFT kernels, so it exports to plain ONNX ops; frames are centred with reflect padding, as Whisper's are."""
 
     def __init__(self, n_mels: int) -> None:
         super().__init__()
@@ -51,7 +33,7 @@ class LogMel(nn.Module):
         self.register_buffer("filters", torch.from_numpy(mel_filterbank(n_mels)), persistent=False)
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, n_mels, N / 160]
-        x = nn.functional.pad(audio[:, None, :], (N_FFT // 2, N_FFT // 2))
+        x = nn.functional.pad(audio[:, None, :], (N_FFT // 2, N_FFT // 2), mode="reflect")
         re = nn.functional.conv1d(x, self.dft_real, stride=HOP)
         im = nn.functional.conv1d(x, self.dft_imag, stride=HOP)
         power = (re * re + im * im)[..., :-1]
@@ -60,23 +42,57 @@ class LogMel(nn.Module):
         return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
 
 
+class WhisperAttention(nn.Module):
+    """`apm.layers.N.self_attn`: separate q/k/v/out projections; k_proj has no bias (as in Whisper)."""
+
+    def __init__(self, d: AudioEncoderDims) -> None:
+        super().__init__()
+        self.heads, self.head_dim = d.heads, d.d_model // d.heads
+        self.q_proj = nn.Linear(d.d_model, d.d_model)
+        self.k_proj = nn.Linear(d.d_model, d.d_model, bias=False)
+        self.v_proj = nn.Linear(d.d_model, d.d_model)
+        self.out_proj = nn.Linear(d.d_model, d.d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        past_k: torch.Tensor | None = None,  # [B, heads, P, head_dim]
+        past_v: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,  # [B, 1, 1, P + T] additive
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+
+        def split(y: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, heads, T, head_dim]
+            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        q = split(self.q_proj(x) * self.head_dim**-0.5)  # Whisper scales q before the product
+        k, v = split(self.k_proj(x)), split(self.v_proj(x))
+        k_all = k if past_k is None else torch.cat([past_k, k], dim=2)
+        v_all = v if past_v is None else torch.cat([past_v, v], dim=2)
+        scores = q @ k_all.transpose(-1, -2)
+        if mask is not None:
+            scores = scores + mask
+        out = (scores.softmax(dim=-1) @ v_all).transpose(1, 2).reshape(b, t, -1)
+        return self.out_proj(out), k, v
+
+
 class WhisperLayer(nn.Module):
     def __init__(self, d: AudioEncoderDims) -> None:
         super().__init__()
-        self.self_attn = nn.MultiheadAttention(d.d_model, d.heads, batch_first=True)
+        self.self_attn = WhisperAttention(d)
         self.self_attn_layer_norm = nn.LayerNorm(d.d_model)
         self.fc1 = nn.Linear(d.d_model, d.ffn)
         self.fc2 = nn.Linear(d.ffn, d.d_model)
         self.final_layer_norm = nn.LayerNorm(d.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.self_attn_layer_norm(x)
-        x = x + self.self_attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.final_layer_norm(x))))
+    def forward(self, x, past_k=None, past_v=None, mask=None):  # type: ignore[no-untyped-def]
+        attn, k, v = self.self_attn(self.self_attn_layer_norm(x), past_k, past_v, mask)
+        x = x + attn
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.final_layer_norm(x)))), k, v
 
 
 class WhisperEncoder(nn.Module):
-    """`apm.*`: conv stem (stride 2 -> 50 frames/s), sinusoid-free learned positions, pre-norm layers."""
+    """`apm.*`: conv stem (stride 2 -> 50 frames/s), learned positions [max_positions, D], pre-norm layers."""
 
     def __init__(self, d: AudioEncoderDims) -> None:
         super().__init__()
@@ -86,16 +102,48 @@ class WhisperEncoder(nn.Module):
         self.layers = nn.ModuleList(WhisperLayer(d) for _ in range(d.layers))
         self.layer_norm = nn.LayerNorm(d.d_model)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+    def stem(self, mel: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, n_mels, F] -> [B, ceil(F / 2), D]; `frame_mask` zeroes conv1's output where a row has no frame,
+        as conv2's own zero padding would at the start of a stream."""
         x = nn.functional.gelu(self.conv1(mel))
-        x = nn.functional.gelu(self.conv2(x)).transpose(1, 2)
+        if frame_mask is not None:
+            x = x * frame_mask[:, None, :].to(x.dtype)
+        return nn.functional.gelu(self.conv2(x)).transpose(1, 2)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [B, n_mels, F] -> [B, F / 2, D]
+        x = self.stem(mel)
         x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x)[0]
         return self.layer_norm(x)
+
+    def stream(
+        self,
+        mel: torch.Tensor,  # [B, n_mels, 2 + F + 2]: a chunk with CONTEXT_FRAMES of context on each side
+        mel_mask: torch.Tensor,  # [B, 2 + F + 2] bool: False on a first chunk's (absent) left context
+        position_ids: torch.Tensor,  # [B, F / 2]: the session's positions so far, then on
+        past_mask: torch.Tensor,  # [B, P] bool: real past keys (rows left-padded)
+        past_key: torch.Tensor,  # [L, B, heads, P, head_dim]
+        past_value: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        drop = (CONTEXT_FRAMES + 1) // 2  # context frames after the stride-2 conv, as the reference removes them
+        x = self.stem(mel, mel_mask)[:, drop:-drop]
+        x = x + self.embed_positions(position_ids)
+        keys = torch.cat([past_mask, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)], dim=1)
+        mask = torch.where(keys, 0.0, torch.finfo(x.dtype).min)[:, None, None, :]  # full attention, no causality
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, past_key[i], past_value[i], mask)
+            new_k.append(k)
+            new_v.append(v)
+        present_key = torch.cat([past_key, torch.stack(new_k)], dim=3)
+        present_value = torch.cat([past_value, torch.stack(new_v)], dim=3)
+        return self.layer_norm(x), present_key, present_value
 
 
 class AudioProjection(nn.Module):
+    """`audio_projection_layer.*`: Linear(D -> H), ReLU, Linear(H -> H)."""
+
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
         self.linear1 = nn.Linear(d_in, d_out)
@@ -115,6 +163,23 @@ class AudioEncoder(nn.Module):
         self.audio_projection_layer = AudioProjection(d.d_model, llm_hidden)
         self.pool = d.pool
 
-    def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] (N a multiple of 1600) -> [B, N/1600, H]
-        x = self.audio_projection_layer(self.apm(self.mel(audio)))
+    def project(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T / pool, H]
+        x = self.audio_projection_layer(states)
         return nn.functional.avg_pool1d(x.transpose(1, 2), self.pool, self.pool).transpose(1, 2)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] (N a multiple of 1600) -> [B, N/1600, H]
+        return self.project(self.apm(self.mel(audio)))
+
+
+class AudioEncoderStream(nn.Module):
+    """One duplex chunk of each session, batched: the chunk's mel (cut by `minicpmo_triton.audio_mel.MelStream`)
+    through the Whisper encoder with the session's KV cache, then projector and pooling."""
+
+    def __init__(self, encoder: AudioEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, mel, mel_mask, position_ids, past_mask, past_key, past_value):  # type: ignore[no-untyped-def]
+        states, present_key, present_value = self.encoder.apm.stream(
+            mel, mel_mask, position_ids, past_mask, past_key, past_value)
+        return self.encoder.project(states), present_key, present_value

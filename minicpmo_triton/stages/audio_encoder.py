@@ -1,13 +1,18 @@
-"""Audio encoder: stateless, batches chunks of equal length into one forward."""
+"""Audio encoder: whole utterances (stateless, chunks of equal length in one forward), and the duplex stream
+(per-session Whisper KV cache, as MiniCPM-o 4.5's reference encodes what the LLM hears while duplex)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..audio_mel import CONTEXT_FRAMES, MelChunk, MelStream, mel_filterbank
 from ..engines import Engine
 from ..errors import StepError
+from ..kv_batch import KvBatch, KvCache
+from ..model_config import AudioEncoderDims
 from ..pcm import pcm_problem
 from ..stage_io import AudioEncoderRequest, AudioEncoderResult
 from .base import isolated
@@ -41,3 +46,64 @@ class AudioEncoderStage:
             for i, out in zip(rows, isolated(self._encode, [padded[i] for i in rows]), strict=True):
                 results[i] = out
         return results
+
+
+@dataclass
+class AudioStream:
+    """One duplex session's streaming audio state: its mel stream and its Whisper KV cache."""
+
+    mel: MelStream = field(default_factory=MelStream)
+    cache: KvCache | None = None  # None until the first chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.mel.nbytes + (self.cache.nbytes if self.cache is not None else 0)
+
+
+class AudioStreamEncoder:
+    """Each session's duplex chunk against its own Whisper KV cache (positions continue across chunks; the
+    cache restarts before it would pass `max_positions`, 1500 = 30 s), all sessions' chunks in one batch."""
+
+    def __init__(self, engine: Engine, dims: AudioEncoderDims, samples_per_token: int) -> None:
+        self.engine = engine
+        self.dims = dims
+        self.samples_per_token = samples_per_token
+        self.filters = mel_filterbank(dims.n_mels)
+
+    def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
+        """Embeddings [audio_tokens(len(audio)), H] per item; each item's stream advances by its chunk."""
+        results: list[np.ndarray] = [np.zeros(0)] * len(items)
+        groups: dict[int, list[int]] = defaultdict(list)
+        chunks: list[MelChunk] = []
+        for i, (audio, stream) in enumerate(items):
+            audio = np.asarray(audio, np.float32).reshape(-1)
+            if len(audio) == 0:
+                raise ValueError("audio_encoder got an empty chunk")
+            chunks.append(stream.mel.push(np.pad(audio, (0, -len(audio) % self.samples_per_token)), self.filters))
+            groups[chunks[-1].mel.shape[1] + (CONTEXT_FRAMES if chunks[-1].first else 0)].append(i)
+        for frames, rows in groups.items():
+            for i in rows:
+                self._maybe_reset(items[i][1], chunks[i])
+            batch = KvBatch([items[i][1].cache for i in rows])  # type: ignore[misc]
+            mel = np.zeros((len(rows), self.dims.n_mels, frames), np.float32)
+            mel_mask = np.ones((len(rows), frames), bool)
+            for r, i in enumerate(rows):
+                mel[r, :, frames - chunks[i].mel.shape[1]:] = chunks[i].mel
+                mel_mask[r, : frames - chunks[i].mel.shape[1]] = False
+            new_len = np.full(len(rows), (frames - 2 * CONTEXT_FRAMES) // 2, np.int64)  # encoder frames per row
+            feeds = batch.feeds(new_len)
+            del feeds["last_index"]
+            out = self.engine.run({"mel": mel, "mel_mask": mel_mask, **feeds})
+            batch.advance(out["present_key"], out["present_value"], new_len)
+            for r, i in enumerate(rows):
+                items[i][1].cache = batch.extract(r)
+                results[i] = out["embeds"][r]
+        return results
+
+    def _maybe_reset(self, stream: AudioStream, chunk: MelChunk) -> None:
+        """The reference drops the cache when past + the chunk's encoder frames (context included) would reach
+        the position table's end (get_audio_embedding_streaming: `cache_length + max_seq_len >= apm_max_len`)."""
+        d = self.dims
+        frames_after_conv = (chunk.mel.shape[1] - 1) // 2 + 1
+        if stream.cache is None or stream.cache.length + frames_after_conv >= d.max_positions:
+            stream.cache = KvCache.empty(d.layers, d.heads, d.d_model // d.heads)

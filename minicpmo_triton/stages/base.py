@@ -3,6 +3,7 @@ fails alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -53,16 +54,30 @@ class _RngAt:
     state: dict[str, Any]  # its bit generator's state (a deep copy of the generator costs 17x more)
 
 
+@dataclass(frozen=True)
+class _Nested:
+    obj: Any  # a state object inside the state (an audio stream), undone field by field too
+    snap: dict[str, Any]
+
+
+def _mutable_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) \
+        and not type(value).__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
 def _snapshot(state: Any) -> dict[str, Any]:
-    """What `compute` may change: it rebinds fields, changes lists and draws from the rng, and never writes
-    into an array in place (a KV cache is replaced, not grown), so the fields with lists copied and the rng's
-    position are enough to undo it."""
+    """What `compute` may change: it rebinds fields (of the state and of the dataclasses inside it), changes
+    lists and draws from the rng, and never writes into an array in place (a KV cache is replaced, not
+    grown), so the fields with lists copied, nested dataclasses' fields and the rng's position are enough
+    to undo it."""
     snap: dict[str, Any] = {}
     for name, value in vars(state).items():
         if isinstance(value, list):
             value = list(value)
         elif isinstance(value, np.random.Generator):
             value = _RngAt(value, value.bit_generator.state)
+        elif _mutable_dataclass(value):
+            value = _Nested(value, _snapshot(value))
         snap[name] = value
     return snap
 
@@ -74,6 +89,9 @@ def _restore(state: Any, snap: dict[str, Any]) -> None:
         elif isinstance(value, _RngAt):
             value.rng.bit_generator.state = value.state
             value = value.rng
+        elif isinstance(value, _Nested):
+            _restore(value.obj, value.snap)
+            value = value.obj
         setattr(state, name, value)
 
 

@@ -15,9 +15,9 @@ from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
-from ..stage_io import AudioEncoderRequest, LlmRequest, LlmResult
+from ..stage_io import LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
-from .audio_encoder import AudioEncoderStage
+from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
 
@@ -36,14 +36,15 @@ class LlmSession:
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
     in_turn: bool = False
     history: list[int] = field(default_factory=list)
+    audio: AudioStream = field(default_factory=AudioStream)  # what the session has heard, for the next chunk
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
     def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 encoder: AudioEncoderStage | None = None) -> None:
+                 encoder: AudioStreamEncoder | None = None) -> None:
         super().__init__(ttl_s)
         self.engine = engine
-        self.encoder = encoder  # for requests that bring their step's audio
+        self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
         self.tokenizer = tokenizer
         d = preset.llm
@@ -93,17 +94,16 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
 
     def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
-        """Each row's embeddings: what it brought, then its audio's, all rows' audio in one encoder batch."""
+        """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
+        audio stream (its Whisper KV cache), all rows' chunks in one encoder batch."""
         rows = [i for i, (req, _) in enumerate(items) if len(req.audio)]
         embeds = [req.embeds.reshape(-1, self.preset.llm.hidden) for req, _ in items]
         if not rows or self.encoder is None:
             return embeds, 0.0
         t0 = time.perf_counter()
-        encoded = self.encoder.run([AudioEncoderRequest(items[i][0].audio) for i in rows])
+        encoded = self.encoder.run([(items[i][0].audio, items[i][1].audio) for i in rows])
         for i, out in zip(rows, encoded, strict=True):
-            if isinstance(out, Exception):
-                raise out
-            embeds[i] = np.concatenate([embeds[i], out.embeds])
+            embeds[i] = np.concatenate([embeds[i], out])
         return embeds, (time.perf_counter() - t0) * 1000
 
     def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
