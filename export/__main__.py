@@ -16,7 +16,7 @@ from tqdm import tqdm
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 
 from .presets import TINY_SEED, get_preset
-from .stages import STAGE_NAMES, build_modules, stage_graphs
+from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         modules = build_modules(preset, modules_seed)
 
     write_stage_configs(args.model_repository, preset)
-    graphs = [g for g in stage_graphs(preset, modules) if g.name in args.stages]
+    graphs = [g for g in stage_graphs(preset, modules) if g.stage in args.stages]
+    for rel, data in stage_files(preset, modules, modules_seed).items():
+        if rel.split("/")[0] in args.stages:
+            (args.model_repository / rel).write_bytes(data)
     from .onnx_export import ParityError, check_parity, export_onnx
 
     failures = []
@@ -87,19 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     for graph in bar:
         bar.set_postfix_str(graph.name)
         t0 = time.perf_counter()
-        path = version_dir(args.model_repository, graph.name) / "model.onnx"
+        path = version_dir(args.model_repository, graph.stage) / graph.file
         export_onnx(graph, path)
         parity = check_parity(graph, path)
         status = "ok" if parity.ok else f"FAILED (tolerance {parity.tolerance:g})"
-        tqdm.write(f"{graph.name:14s} onnx max|ort - torch| = {parity.max_abs_diff:.3g} {status} "
+        tqdm.write(f"{graph.name:19s} onnx max|ort - torch| = {parity.max_abs_diff:.3g} {status} "
                    f"({time.perf_counter() - t0:.1f} s)")
         if not parity.ok:
             failures.append(parity)
         if args.runtime == "tensorrt":
             from .tensorrt_build import build_engine, profiles
 
-            build_engine(path, path.with_name("model.plan"), profiles(graph.name, preset, args.max_batch))
-            tqdm.write(f"{graph.name:14s} tensorrt engine written")
+            build_engine(path, path.with_suffix(".plan"), profiles(graph.name, preset, args.max_batch))
+            tqdm.write(f"{graph.name:19s} tensorrt engine written")
     if failures:
         raise ParityError(", ".join(f"{f.stage}: {f.max_abs_diff:.3g}" for f in failures))
     print(f"artefacts in {args.model_repository}")

@@ -7,9 +7,6 @@ from typing import Protocol
 
 import numpy as np
 
-ONNX_FILE = "model.onnx"
-PLAN_FILE = "model.plan"
-
 
 class Engine(Protocol):
     name: str
@@ -82,11 +79,12 @@ def gpu_available() -> bool:
         return False
 
 
-def load_engine(folder: Path, threads: int = 1) -> Engine:
+def load_engine(folder: Path, threads: int = 1, name: str = "model") -> Engine:
+    """`name`.plan (TensorRT, where a GPU is) or `name`.onnx in a stage's version folder."""
     folder = Path(folder)
-    if (folder / PLAN_FILE).exists() and gpu_available():
-        return TensorRTEngine(folder / PLAN_FILE)
-    path = folder / ONNX_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `python -m export --preset tiny` first")
-    return OnnxEngine(path, threads)
+    plan, onnx = folder / f"{name}.plan", folder / f"{name}.onnx"
+    if plan.exists() and gpu_available():
+        return TensorRTEngine(plan)
+    if not onnx.exists():
+        raise FileNotFoundError(f"{onnx} is missing: run `python -m export --preset tiny` first")
+    return OnnxEngine(onnx, threads)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -144,6 +143,7 @@ class Token2WavModel(nn.Module):
             "rand_noise": self.flow.decoder.rand_noise[0].numpy().astype(np.float32),  # [80, 30000]
             "spk_weight": spk.weight.detach().numpy().astype(np.float32),  # [80, 192]
             "spk_bias": spk.bias.detach().numpy().astype(np.float32),
+            "harmonics": np.asarray(self.hift.nb_harmonics + 1),  # HiFT's source: fundamental + overtones
         }
 
 
