@@ -194,7 +194,7 @@ def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
     tts = stages.tts_stage.store.get_or_none(1)
     out["tts"] = tts.cache.nbytes if tts else 0
     t2w = stages.t2w_stage.store.get_or_none(1)
-    out["token2wav"] = 8 * len(t2w.tokens) if t2w else 0
+    out["token2wav"] = t2w.stream.nbytes if t2w and t2w.stream else 0
     return out
 
 

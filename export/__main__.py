@@ -16,7 +16,7 @@ from tqdm import tqdm
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 
 from .presets import TINY_SEED, get_preset
-from .stages import STAGE_NAMES, build_modules, stage_graphs
+from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     write_stage_configs(args.model_repository, preset)
     graphs = [g for g in stage_graphs(preset, modules) if g.folder in args.stages]
+    for rel, data in stage_files(preset, modules, modules_seed).items():
+        if rel.split("/")[0] in args.stages:
+            (args.model_repository / rel).write_bytes(data)
     from .onnx_export import ParityError, check_parity, export_onnx
 
     failures = []

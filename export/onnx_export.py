@@ -38,18 +38,24 @@ def export_onnx(graph: StageGraph, path: Path, seed: int = 0) -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(
-            graph.module,
-            args=(),
-            kwargs=inputs,
-            f=str(path),
-            input_names=list(inputs),
-            output_names=graph.output_names,
-            dynamic_shapes={name: graph.dynamic_shapes.get(name, {}) for name in inputs},
-            dynamo=True,
-            external_data=True,  # weights beside the graph: real stages pass ONNX's 2 GB limit
-            verbose=False,
-        )
+        if graph.dynamo:
+            torch.onnx.export(
+                graph.module,
+                args=(),
+                kwargs=inputs,
+                f=str(path),
+                input_names=list(inputs),
+                output_names=graph.output_names,
+                dynamic_shapes={name: graph.dynamic_shapes.get(name, {}) for name in inputs},
+                dynamo=True,
+                external_data=True,  # weights beside the graph: real stages pass ONNX's 2 GB limit
+                verbose=False,
+            )
+        else:
+            torch.onnx.export(graph.module, args=tuple(inputs.values()), f=str(path), input_names=list(inputs),
+                              output_names=graph.output_names, dynamic_axes=graph.dynamic_shapes, dynamo=False,
+                              opset_version=17)
+    graph.module.eval()  # the exporter restores the mode it found on the top module only, to all submodules
 
 
 def check_parity(graph: StageGraph, path: Path, seed: int = 1) -> ParityResult:

@@ -64,7 +64,10 @@ def minicpmo45() -> PresetConfig:
             num_text_tokens=152064,
             num_audio_tokens=6562,
         ),
-        token2wav=Token2WavDims(channels=256),
+        # assets/token2wav/flow.yaml and the default HiFTGenerator
+        token2wav=Token2WavDims(channels=512, heads=8, linear_units=2048, num_blocks=6, num_up_blocks=4,
+                                dit_depth=16, dit_hidden=512, dit_heads=8, dit_head_dim=64, dit_mlp_ratio=4.0,
+                                hift_channels=512, f0_channels=512),
         tokens=MINICPMO45_TOKENS,
         tokenizer="huggingface",
         # SigLIP-400M: 1152 wide, 27 layers with the last dropped; resampler heads = LLM width / 128

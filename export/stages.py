@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,8 @@ from minicpmo_triton.model_config import PresetConfig
 from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
 from .modules.llm import DuplexLLM
 from .modules.speaker import SpeakerEncoder
-from .modules.token2wav import Token2Wav
+from .modules.token2wav import Token2WavModel, tables_bytes
+from .modules.token2wav import graphs as token2wav_graphs
 from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
 
@@ -28,10 +30,11 @@ class StageGraph:
     module: nn.Module
     make_inputs: Callable[[torch.Generator], dict[str, torch.Tensor]]
     output_names: list[str]
-    dynamic_shapes: dict[str, dict[int, Dim]]
+    dynamic_shapes: dict[str, dict[int, Any]]  # torch.export Dims, or axis names for the TorchScript exporter
     tolerance: float = 1e-3
     model: str = ""  # the Triton model whose version folder holds the graph (default: `name`)
     file: str = "model.onnx"
+    dynamo: bool = True  # False: the TorchScript exporter (token2wav's graphs: data-dependent cache lengths)
 
     @property
     def folder(self) -> str:
@@ -45,22 +48,18 @@ SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random TTS and 
 
 def init_random_weights(modules: dict[str, nn.Module]) -> None:
     """A trained model's scale: N(0, 0.02) weights, zero biases, audio embeddings not drowned out."""
-    for module in modules.values():
+    for name, module in modules.items():
+        if name == "token2wav":  # the official classes' own initialisation (Token2WavModel.random)
+            continue
         for m in module.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=INIT_STD)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-    for m in modules["token2wav"].modules():  # variance-keeping, so the waveform follows its tokens
-        if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
-            fan_in = m.in_channels * (m.kernel_size[0] if isinstance(m, nn.Conv1d) else 1)
-            nn.init.normal_(m.weight, std=(2.0 / fan_in) ** 0.5)
-            nn.init.zeros_(m.bias)
     with torch.no_grad():
         modules["audio_encoder"].audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
         # a zero speaker (the default voice) still adds nothing
         modules["tts"].projector_spk.weight.mul_(SPEAKER_GAIN)
-        modules["token2wav"].speaker_proj.weight.mul_(SPEAKER_GAIN)
 
 
 def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
@@ -70,8 +69,9 @@ def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
         "audio_encoder": AudioEncoder(preset.audio, h),
         "llm": DuplexLLM(preset.llm),
         "tts": DuplexTTS(preset.tts, h),
-        "token2wav": Token2Wav(preset.token2wav, preset.tts.num_audio_tokens),
     }
+    with torch.random.fork_rng():  # its own seed: the other stages' weights do not depend on it
+        modules["token2wav"] = Token2WavModel.random(preset.token2wav, seed)
     # Built last, so adding it left the other stages' random weights as they were.
     modules["vision_encoder"] = VisionEncoder(preset.vision, h)
     modules["speaker_encoder"] = SpeakerEncoder(preset.speaker)
@@ -138,10 +138,6 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         size = preset.vision.image_size
         return {"pixels": torch.rand(b, 3, size, size, generator=g) * 2 - 1}
 
-    def t2w_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"tokens": torch.randint(0, preset.tts.num_audio_tokens, (b, 32), generator=g),
-                "speaker": torch.randn(b, preset.speaker.dim, generator=g)}
-
     def speaker_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         return {"audio": 0.1 * torch.randn(b, 24_000, generator=g)}
 
@@ -169,8 +165,84 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],
                    {"text_ids": bt, "llm_hidden": bt, "code_ids": bt, "is_code": bt, **decoder_axes, **speaker}),
-        StageGraph("token2wav", modules["token2wav"], t2w_inputs, ["waveform"],
-                   {"tokens": {0: batch, 1: Dim("window", min=8, max=4096)}, **speaker}),
         StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
                    {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
+        *token2wav_stage_graphs(preset, modules["token2wav"]),
     ]
+
+
+DEFAULT_VOICE_TOKENS = 40  # tiny's default voice prompt: 1.6 s of random S3 tokens and a log-mel like a voice's
+
+
+def token2wav_stage_graphs(preset: PresetConfig, model: Token2WavModel) -> list[StageGraph]:
+    """token2wav's three graphs (token2wav/1/{encoder,estimator,vocoder}.onnx), caches as explicit tensors."""
+    d = preset.token2wav
+    b, dk = 2, 2 * d.channels // d.heads
+    mods = token2wav_graphs(model)
+
+    def encoder_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        t1 = 10
+        return {"tokens": torch.randint(0, d.vocab, (b, d.chunk_tokens + d.lookahead), generator=g),
+                "n_real": torch.tensor([d.chunk_tokens + d.lookahead, 7]),
+                "cnn_cache": torch.randn(b, d.channels, 6, generator=g),
+                "token_cache": torch.randn(d.num_blocks, b, d.heads, t1, dk, generator=g),
+                "mel_cache": torch.randn(d.num_up_blocks, b, d.heads, 2 * t1, dk, generator=g),
+                "cache_len": torch.tensor([t1, t1 - 3])}
+
+    def estimator_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        n, tc = 2 * d.chunk_tokens, 30
+        return {"x": torch.randn(b, d.n_mels, n, generator=g), "mu": torch.randn(b, d.n_mels, n, generator=g),
+                "t": torch.tensor([0.3, 0.3]), "spk": torch.randn(b, d.n_mels, generator=g),
+                "cond": torch.zeros(b, d.n_mels, n),
+                "cnn_cache": torch.randn(d.dit_depth, 2 * b, 2 * d.dit_hidden, 2, generator=g),
+                "att_cache": torch.randn(d.dit_depth, 2 * b, d.dit_heads, tc, 2 * d.dit_head_dim, generator=g),
+                "cache_len": torch.tensor([tc, tc - 5])}
+
+    def vocoder_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        frames, harmonics = 2 * d.chunk_tokens + d.mel_cache_frames, model.hift.nb_harmonics + 1
+        rand_ini = torch.rand(b, harmonics, generator=g)
+        rand_ini[:, 0] = 0
+        return {"mel": torch.randn(b, d.n_mels, frames, generator=g) - 5,
+                "cache_source": 0.1 * torch.randn(b, 1, d.source_cache_samples, generator=g),
+                "cache_len": torch.tensor([d.source_cache_samples, 0]), "rand_ini": rand_ini,
+                "sine_noise": torch.randn(b, frames * 480, harmonics, generator=g)}
+
+    def axes(**named: dict[int, str]) -> dict[str, dict[int, Any]]:
+        return named
+
+    return [
+        StageGraph("token2wav_encoder", mods["encoder"], encoder_inputs,
+                   ["mu", "new_cnn_cache", "new_token_cache", "new_mel_cache"],
+                   axes(tokens={0: "b", 1: "t"}, n_real={0: "b"}, cnn_cache={0: "b"}, token_cache={1: "b", 3: "t1"},
+                        mel_cache={1: "b", 3: "t2"}, cache_len={0: "b"}, mu={0: "b", 1: "frames"},
+                        new_cnn_cache={0: "b"}, new_token_cache={1: "b", 3: "t1_new"},
+                        new_mel_cache={1: "b", 3: "t2_new"}),
+                   tolerance=1e-4, model="token2wav", file="encoder.onnx", dynamo=False),
+        StageGraph("token2wav_estimator", mods["estimator"], estimator_inputs,
+                   ["velocity", "new_cnn_cache", "new_att_cache"],
+                   axes(x={0: "b", 2: "n"}, mu={0: "b", 2: "n"}, t={0: "b"}, spk={0: "b"}, cond={0: "b", 2: "n"},
+                        cnn_cache={1: "b2"}, att_cache={1: "b2", 3: "tc"}, cache_len={0: "b"},
+                        velocity={0: "b", 2: "n"}, new_cnn_cache={1: "b2"}, new_att_cache={1: "b2", 3: "tc_new"}),
+                   tolerance=1e-4, model="token2wav", file="estimator.onnx", dynamo=False),
+        StageGraph("token2wav_vocoder", mods["vocoder"], vocoder_inputs, ["speech", "source"],
+                   axes(mel={0: "b", 2: "frames"}, cache_source={0: "b"}, cache_len={0: "b"}, rand_ini={0: "b"},
+                        sine_noise={0: "b", 1: "samples"}, speech={0: "b", 1: "out_samples"},
+                        source={0: "b", 2: "samples"}),
+                   tolerance=1e-4, model="token2wav", file="vocoder.onnx", dynamo=False),
+    ]
+
+
+def stage_files(preset: PresetConfig, modules: dict[str, nn.Module], seed: int) -> dict[str, bytes]:
+    """Artefacts beside the graphs, by path under the model repository."""
+    import io
+
+    import numpy as np
+
+    model = modules["token2wav"]
+    assert isinstance(model, Token2WavModel)
+    rng = np.random.default_rng(seed)
+    voice = io.BytesIO()
+    np.savez(voice, tokens=rng.integers(0, preset.token2wav.vocab, DEFAULT_VOICE_TOKENS),
+             mel=rng.normal(-6.0, 1.5, (2 * DEFAULT_VOICE_TOKENS, preset.token2wav.n_mels)).astype(np.float32),
+             embedding=rng.standard_normal(preset.speaker.dim).astype(np.float32))
+    return {"token2wav/1/tables.npz": tables_bytes(model), "token2wav/1/default_voice.npz": voice.getvalue()}

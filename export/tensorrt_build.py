@@ -40,10 +40,8 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
                 "position_ids": tuple((b, (f - 4) // 2) for b, f in frames), "past_mask": pasts,
                 "past_key": kv, "past_value": kv}
     spk = preset.speaker.dim
-    if stage == "token2wav":
-        w = preset.token2wav.left_context + preset.token2wav.lookahead
-        return {"tokens": ((1, w + 1), (max_batch // 2, w + 25), (max_batch, w + 200)),
-                "speaker": ((1, spk), (max_batch // 2, spk), (max_batch, spk))}
+    if stage.startswith("token2wav_"):
+        return token2wav_profiles(stage, preset, max_batch)
     if stage == "vision_encoder":
         s = preset.vision.image_size
         return {"pixels": ((1, 3, s, s), (8, 3, s, s), (36, 3, s, s))}
@@ -63,6 +61,32 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     if stage == "tts":
         shapes["speaker"] = tuple((b, spk) for b, _ in seq)
     return shapes
+
+
+def token2wav_profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """One chunk (25 + 3 tokens, 50 mel frames); caches up to a 30 s prompt + 100 frames."""
+    d = preset.token2wav
+    b = ((1,), (max_batch // 2,), (max_batch,))
+    t, n = d.chunk_tokens + d.lookahead, 2 * d.chunk_tokens
+    cache = ((0,), (400,), (1500 + d.cache_tail_frames,))  # mel frames
+    if stage == "token2wav_encoder":
+        dk = 2 * d.channels // d.heads
+        pairs = list(zip(b, cache, strict=True))
+        return {"tokens": tuple((x[0], w) for x, w in zip(b, (1, t, t), strict=True)), "n_real": b,
+                "cnn_cache": tuple((x[0], d.channels, 6) for x in b), "cache_len": b,
+                "token_cache": tuple((d.num_blocks, x[0], d.heads, c[0] // 2, dk) for x, c in pairs),
+                "mel_cache": tuple((d.num_up_blocks, x[0], d.heads, c[0], dk) for x, c in pairs)}
+    if stage == "token2wav_estimator":
+        mel = tuple((x[0], d.n_mels, w) for x, w in zip(b, (2, n, n + 2 * d.lookahead), strict=True))
+        return {"x": mel, "mu": mel, "cond": mel, "t": b, "spk": tuple((x[0], d.n_mels) for x in b), "cache_len": b,
+                "cnn_cache": tuple((d.dit_depth, 2 * x[0], 2 * d.dit_hidden, 2) for x in b),
+                "att_cache": tuple((d.dit_depth, 2 * x[0], d.dit_heads, c[0], 2 * d.dit_head_dim)
+                                   for x, c in zip(b, cache, strict=True))}
+    frames = (2, n + d.mel_cache_frames, n + d.mel_cache_frames + 2 * d.lookahead)
+    return {"mel": tuple((x[0], d.n_mels, f) for x, f in zip(b, frames, strict=True)), "cache_len": b,
+            "cache_source": tuple((x[0], 1, d.source_cache_samples) for x in b),
+            "rand_ini": tuple((x[0], 9) for x in b),
+            "sine_noise": tuple((x[0], f * 480, 9) for x, f in zip(b, frames, strict=True))}
 
 
 def build_engine(onnx_path: Path, plan_path: Path, shapes: dict, fp16: bool = True) -> None:

@@ -7,9 +7,6 @@ from typing import Protocol
 
 import numpy as np
 
-ONNX_FILE = "model.onnx"
-PLAN_FILE = "model.plan"
-
 
 class Engine(Protocol):
     name: str
@@ -82,13 +79,12 @@ def gpu_available() -> bool:
         return False
 
 
-def load_engine(folder: Path, threads: int = 1, stem: str = "model") -> Engine:
-    """`stem`: a version folder may hold more than one graph (audio_encoder: `model`, `stream`)."""
+def load_engine(folder: Path, threads: int = 1, name: str = "model") -> Engine:
+    """`name`.plan (TensorRT, where a GPU is) or `name`.onnx in a stage's version folder."""
     folder = Path(folder)
-    plan = folder / PLAN_FILE.replace("model", stem, 1)
+    plan, onnx = folder / f"{name}.plan", folder / f"{name}.onnx"
     if plan.exists() and gpu_available():
         return TensorRTEngine(plan)
-    path = folder / ONNX_FILE.replace("model", stem, 1)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `python -m export --preset tiny` first")
-    return OnnxEngine(path, threads)
+    if not onnx.exists():
+        raise FileNotFoundError(f"{onnx} is missing: run `python -m export --preset tiny` first")
+    return OnnxEngine(onnx, threads)

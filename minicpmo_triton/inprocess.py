@@ -43,7 +43,7 @@ class InProcessStages:
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s,
                                   self.stream_encoder)
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
-        self.t2w_stage = Token2WavStage(load_engine(v("token2wav"), threads), self.preset, ttl_s)
+        self.t2w_stage = Token2WavStage.load(v("token2wav"), self.preset, ttl_s, threads)
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         return _raise(self.encoder.run([request])[0])

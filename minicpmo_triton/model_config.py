@@ -74,11 +74,33 @@ class TtsDims:
 
 @dataclass(frozen=True)
 class Token2WavDims:
-    channels: int = 64
-    left_context: int = 4
-    lookahead: int = 3  # CosyVoice2's pre_lookahead_len
-    upsample: tuple[int, ...] = (8, 8, 15)  # product = 960 samples per speech token
+    """Step-Audio2 token2wav (assets/token2wav): flow matching (conformer + DiT CFM) and the HiFT vocoder.
+
+    The defaults are `tiny`'s widths; the streaming constants are MiniCPM-o 4.5's.
+    """
+
+    vocab: int = 6561  # S3 tokenizer v2 codes
+    channels: int = 32  # conformer width, input embedding (512)
+    heads: int = 2  # conformer heads (8)
+    linear_units: int = 64  # conformer FFN (2048)
+    num_blocks: int = 1  # token-rate conformer blocks (6)
+    num_up_blocks: int = 1  # mel-rate conformer blocks (4)
+    dit_depth: int = 2  # (16)
+    dit_hidden: int = 32  # (512)
+    dit_heads: int = 2  # (8)
+    dit_head_dim: int = 16  # (64)
+    dit_mlp_ratio: float = 2.0  # (4)
+    hift_channels: int = 16  # HiFT base channels (512)
+    f0_channels: int = 16  # F0 predictor width (512)
+    n_mels: int = 80
+    n_timesteps: int = 5  # MiniCPM-o's CFM steps
+    chunk_tokens: int = 25  # tokens per streamed chunk (+ lookahead)
+    lookahead: int = 3  # the conformer's pre_lookahead_len
     silence_token: int = 4218
+    turn_lead_silence: int = 3  # a turn's speech starts with this many silence tokens
+    mel_cache_frames: int = 8  # HiFT: mel frames carried to the next chunk
+    source_cache_samples: int = 3840  # HiFT: source samples carried (= the cross-fade length)
+    cache_tail_frames: int = 100  # attention caches keep the prompt + this many recent mel frames
 
 
 @dataclass(frozen=True)
@@ -158,7 +180,6 @@ class PresetConfig:
         tts = dict(data["tts"])
         tts["decoder"] = DecoderDims(**tts["decoder"])
         t2w = dict(data["token2wav"])
-        t2w["upsample"] = tuple(t2w["upsample"])
         return cls(
             name=data["name"],
             audio=AudioEncoderDims(**data["audio"]),

@@ -174,7 +174,7 @@ class Token2WavModel(_StatefulStageModel):
     stage_name = "token2wav"
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
-        return Token2WavStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
+        return Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx))
 
 
 class _StatelessStageModel:

@@ -20,6 +20,10 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/pip install -q --upgrade pip >/dev/null
 # torch==2.13.0 is pinned in the export extra: a CPU build, no multi-GB CUDA download.
 .venv/bin/pip install -q -e '.[dev]'
+# The official Step-Audio2 token2wav modules (flow matching, DiT, conformer, HiFT), without their pinned
+# dependencies: export/modules/stepaudio2.py imports the modules it needs without the package __init__,
+# which imports torchaudio (no torchaudio build loads with torch 2.13).
+.venv/bin/pip install -q --no-deps minicpmo-utils==1.0.7
 
 # Export the tiny preset (random weights, ~40 s on 2 cores) unless its artefacts are current.
 stamp=model_repository/.export-stamp

@@ -98,8 +98,10 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(checkpoint, tmp_p
     assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav, speaker_encoder" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
-    for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav"):
+    for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts"):
         assert (repo / stage / "1" / "model.onnx").exists()
+    for graph in ("encoder", "estimator", "vocoder"):  # token2wav's three graphs
+        assert (repo / "token2wav" / "1" / f"{graph}.onnx").exists()
     assert preset.vision.d_model == 32 and preset.vision.resampler_heads == 1
     tok = load_tokenizer(preset, repo / "duplex" / "1")
     assert tok.encode("hi") == [ord("h") - 32, ord("i") - 32]

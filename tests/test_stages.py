@@ -14,7 +14,7 @@ from minicpmo_triton.model_config import SAMPLES_PER_SPEECH_TOKEN, load_stage_co
 from minicpmo_triton.stage_io import STAGE_IO, LlmRequest, Token2WavRequest, TtsRequest, triton_dims, triton_dtype
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import ContextFull, LlmStage
-from minicpmo_triton.stages.token2wav import TURN_LEAD_SILENCE, Token2WavStage
+from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.state_store import SequenceNotStarted, SequenceStore
 from minicpmo_triton.tokenizer import ByteTokenizer
@@ -124,23 +124,29 @@ def test_kv_batch_round_trips_ragged_caches() -> None:
         np.testing.assert_array_equal(batch.extract(row).key, cache.key)
 
 
-def test_token2wav_streaming_equals_one_shot(preset) -> None:
-    """Audio made chunk by chunk with lookahead is the audio of the whole token sequence."""
-    engine = load_engine(MODEL_REPOSITORY / "token2wav" / "1")
+TURN_LEAD_SILENCE = 3
+
+
+def test_token2wav_stage_streams_one_second_chunks_and_shares_voice_prompts(preset) -> None:
+    """1 s per 25 tokens (the lead silence included), the rest at the turn's end; a voice is set up once."""
+    stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", preset, 600)
     tokens = np.random.default_rng(0).integers(0, 6000, 80)
-    streaming = Token2WavStage(engine, preset, 600)
+    voice = np.random.default_rng(1).standard_normal(preset.speaker.dim).astype(np.float32)
     pieces = []
     for i, chunk in enumerate(np.split(tokens[:75], 3)):
-        [res] = streaming.run([StageCall(Token2WavRequest(speech_tokens=chunk, turn_start=i == 0), 1, start=i == 0)])
+        [res] = stage.run([StageCall(Token2WavRequest(speech_tokens=chunk, turn_start=i == 0, speaker=voice), 1,
+                                     start=i == 0)])
         pieces.append(res.waveform)
-    [tail] = streaming.run([StageCall(Token2WavRequest(speech_tokens=tokens[75:], finalize=True), 1)])
-    pieces.append(tail.waveform)
-    assert [len(p) for p in pieces[:3]] == [24_000] * 3  # exactly 1 s per chunk, the lead silence included
-    one_shot = Token2WavStage(engine, preset, 600)
-    [whole] = one_shot.run([StageCall(Token2WavRequest(speech_tokens=tokens, turn_start=True, finalize=True), 2,
-                                      start=True)])
-    assert len(whole.waveform) == (len(tokens) + TURN_LEAD_SILENCE) * SAMPLES_PER_SPEECH_TOKEN
-    np.testing.assert_allclose(np.concatenate(pieces), whole.waveform, atol=1e-5)
+    [tail] = stage.run([StageCall(Token2WavRequest(speech_tokens=tokens[75:], finalize=True), 1)])
+    assert [len(p) for p in pieces] == [24_000] * 3  # exactly 1 s per chunk, the lead silence included
+    assert len(tail.waveform) == (len(tokens) + TURN_LEAD_SILENCE - 75) * SAMPLES_PER_SPEECH_TOKEN + 3840
+    assert np.isfinite(np.concatenate(pieces)).all()
+    assert stage.prompts.setups == 1
+    # a second session with the same voice reuses the prompt; another voice sets up its own
+    stage.run([StageCall(Token2WavRequest(speech_tokens=tokens[:25], turn_start=True, speaker=voice), 2, start=True),
+               StageCall(Token2WavRequest(speech_tokens=tokens[:25], turn_start=True), 3, start=True)])
+    assert stage.prompts.setups == 2
+    assert stage.state_bytes(2) > 0
 
 
 def test_tts_gives_25_tokens_per_chunk_and_batches(preset) -> None:
@@ -211,7 +217,7 @@ def test_llm_encodes_the_steps_audio_as_the_streaming_encoder_would(preset) -> N
     folder = MODEL_REPOSITORY / "audio_encoder" / "1"
 
     def stream_encoder() -> AudioStreamEncoder:
-        return AudioStreamEncoder(load_engine(folder, stem="stream"), preset.audio, preset.samples_per_audio_token)
+        return AudioStreamEncoder(load_engine(folder, name="stream"), preset.audio, preset.samples_per_audio_token)
 
     with_audio = LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset, ByteTokenizer(), 600.0,
                           stream_encoder())

@@ -1,40 +1,322 @@
-"""The token2wav stage for `tiny`: speech tokens -> 24 kHz waveform, 960 samples per token.
+"""Step-Audio2 token2wav (MiniCPM-o 4.5's `assets/token2wav/`): the official modules, and the three graphs we export.
 
-A window of `left_context + N + lookahead` tokens gives the audio of its N middle tokens: the
-convolutions are 'valid' and the upsamplers have kernel == stride, so streaming in chunks gives
-exactly the offline waveform. The real model's flow matching + HiFT keep this interface.
+flow.yaml + flow.pt: `CausalMaskedDiffWithXvec` = input_embedding [6561, 512] -> `UpsampleConformerEncoderV2`
+(token-rate blocks, x2 upsample, mel-rate blocks) -> encoder_proj [512 -> 80] = mu, and `CausalConditionalCFM`
+whose DiT estimator turns noise into mel in n_timesteps Euler steps (classifier-free guidance 0.7);
+spk_embed_affine_layer [192 -> 80] projects the CAM++ voice. hift.pt (keys `generator.*`): the original HiFT
+(F0 predictor -> harmonic source, mel + source -> ISTFT magnitude/phase, 24 kHz, 480 samples per mel frame).
+
+Streaming keeps, per session, each attention layer's keys/values and each causal conv's last frames. The
+graphs below take those caches as explicit inputs and give the new ones back, so the stage (numpy + ONNX
+Runtime) owns them per session and can batch sessions whose caches differ in length (padded and masked).
+They call the official submodules; only the orchestration `forward_chunk` does inline is redone here, with
+the masks and explicit noise it lacks, and HiFT's STFT/ISTFT as convolutions (ONNX has no ISTFT).
 """
 
 from __future__ import annotations
 
+import io
+import math
+from pathlib import Path
+
+import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from minicpmo_triton.model_config import Token2WavDims
 
+from .stepaudio2 import hift_class, load_flow_yaml
 
-class Token2Wav(nn.Module):
-    """[B, W] tokens and a [B, 192] voice -> [B, (W - 7) * 960] samples."""
+FLOW_YAML = """\
+# A flow.yaml in the layout of MiniCPM-o 4.5's assets/token2wav/flow.yaml (same classes and keys)
+flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
+    input_size: {channels}
+    output_size: {n_mels}
+    spk_embed_dim: 192
+    output_type: 'mel'
+    vocab_size: {vocab}
+    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2
+        input_size: {channels}
+        output_size: {channels}
+        input_layer: 'linear'
+        pre_lookahead_len: {lookahead}
+        num_blocks: {num_blocks}
+        num_up_blocks: {num_up_blocks}
+        up_stride: 2
+        up_scale_factor: 2
+        attention_heads: {heads}
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        key_bias: true
+        linear_units: {linear_units}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: true
+    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM
+        inference_cfg_rate: 0.7
+        estimator: !new:cosyvoice2.flow.decoder_dit.DiT
+            in_channels: {dit_in}
+            out_channels: {n_mels}
+            mlp_ratio: {dit_mlp_ratio}
+            depth: {dit_depth}
+            num_heads: {dit_heads}
+            head_dim: {dit_head_dim}
+            hidden_size: {dit_hidden}
+"""
 
-    def __init__(self, d: Token2WavDims, num_audio_tokens: int) -> None:
+FLOW_FILES = ("flow.yaml", "flow.pt", "hift.pt")
+HIFT_PREFIX = "generator."
+NOISE_SEED = 0  # CausalConditionalCFM draws its noise table at construction (not in flow.pt)
+
+
+def flow_yaml(d: Token2WavDims) -> str:
+    return FLOW_YAML.format(dit_in=4 * d.n_mels, **{k: getattr(d, k) for k in (
+        "channels", "n_mels", "vocab", "lookahead", "num_blocks", "num_up_blocks", "heads", "linear_units",
+        "dit_mlp_ratio", "dit_depth", "dit_heads", "dit_head_dim", "dit_hidden")})
+
+
+def build_hift(d: Token2WavDims) -> nn.Module:
+    hift_cls, f0_cls = hift_class()
+    if d.hift_channels == 512 and d.f0_channels == 512:
+        return hift_cls()  # the checkpoint's: every default
+    return hift_cls(in_channels=d.n_mels, base_channels=d.hift_channels,
+                    f0_predictor=f0_cls(in_channels=d.n_mels, cond_channels=d.f0_channels))
+
+
+class Token2WavModel(nn.Module):
+    """flow (CausalMaskedDiffWithXvec) + hift (HiFTGenerator), as the checkpoint's files define them."""
+
+    def __init__(self, flow: nn.Module, hift: nn.Module) -> None:
         super().__init__()
-        c = d.channels
-        self.embed = nn.Embedding(num_audio_tokens, c)
-        # 3 symmetric k=3 convs (3 left, 3 right) + 1 causal k=2 conv (1 left) = 4 left, 3 right.
-        assert d.left_context == 4 and d.lookahead == 3, "the conv stack fixes the receptive field"
-        self.convs = nn.ModuleList([nn.Conv1d(c, c, 3), nn.Conv1d(c, c, 3), nn.Conv1d(c, c, 3), nn.Conv1d(c, c, 2)])
-        chans = [c] + [max(c // (2 ** (i + 1)), 8) for i in range(len(d.upsample) - 1)] + [1]
-        self.upsamplers = nn.ModuleList(
-            nn.ConvTranspose1d(chans[i], chans[i + 1], s, stride=s) for i, s in enumerate(d.upsample)
-        )
-        self.speaker_proj = nn.Linear(192, c)  # registered last: the other weights stay as they were
+        self.flow = flow
+        self.hift = hift
 
-    def forward(self, tokens: torch.Tensor, speaker: torch.Tensor) -> torch.Tensor:  # [B, W], [B, 192]
-        x = (self.embed(tokens) + self.speaker_proj(speaker)[:, None, :]).transpose(1, 2)
-        for conv in self.convs:
-            x = nn.functional.leaky_relu(conv(x), 0.1)
-        for i, up in enumerate(self.upsamplers):
-            x = up(x)
-            if i < len(self.upsamplers) - 1:
-                x = nn.functional.leaky_relu(x, 0.1)
-        return 0.5 * torch.tanh(x[:, 0])
+    @classmethod
+    def random(cls, d: Token2WavDims, seed: int) -> Token2WavModel:
+        """`tiny`: the official classes at small widths, random weights a trained model's scale."""
+        torch.manual_seed(seed)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "flow.yaml").write_text(flow_yaml(d))
+            flow = load_flow_yaml(Path(tmp) / "flow.yaml")
+        est = flow.decoder.estimator
+        # DiT zero-initialises its adaLN and output layers (an untrained DiT outputs 0): give them weights.
+        with torch.no_grad():
+            for m in [*(b.adaLN_modulation[-1] for b in est.blocks), est.final_layer.adaLN_modulation[-1],
+                      est.final_layer.linear]:
+                nn.init.normal_(m.weight, std=0.5 / math.sqrt(m.in_features))
+        model = cls(flow, build_hift(d))
+        model.reset_noise()
+        return model.eval()
+
+    @classmethod
+    def load(cls, folder: Path, d: Token2WavDims) -> Token2WavModel:
+        """A checkpoint's assets/token2wav: flow.yaml, flow.pt, hift.pt (original HiFT, keys `generator.*`)."""
+        flow = load_flow_yaml(folder / "flow.yaml")
+        flow.load_state_dict(torch.load(folder / "flow.pt", map_location="cpu", weights_only=True), strict=True)
+        hift = build_hift(d)
+        state = torch.load(folder / "hift.pt", map_location="cpu", weights_only=True)
+        hift.load_state_dict({k.removeprefix(HIFT_PREFIX): v for k, v in state.items()}, strict=True)
+        model = cls(flow, hift)
+        model.reset_noise()
+        return model.eval()
+
+    def reset_noise(self) -> None:
+        """The CFM's noise table from a fixed seed, so an export is reproducible (the official draws it unseeded)."""
+        buf = self.flow.decoder.rand_noise
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(NOISE_SEED)))
+
+    def save(self, folder: Path, d: Token2WavDims) -> None:
+        """Write flow.yaml, flow.pt and hift.pt in the checkpoint's layout."""
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "flow.yaml").write_text(flow_yaml(d))
+        torch.save(self.flow.state_dict(), folder / "flow.pt")
+        torch.save({HIFT_PREFIX + k: v for k, v in self.hift.state_dict().items()}, folder / "hift.pt")
+
+    def tables(self) -> dict[str, np.ndarray]:
+        """What the stage computes itself: the CFM noise table, the voice projection, the guidance rate."""
+        spk = self.flow.spk_embed_affine_layer
+        return {
+            "rand_noise": self.flow.decoder.rand_noise[0].numpy().astype(np.float32),  # [80, 30000]
+            "spk_weight": spk.weight.detach().numpy().astype(np.float32),  # [80, 192]
+            "spk_bias": spk.bias.detach().numpy().astype(np.float32),
+            "harmonics": np.asarray(self.hift.nb_harmonics + 1),  # HiFT's source: fundamental + overtones
+        }
+
+
+def tables_bytes(model: Token2WavModel) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **model.tables())
+    return buf.getvalue()
+
+
+def _left_valid(total: int, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, total] True on each row's last `lengths` positions (caches are left-padded)."""
+    return torch.arange(total)[None, :] >= (total - lengths)[:, None]
+
+
+class ConformerChunk(nn.Module):
+    """One streamed chunk through the conformer: tokens (+ lookahead) -> mu, the 80-bin mel condition.
+
+    tokens [B, T] int64: T - 3 tokens are decoded, the last 3 are lookahead. On a turn's last chunk the
+    reference pads the embedded sequence with 3 zero frames instead: rows pass `n_real` < T, and frames
+    from n_real on are zeroed. Caches (left-padded, `cache_len` valid token frames per row):
+    cnn_cache [B, C, 6] (pre-lookahead conv 2 + upsample conv 4), token_cache [L1, B, H, T1, 2*dk],
+    mel_cache [L2, B, H, 2*T1, 2*dk]. Returns mu [B, 2*(T-3), 80] and the caches with this chunk appended.
+    """
+
+    def __init__(self, flow: nn.Module) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, tokens: torch.Tensor, n_real: torch.Tensor, cnn_cache: torch.Tensor,
+                token_cache: torch.Tensor, mel_cache: torch.Tensor, cache_len: torch.Tensor):
+        enc = self.flow.encoder
+        b, t = tokens.shape
+        xs, _, _ = enc.embed(self.flow.input_embedding(tokens), None)
+        xs = xs * (torch.arange(t)[None, :] < n_real[:, None]).unsqueeze(-1).to(xs.dtype)
+        xs, new_cnn1 = enc.pre_lookahead_layer.forward_chunk(xs, cache=cnn_cache[:, :, :2])
+        t1 = token_cache.shape[3]
+        n = xs.shape[1]
+        pos_emb = enc.embed.position_encoding(offset=None, size=t1 + n)
+        mask = torch.cat([_left_valid(t1, cache_len), torch.ones(b, n, dtype=torch.bool)], dim=1)
+        mask = mask[:, None, :].expand(b, n, t1 + n)
+        new_tok = []
+        for i, layer in enumerate(enc.encoders):
+            xs, _, cache, _ = layer(xs, mask, pos_emb, att_cache=token_cache[i])
+            new_tok.append(cache)
+        xs, _, new_cnn2 = enc.up_layer.forward_chunk(xs.transpose(1, 2), None, cache=cnn_cache[:, :, 2:])
+        xs, _, _ = enc.up_embed(xs.transpose(1, 2), None)
+        t2, n2 = mel_cache.shape[3], xs.shape[1]
+        pos_emb = enc.embed.position_encoding(offset=None, size=t2 + n2)
+        mask = torch.cat([_left_valid(t2, cache_len * enc.up_layer.stride), torch.ones(b, n2, dtype=torch.bool)], 1)
+        mask = mask[:, None, :].expand(b, n2, t2 + n2)
+        new_mel = []
+        for i, layer in enumerate(enc.up_encoders):
+            xs, _, cache, _ = layer(xs, mask, pos_emb, att_cache=mel_cache[i])
+            new_mel.append(cache)
+        mu = self.flow.encoder_proj(enc.after_norm(xs))
+        return mu, torch.cat([new_cnn1, new_cnn2], dim=2), torch.stack(new_tok), torch.stack(new_mel)
+
+
+class EstimatorStep(nn.Module):
+    """One Euler step's velocity: the DiT on [x; x] with [mu, spk, cond; 0, 0, 0], combined by CFG.
+
+    x, mu, cond [B, 80, T]; t [B]; spk [B, 80] (projected voice). Caches of this timestep for 2B rows
+    (the B conditional rows, then the B unconditional ones): cnn_cache [depth, 2B, 2*hidden, 2],
+    att_cache [depth, 2B, H, Tc, 2*head_dim], right-padded, `cache_len` [B] valid frames. The DiT puts a
+    chunk's keys before the cached ones, so the new cache holds this chunk first.
+    """
+
+    def __init__(self, flow: nn.Module) -> None:
+        super().__init__()
+        self.cfm = flow.decoder
+        self.est = flow.decoder.estimator
+
+    def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor,
+                cnn_cache: torch.Tensor, att_cache: torch.Tensor, cache_len: torch.Tensor):
+        est, rate = self.est, self.cfm.inference_cfg_rate
+        b, _, n = x.shape
+        temb = est.t_embedder(torch.cat([t, t])).unsqueeze(1)
+        h = torch.cat([torch.cat([x, x]), torch.cat([mu, torch.zeros_like(mu)]),
+                       torch.cat([spk, torch.zeros_like(spk)])[:, :, None].expand(2 * b, spk.shape[1], n),
+                       torch.cat([cond, torch.zeros_like(cond)])], dim=1)  # the DiT's pack([x, mu, spks, cond])
+        h = est.in_proj(h.transpose(1, 2))
+        tc = att_cache.shape[3]
+        valid = torch.arange(tc)[None, :] < torch.cat([cache_len, cache_len])[:, None]
+        mask = torch.cat([torch.ones(2 * b, n, dtype=torch.bool), valid], dim=1)[:, None, :].expand(2 * b, n, n + tc)
+        new_cnn, new_att = [], []
+        for i, block in enumerate(est.blocks):
+            h, cnn, att = block.forward_chunk(h, temb, cnn_cache[i], att_cache[i], mask)
+            new_cnn.append(cnn)
+            new_att.append(att)
+        v = est.final_layer(h, temb).transpose(1, 2)
+        v_cond, v_uncond = v[:b], v[b:]
+        return (1.0 + rate) * v_cond - rate * v_uncond, torch.stack(new_cnn), torch.stack(new_att)
+
+
+class VocoderChunk(nn.Module):
+    """HiFT on mel [B, 80, Tm] -> speech [B, 480*Tm] and its source [B, 1, 480*Tm].
+
+    The harmonic source's random parts are inputs (`rand_ini` [B, harmonics+1], column 0 zero;
+    `sine_noise` [B, 480*Tm, harmonics+1]), so streaming is reproducible; the first `cache_len` samples of
+    the source are replaced by `cache_source` [B, 1, Ls] (the previous chunk's tail), as HiFT does.
+    """
+
+    def __init__(self, hift: nn.Module) -> None:
+        super().__init__()
+        self.hift = hift
+        n_fft = hift.istft_params["n_fft"]
+        self.n_fft, self.hop = n_fft, hift.istft_params["hop_len"]
+        window = hift.stft_window.double()
+        k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)[:, None]
+        n = torch.arange(n_fft, dtype=torch.float64)[None, :]
+        angle = 2 * math.pi * k * n / n_fft
+        # STFT as a strided conv: [real bins; imag bins] <- windowed frames
+        self.register_buffer("stft_kernel", torch.cat([torch.cos(angle), -torch.sin(angle)])[:, None, :]
+                             .mul(window).float(), persistent=False)
+        # inverse real DFT of each frame, windowed: [real; imag] bins -> n_fft samples
+        scale = torch.full_like(k, 2.0 / n_fft)
+        scale[0] = scale[-1] = 1.0 / n_fft
+        inv = torch.cat([scale * torch.cos(angle), -scale * torch.sin(angle)])
+        inv[n_fft // 2 + 1] = 0  # the DC and Nyquist bins' imaginary parts are ignored (irfft)
+        inv[-1] = 0
+        self.register_buffer("istft_kernel", (inv * window)[:, None, :].float(), persistent=False)
+        self.register_buffer("window_sq", (window ** 2)[None, None, :].float(), persistent=False)
+
+    def _source(self, f0: torch.Tensor, rand_ini: torch.Tensor, sine_noise: torch.Tensor) -> torch.Tensor:
+        """SourceModuleHnNSF2 / SineGen2 with the noise given: f0 [B, N, 1] -> excitation [B, N, 1]."""
+        m = self.hift.m_source
+        sg = m.l_sin_gen
+        fn = f0 * torch.arange(1, sg.harmonic_num + 2, dtype=f0.dtype)[None, None, :]
+        rad = torch.remainder(fn / sg.sampling_rate, 1.0)
+        rad = torch.cat([rad[:, :1] + rand_ini[:, None, :], rad[:, 1:]], dim=1)
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / sg.upsample_scale, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * np.pi
+        phase = F.interpolate(phase.transpose(1, 2) * sg.upsample_scale, scale_factor=sg.upsample_scale,
+                              mode="linear").transpose(1, 2)
+        uv = (f0 > sg.voiced_threshold).to(f0.dtype)
+        noise_amp = uv * sg.noise_std + (1 - uv) * sg.sine_amp / 3
+        sine = torch.sin(phase) * sg.sine_amp * uv + noise_amp * sine_noise
+        return m.l_tanh(m.l_linear(sine))
+
+    def forward(self, mel: torch.Tensor, cache_source: torch.Tensor, cache_len: torch.Tensor,
+                rand_ini: torch.Tensor, sine_noise: torch.Tensor):
+        hift = self.hift
+        f0 = hift.f0_predictor(mel)
+        s = self._source(hift.f0_upsamp(f0[:, None]).transpose(1, 2), rand_ini, sine_noise).transpose(1, 2)
+        total = s.shape[2]
+        cached = F.pad(cache_source, (0, total - cache_source.shape[2]))
+        s = torch.where(torch.arange(total)[None, None, :] < cache_len[:, None, None], cached, s)
+        return self._decode(mel, s), s
+
+    def _decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """HiFTGenerator.decode with its torch.stft / torch.istft as convolutions."""
+        hift, half = self.hift, self.n_fft // 2
+        s_stft = F.conv1d(F.pad(s, (half, half), mode="reflect"), self.stft_kernel, stride=self.hop)
+        x = hift.conv_pre(x)
+        for i in range(hift.num_upsamples):
+            x = hift.ups[i](F.leaky_relu(x, hift.lrelu_slope))
+            if i == hift.num_upsamples - 1:
+                x = hift.reflection_pad(x)
+            x = x + hift.source_resblocks[i](hift.source_downs[i](s_stft))
+            xs = sum(hift.resblocks[i * hift.num_kernels + j](x) for j in range(hift.num_kernels))
+            x = xs / hift.num_kernels
+        x = hift.conv_post(F.leaky_relu(x))
+        magnitude = torch.clip(torch.exp(x[:, : half + 1]), max=1e2)
+        phase = torch.sin(x[:, half + 1:])
+        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+        frames = spec.shape[2]
+        wav = F.conv_transpose1d(spec, self.istft_kernel, stride=self.hop)  # overlap-add of windowed frames
+        env = F.conv_transpose1d(torch.ones(1, 1, frames), self.window_sq, stride=self.hop)
+        wav = (wav / env)[:, 0, half: half + self.hop * (frames - 1)]
+        return torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
+
+
+def graphs(model: Token2WavModel) -> dict[str, nn.Module]:
+    """The exported graphs, in eval mode (the conformer has dropout)."""
+    return {"encoder": ConformerChunk(model.flow).eval(), "estimator": EstimatorStep(model.flow).eval(),
+            "vocoder": VocoderChunk(model.hift).eval()}
