@@ -282,7 +282,8 @@ def test_config_keys_set_the_vision_dims() -> None:
     assert (d.image_size, d.table_side, d.scale_resolution, d.layers, d.eps) == (224, 16, 448, 2, 1e-6)
     assert d.resampler_heads == 2 and d.queries == 64
     real = minicpmo45().vision
-    assert (real.image_size, real.table_side, real.scale_resolution, real.layers, real.d_model) == (980, 70, 448, 26, 1152)
+    assert (real.image_size, real.table_side, real.scale_resolution, real.layers, real.d_model) == (
+        980, 70, 448, 26, 1152)
 
 
 def test_a_full_table_slice_matches_siglip(reference, onnx_session) -> None:
