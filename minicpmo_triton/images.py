@@ -71,6 +71,17 @@ def refine_size(width: int, height: int, grid: tuple[int, int], size: int, patch
     return w * cols, h * rows
 
 
+def _most_patches(width: int, height: int, max_slice_nums: int, size: int, patch: int) -> int:
+    """The most patches any slice of the image gets."""
+    grid = slice_grid(width, height, max_slice_nums, size)
+    w, h = best_resize(width, height, size, patch, upscale=grid is None)
+    most = w * h
+    if grid is not None:
+        rw, rh = refine_size(width, height, grid, size, patch)
+        most = max(most, rw // grid[1] * (rh // grid[0]))
+    return most // (patch * patch)
+
+
 def _by_patch(image: object, patch: int) -> Slice:
     arr = np.asarray(image, dtype=np.float32) / 255  # [H, W, 3]
     arr = (arr - np.float32(0.5)) / np.float32(0.5)
@@ -97,11 +108,19 @@ def _decode(data: bytes) -> object:
         raise ImageError(f"not a decodable image: {exc}") from exc
 
 
-def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448, patch: int = 14) -> list[Slice]:
-    """The overview, then the HD slices row by row (`get_sliced_images` + `preprocess`)."""
+def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448, patch: int = 14,
+                 max_patches: int = 2048) -> list[Slice]:
+    """The overview, then the HD slices row by row (`get_sliced_images` + `preprocess`).
+
+    An image so narrow that a slice would pass `max_patches` (aspect ratios past about 4000:1; the
+    reference's slices grow without bound) is refused rather than given an engine shape it was not built for."""
     from PIL import Image
 
     image = _decode(data)
+    too_many = _most_patches(image.width, image.height, max_slice_nums, size, patch)  # type: ignore[attr-defined]
+    if too_many > max_patches:
+        raise ImageError(f"image of {image.width}x{image.height} is too narrow: "  # type: ignore[attr-defined]
+                         f"a slice of {too_many} patches is over {max_patches}")
     bicubic = Image.Resampling.BICUBIC
     grid = slice_grid(image.width, image.height, max_slice_nums, size)  # type: ignore[attr-defined]
     overview = best_resize(image.width, image.height, size, patch, upscale=grid is None)  # type: ignore[attr-defined]

@@ -390,3 +390,10 @@ def test_position_table_is_the_checkpoint_tensor(reference) -> None:
                  "resampler.ln_q.weight", "resampler.ln_kv.bias", "resampler.ln_post.weight", "resampler.proj"):
         assert name in names
     assert "resampler.pos_embed" not in names and "vpm.encoder.layers.2.mlp.fc1.weight" not in names
+
+
+def test_an_image_too_narrow_for_the_engine_is_a_bad_image() -> None:
+    """1x16000 px: the reference would make one slice of 4048 patches, past the engine's 2048."""
+    assert [(s.rows, s.cols) for s in image_slices(_png(4, 4000, 1), 9)][0] == (1012, 1)  # 1000:1 still serves
+    with pytest.raises(ImageError, match="too narrow"):
+        image_slices(_png(1, 16_000, 1), 9)

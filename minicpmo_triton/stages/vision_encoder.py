@@ -33,7 +33,7 @@ class VisionEncoderStage:
             raise ValueError("vision_encoder: one max_slice_nums per image")
         caps = request.max_slice_nums if len(request.max_slice_nums) else np.ones(len(request.images), np.int64)
         d = self.dims
-        return [image_slices(bytes(img), int(n), d.scale_resolution, d.patch)
+        return [image_slices(bytes(img), int(n), d.scale_resolution, d.patch, d.max_patches)
                 for img, n in zip(request.images, caps, strict=True)]
 
     def run(self, requests: list[VisionEncoderRequest]) -> list[VisionEncoderResult | Exception]:
