@@ -397,3 +397,34 @@ def test_an_image_too_narrow_for_the_engine_is_a_bad_image() -> None:
     assert [(s.rows, s.cols) for s in image_slices(_png(4, 4000, 1), 9)][0] == (1012, 1)  # 1000:1 still serves
     with pytest.raises(ImageError, match="too narrow"):
         image_slices(_png(1, 16_000, 1), 9)
+
+
+def test_the_stage_batches_any_grids_as_each_alone() -> None:
+    """Requests of different image sizes share padded batches (and chunks of `batch_slices`): each image's
+    embeddings are what it gets alone; a bad image fails only its own request."""
+    import dataclasses
+
+    from minicpmo_triton.engines import load_engine
+    from minicpmo_triton.model_config import load_stage_config
+    from minicpmo_triton.stage_io import VisionEncoderRequest
+    from minicpmo_triton.stages.vision_encoder import VisionEncoderStage
+
+    from .conftest import MODEL_REPOSITORY, ensure_exported
+
+    ensure_exported()
+    folder = MODEL_REPOSITORY / "vision_encoder" / "1"
+    dims = dataclasses.replace(load_stage_config(folder).vision, batch_slices=4)
+    stage = VisionEncoderStage(load_engine(folder), dims)
+
+    def request(*images: tuple[bytes, int]) -> VisionEncoderRequest:
+        return VisionEncoderRequest(images=np.array([d for d, _ in images], dtype=np.object_),
+                                    max_slice_nums=np.array([n for _, n in images], np.int64))
+
+    wide, tall, small = (_png(900, 300, 1), 9), (_png(300, 1200, 2), 4), (_png(100, 80, 3), 1)
+    together = stage.run([request(wide, small), request((b"not an image", 1)), request(tall)])
+    assert isinstance(together[1], ImageError)
+    alone = [stage.run([request(image)])[0] for image in (wide, small, tall)]
+    assert alone[0].slices[0] > 1 and alone[2].slices[0] > 1  # an overview and HD slices
+    assert together[0].slices.tolist() == [alone[0].slices[0], 1] and together[2].slices.tolist() == alone[2].slices.tolist()
+    np.testing.assert_allclose(together[0].embeds, np.concatenate([alone[0].embeds, alone[1].embeds]), atol=1e-5)
+    np.testing.assert_allclose(together[2].embeds, alone[2].embeds, atol=1e-5)
