@@ -429,3 +429,11 @@ def test_the_stage_batches_any_grids_as_each_alone() -> None:
     assert together[2].slices.tolist() == alone[2].slices.tolist()
     np.testing.assert_allclose(together[0].embeds, np.concatenate([alone[0].embeds, alone[1].embeds]), atol=1e-5)
     np.testing.assert_allclose(together[2].embeds, alone[2].embeds, atol=1e-5)
+
+
+def test_tiny_is_the_real_vision_architecture_from_config_keys() -> None:
+    from export.modules.vision import dims_from_config
+    from export.presets import TINY_VISION_CONFIG, tiny
+
+    preset = tiny()
+    assert dims_from_config(minicpmo45().vision, TINY_VISION_CONFIG, preset.llm.hidden) == preset.vision
