@@ -17,6 +17,8 @@ from torch import nn
 
 from minicpmo_triton.model_config import PresetConfig
 
+from .modules.vision import dims_from_config as vision_dims_from_config
+
 STAGE_PREFIXES = {
     "audio_encoder": ("apm.", "audio_projection_layer."),
     "vision_encoder": ("vpm.", "resampler."),
@@ -73,18 +75,7 @@ def preset_from_config(preset: PresetConfig, config: dict) -> PresetConfig:
         num_text_tokens=t.get("num_text_tokens", preset.tts.num_text_tokens),
         num_audio_tokens=t.get("num_audio_tokens", preset.tts.num_audio_tokens),
     )
-    v = config.get("vision_config", {})
-    vision = dataclasses.replace(
-        preset.vision,
-        image_size=v.get("image_size", preset.vision.image_size),
-        patch=v.get("patch_size", preset.vision.patch),
-        d_model=v.get("hidden_size", preset.vision.d_model),
-        layers=v.get("num_hidden_layers", preset.vision.layers),
-        heads=v.get("num_attention_heads", preset.vision.heads),
-        ffn=v.get("intermediate_size", preset.vision.ffn),
-        queries=config.get("query_num", preset.vision.queries),
-        resampler_heads=max(1, llm.hidden // 128),  # MiniCPM-o's resampler: LLM width / 128 heads
-    )
+    vision = vision_dims_from_config(preset.vision, config, llm.hidden)
     return dataclasses.replace(preset, llm=llm, audio=audio, tts=tts, vision=vision)
 
 
@@ -94,17 +85,6 @@ def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
         if stage in ("llm", "tts", "token2wav", "speaker_encoder"):
             name = name.split(".", 1)[1]
         out[name] = value
-    if stage == "vision_encoder":  # Hugging Face keeps q/k/v apart
-        for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
-            base = key[: -len("q_proj.weight")]
-            ws = [out.pop(f"{base}{p}.weight") for p in _QKV]
-            bs = [out.pop(f"{base}{p}.bias", None) for p in _QKV]
-            out[f"{base}in_proj_weight"] = torch.cat(ws)
-            out[f"{base}in_proj_bias"] = torch.cat([b if b is not None else torch.zeros(w.shape[0])
-                                                    for b, w in zip(bs, ws, strict=True)])
-            out[f"{base}out_proj.weight"] = out.pop(f"{base}out_proj.weight")
-            if f"{base}out_proj.bias" in out:
-                out[f"{base}out_proj.bias"] = out.pop(f"{base}out_proj.bias")
     for key in [k for k in out if k.endswith(".weight_v")]:  # torch weight_norm, old style
         base = key[: -len(".weight_v")]
         v, g = out.pop(key), out.pop(f"{base}.weight_g")

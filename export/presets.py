@@ -15,6 +15,14 @@ from minicpmo_triton.tokenizer import TINY_SPECIALS, tiny_special_ids
 
 TINY_SEED = 20261202
 
+# The vision keys of tiny's config.json: the real keys and architecture at small widths (VisionDims' defaults).
+TINY_VISION_CONFIG = {
+    "query_num": 64, "image_size": 448, "drop_vision_last_layer": True, "vision_batch_size": 16,
+    "slice_config": {"max_slice_nums": 9, "patch_size": 14, "scale_resolution": 448},
+    "vision_config": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 256,
+                      "image_size": 980, "patch_size": 14, "layer_norm_eps": 1e-6, "model_type": "siglip"},
+}
+
 
 def _tiny_tokens() -> SpecialTokens:
     ids = tiny_special_ids()

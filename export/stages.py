@@ -11,7 +11,9 @@ from torch import nn
 from torch.export import Dim
 
 from minicpmo_triton.audio_mel import CONTEXT_FRAMES
-from minicpmo_triton.model_config import PresetConfig
+from minicpmo_triton.images import Slice
+from minicpmo_triton.model_config import PresetConfig, VisionDims
+from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs
 
 from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
 from .modules.llm import DuplexLLM
@@ -92,6 +94,20 @@ def _decoder_inputs(g: torch.Generator, layers: int, kv_heads: int, head_dim: in
     }
 
 
+def vision_example(d: VisionDims, grids: list[tuple[int, int]], g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random slices of the given patch grids (rows, cols), batched as the vision stage batches them."""
+    slices = [Slice((torch.rand(3, d.patch, r * c * d.patch, generator=g) * 2 - 1).numpy(), r, c) for r, c in grids]
+    return {name: torch.from_numpy(value) for name, value in vision_batch_inputs(slices, d).items()}
+
+
+def vision_graph(d: VisionDims, module: nn.Module) -> StageGraph:
+    batch, patches = Dim("batch", min=1, max=1024), Dim("patches", min=1, max=d.max_patches)
+    return StageGraph(
+        "vision_encoder", module, lambda g: vision_example(d, [(5, 7), (4, 6), (1, 3)], g), ["embeds"],
+        {"pixels": {0: batch, 3: patches * d.patch}, "position_ids": {0: batch, 1: patches}, "tgt_sizes": {0: batch}},
+    )
+
+
 def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[StageGraph]:
     batch, seq, past = Dim("batch", min=1, max=1024), Dim("seq", min=1, max=8192), Dim("past", min=0, max=8192)
     llm, tts = preset.llm, preset.tts.decoder
@@ -134,9 +150,6 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
             "speaker": torch.randn(b, preset.speaker.dim, generator=g),
         }
 
-    def vision_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
-        size = preset.vision.image_size
-        return {"pixels": torch.rand(b, 3, size, size, generator=g) * 2 - 1}
 
     def speaker_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         return {"audio": 0.1 * torch.randn(b, 24_000, generator=g)}
@@ -159,8 +172,7 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
                     "position_ids": {0: batch, 1: 5 * audio_tokens}, "past_mask": {0: batch, 1: audio_past},
                     "past_key": {1: batch, 3: audio_past}, "past_value": {1: batch, 3: audio_past}},
                    model="audio_encoder", file="stream.onnx"),
-        StageGraph("vision_encoder", modules["vision_encoder"], vision_inputs, ["embeds"],
-                   {"pixels": {0: batch}}),
+        vision_graph(preset.vision, modules["vision_encoder"]),
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],

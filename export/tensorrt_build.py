@@ -43,8 +43,10 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     if stage.startswith("token2wav_"):
         return token2wav_profiles(stage, preset, max_batch)
     if stage == "vision_encoder":
-        s = preset.vision.image_size
-        return {"pixels": ((1, 3, s, s), (8, 3, s, s), (36, 3, s, s))}
+        d = preset.vision
+        n, opt, most = d.batch_slices, (d.scale_resolution // d.patch) ** 2, d.max_patches
+        return {"pixels": ((1, 3, d.patch, d.patch), (n, 3, d.patch, opt * d.patch), (n, 3, d.patch, most * d.patch)),
+                "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}
     if stage == "speaker_encoder":
         return {"audio": ((1, 1600), (1, 16_000 * 5), (4, 16_000 * 30))}
     d = preset.llm if stage == "llm" else preset.tts.decoder

@@ -36,7 +36,7 @@ class InProcessStages:
         self.tokenizer = load_tokenizer(self.preset, repository / "duplex" / "1")
         v = lambda name: repository / name / "1"  # noqa: E731
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
-        self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision.image_size)
+        self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision)
         self.speaker = SpeakerEncoderStage(load_engine(v("speaker_encoder"), threads))
         self.stream_encoder = AudioStreamEncoder(load_engine(v("audio_encoder"), threads, "stream"), self.preset.audio,
                                                  self.preset.samples_per_audio_token)

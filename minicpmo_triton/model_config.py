@@ -26,16 +26,29 @@ class AudioEncoderDims:
 
 @dataclass(frozen=True)
 class VisionDims:
-    """SigLIP-style ViT + a 64-query resampler: every 448x448 slice becomes 64 LLM tokens."""
+    """NaViT SigLIP (`vpm`) + a 2D resampler: every slice (at most 448x448 px) becomes `queries` LLM tokens."""
 
-    image_size: int = 448
+    image_size: int = 980  # vision_config.image_size: the position table's side, 70x70 patches
     patch: int = 14
     d_model: int = 64
-    layers: int = 2
+    layers: int = 2  # layers run: vision_config.num_hidden_layers less one if drop_vision_last_layer
     heads: int = 4
     ffn: int = 256
+    eps: float = 1e-6  # vision_config.layer_norm_eps; the resampler's LayerNorms use 1e-6 too
     queries: int = 64
-    resampler_heads: int = 4
+    resampler_heads: int = 1  # LLM width / 128
+    scale_resolution: int = 448  # slice_config.scale_resolution: a slice's area is at most this squared
+    batch_slices: int = 16  # vision_batch_size: slices per forward
+
+    @property
+    def table_side(self) -> int:
+        """Patches per side of the position table the slices' positions are bucketed into."""
+        return self.image_size // self.patch
+
+    @property
+    def max_patches(self) -> int:
+        """A bound on one slice's patches (aspect-preserving resizes can pass (448 / 14)^2 a little)."""
+        return 2 * (self.scale_resolution // self.patch) ** 2
 
 
 @dataclass(frozen=True)

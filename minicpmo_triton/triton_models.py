@@ -204,7 +204,7 @@ class VisionEncoderModel(_StatelessStageModel):
     stage_name = "vision_encoder"
 
     def make_stage(self, ctx: _ModelContext) -> VisionEncoderStage:
-        return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision.image_size)
+        return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision)
 
 
 def _json_input(rows: dict[str, np.ndarray], name: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ SMALL_CONFIG = {  # the real checkpoint's config keys, at a size a CPU test can 
     "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
     "intermediate_size": 64, "vocab_size": 151_936,
     "audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64},
-    "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64},
+    "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
     "tts_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
                    "num_text_tokens": 152_064, "num_audio_tokens": 6562},
 }

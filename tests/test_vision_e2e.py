@@ -13,6 +13,7 @@ from PIL import Image
 from minicpmo_triton.images import image_slices, slice_grid
 
 from .helpers import append_message, deltas, open_session, recv_until
+from .test_vision_reference import _png_header
 
 
 def jpeg(width: int, height: int, seed: int = 0) -> str:
@@ -28,7 +29,10 @@ def test_slicing_follows_the_image() -> None:
     assert slice_grid(640, 480, 1, 448) is None  # max_slice_nums 1: overview only
     assert slice_grid(640, 480, 4, 448) == (1, 2)  # 1.5 slices' worth -> 2, side by side
     assert slice_grid(1344, 448, 9, 448) == (1, 3)
-    assert image_slices(base64.b64decode(jpeg(640, 480)), 4).shape == (3, 3, 448, 448)
+    # the overview and two slices, each resized keeping its aspect ratio to about 448x448 px, patch-aligned
+    slices = image_slices(base64.b64decode(jpeg(640, 480)), 4)
+    assert [(s.rows, s.cols) for s in slices] == [(28, 37), (39, 26), (39, 26)]
+    assert all(s.pixels.shape == (3, 14, s.rows * s.cols * 14) for s in slices)
 
 
 @pytest.mark.asyncio
@@ -57,7 +61,8 @@ async def test_a_bad_image_gets_a_coded_error_and_the_session_goes_on(gateway, t
     audio = speech("Here is another one.")[:16_000]
     ws, _ = await open_session(gateway.ws)
     not_an_image = base64.b64encode(b"this is not a jpeg at all").decode()
-    for frame, code in [(not_an_image, "bad_image"), ("%%%", "bad_image")]:
+    bomb = base64.b64encode(_png_header(20_000, 20_000)).decode()  # a header claiming 400 M pixels
+    for frame, code in [(not_an_image, "bad_image"), ("%%%", "bad_image"), (bomb, "bad_image")]:
         await ws.send(append_message(audio, "bad", video_frames=[frame]))
         err = await recv_until(ws, lambda e: e["type"] == "error")
         assert err[-1]["error"]["code"] == code

@@ -1,50 +1,67 @@
-"""Vision encoder: stateless; decodes and slices each image once, then every slice of every request
-runs in one batched forward."""
+"""Vision encoder: stateless; decodes and slices each image once, then the slices of every request run
+in batches of `batch_slices`, each padded to its longest slice (`get_vision_embedding`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..engines import Engine
-from ..images import image_slices
+from ..images import Slice, image_slices, navit_position_ids
+from ..model_config import VisionDims
 from ..stage_io import VisionEncoderRequest, VisionEncoderResult
 from .base import isolated
 
 
-class VisionEncoderStage:
-    def __init__(self, engine: Engine, image_size: int) -> None:
-        self.engine = engine
-        self.image_size = image_size
+def batch_inputs(slices: list[Slice], d: VisionDims) -> dict[str, np.ndarray]:
+    """The engine's inputs for slices of any patch grids: pixels, position_ids, tgt_sizes (padding zero)."""
+    length = max(s.rows * s.cols for s in slices)
+    pixels = np.zeros((len(slices), 3, d.patch, length * d.patch), np.float32)
+    position_ids = np.zeros((len(slices), length), np.int64)
+    for i, s in enumerate(slices):
+        pixels[i, :, :, : s.pixels.shape[-1]] = s.pixels
+        position_ids[i, : s.rows * s.cols] = navit_position_ids(s.rows, s.cols, d.table_side)
+    tgt_sizes = np.array([(s.rows, s.cols) for s in slices], np.int64)
+    return {"pixels": pixels, "position_ids": position_ids, "tgt_sizes": tgt_sizes}
 
-    def _pixels(self, request: VisionEncoderRequest) -> list[np.ndarray]:
+
+class VisionEncoderStage:
+    def __init__(self, engine: Engine, dims: VisionDims) -> None:
+        self.engine = engine
+        self.dims = dims
+
+    def _slices(self, request: VisionEncoderRequest) -> list[list[Slice]]:
         if len(request.max_slice_nums) not in (0, len(request.images)):
             raise ValueError("vision_encoder: one max_slice_nums per image")
-        slices = request.max_slice_nums if len(request.max_slice_nums) else np.ones(len(request.images), np.int64)
-        return [image_slices(bytes(img), int(n), self.image_size) for img, n in zip(request.images, slices,
-                                                                                     strict=True)]
+        caps = request.max_slice_nums if len(request.max_slice_nums) else np.ones(len(request.images), np.int64)
+        d = self.dims
+        return [image_slices(bytes(img), int(n), d.scale_resolution, d.patch, d.max_patches)
+                for img, n in zip(request.images, caps, strict=True)]
 
     def run(self, requests: list[VisionEncoderRequest]) -> list[VisionEncoderResult | Exception]:
         results: list[VisionEncoderResult | Exception] = [VisionEncoderResult() for _ in requests]
-        work: list[tuple[int, list[np.ndarray]]] = []
+        work: list[tuple[int, list[list[Slice]]]] = []
         for i, request in enumerate(requests):
             try:
-                pixels = self._pixels(request)
+                images = self._slices(request)
             except Exception as exc:  # noqa: BLE001 (a bad image fails its own request only)
                 results[i] = exc
                 continue
-            if pixels:
-                work.append((i, pixels))
+            if images:
+                work.append((i, images))
         if work:
             for (i, _), out in zip(work, isolated(self._encode, [images for _, images in work]), strict=True):
                 results[i] = out
         return results
 
-    def _encode(self, requests: list[list[np.ndarray]]) -> list[VisionEncoderResult]:
-        """Every slice of every request in one forward."""
-        embeds = self.engine.run({"pixels": np.concatenate([p for images in requests for p in images])})["embeds"]
+    def _encode(self, requests: list[list[list[Slice]]]) -> list[VisionEncoderResult]:
+        """Every slice of every request's images, `batch_slices` at a time."""
+        slices = [s for images in requests for image in images for s in image]
+        step = self.dims.batch_slices
+        embeds = np.concatenate([self.engine.run(batch_inputs(slices[k:k + step], self.dims))["embeds"]
+                                 for k in range(0, len(slices), step)])
         out, start = [], 0
         for images in requests:
-            counts = np.array([len(p) for p in images], np.int64)
+            counts = np.array([len(image) for image in images], np.int64)
             out.append(VisionEncoderResult(embeds=embeds[start:start + counts.sum()], slices=counts))
             start += int(counts.sum())
         return out
