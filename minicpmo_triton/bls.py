@@ -7,10 +7,9 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from . import stage_io as io
-from .pipeline import Ready, StepError
+from .duplex_contract import stage_error
+from .pipeline import Ready
 from .stages.base import StageCall
-
-CONTEXT_FULL_MARK = "context full"
 
 
 def _flags(call: StageCall[Any]) -> int:
@@ -36,10 +35,7 @@ class TritonBlsStages:
             await ready()
         response = await infer.async_exec()
         if response.has_error():
-            message = response.error().message()
-            code = "context_full" if CONTEXT_FULL_MARK in message else \
-                "bad_image" if message.startswith("ImageError") else "stage_error"
-            raise StepError(code, f"{model}: {message}")
+            raise stage_error(model, response.error().message())
 
         outputs_by_name = {t.name(): t.as_numpy()[0] for t in response.output_tensors()}
         return io.decode(result_cls, outputs_by_name.get)

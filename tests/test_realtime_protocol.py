@@ -11,11 +11,11 @@ import pytest
 from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
 from gateway.journal import Journal
 from gateway.overlap import OverlapPolicy, OverlapSettings
-from gateway.realtime.config import RealtimeConfig, apply_update
-from gateway.realtime.conversation import Item
-from gateway.realtime.events import RealtimeError
-from gateway.realtime.openai_state import OpenAIRealtimeState
-from gateway.triton_stream import StepEvent
+from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_config import RealtimeConfig, apply_update
+from gateway.dialects.openai_conversation import Item
+from gateway.wire import ProtocolError
+from minicpmo_triton.duplex_contract import StepEvent
 from gateway.vad import WINDOW, SpeechSegmenter
 
 
@@ -128,13 +128,13 @@ def test_session_update_reads_ga_and_beta_shapes() -> None:
     beta = apply_update(RealtimeConfig(), {"input_audio_format": "pcm16", "turn_detection": None,
                                            "temperature": 0.0}, started=False)
     assert beta.turn_detection.type is None and beta.options().temperature == 0.0
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, started=False)
     assert err.value.code == "unsupported_audio_format"
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"turn_detection": {"type": "server_vad"}}, started=True)
     assert err.value.code == "session_update_not_allowed"
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"instructions": "Be brief."}, started=True)
     assert err.value.code == "session_update_not_allowed"
     assert apply_update(RealtimeConfig(), {"overlap_barge_in_ms": 900}, started=True).overlap.barge_in_ms == 900
@@ -211,7 +211,7 @@ def test_client_errors_are_coded() -> None:
     st, _ = state()
 
     def code(event: dict) -> str:
-        with pytest.raises(RealtimeError) as err:
+        with pytest.raises(ProtocolError) as err:
             st.on_client(event)
         return err.value.code
 
@@ -242,8 +242,8 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
     st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                                "content": [{"type": "input_text", "text": "Hi"}]}})
     fx = st.on_client({"type": "response.create"})
-    chat = fx.steps[0].request.chat
-    assert [m["role"] for m in chat["messages"]] == ["user"] and chat["generate_audio"] is True
+    chat = fx.steps[0].request
+    assert [m.role for m in chat.messages] == ["user"] and chat.generate_audio is True
     st.prepare(fx.steps[0])
     st.on_step_event(fx.steps[0], StepEvent("text", text="Hello you"))
     st.on_step_event(fx.steps[0], StepEvent("audio", audio=np.zeros(24_000, np.float32)))
@@ -251,8 +251,8 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
     st.on_client({"type": "response.cancel"})
     st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                                "content": [{"type": "input_text", "text": "Go"}]}})
-    nxt = st.on_client({"type": "response.create"}).steps[0].request.chat["messages"]
-    assert [(m["role"], m["text"]) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
+    nxt = st.on_client({"type": "response.create"}).steps[0].request.messages
+    assert [(m.role, m.text) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
 
 
 def test_the_stream_resampler_has_no_seams_between_chunks() -> None:
@@ -271,7 +271,7 @@ def test_the_turn_based_buffer_is_bounded() -> None:
     st, _ = state(turn_detection=None)
     for _ in range(12):
         st.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
     assert err.value.code == "input_audio_buffer_full"
     vad, _ = state(turn_detection={"type": "server_vad", "prefix_padding_ms": 300})
@@ -287,10 +287,10 @@ def test_the_turn_based_buffer_is_bounded() -> None:
 
 def test_minicpm_session_update_checks_its_voice_references() -> None:
     from gateway.audio import encode_f32_base64
-    from gateway.realtime.minicpm_state import MiniCPMRealtimeState
+    from gateway.dialects.minicpm import MiniCPMRealtimeState
 
     st = MiniCPMRealtimeState("sess_m")
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         st.on_client({"type": "session.update", "session": {"ref_audio": encode_f32_base64(np.zeros(800, np.float32))}})
     assert (err.value.code, err.value.close_code) == ("invalid_voice", 1008)
     ref = np.zeros(16_000, np.float32)

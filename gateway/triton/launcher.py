@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
 
@@ -243,6 +243,3 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

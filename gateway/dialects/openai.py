@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, StepEvent, StepInput
 from minicpmo_triton.duplex_options import DuplexOptions
 
 from ..audio import (
@@ -37,21 +38,19 @@ from ..audio import (
     encode_pcm16_base64,
     resample,
 )
+from ..engine import UNIT, Effects, EngineState, PlannedStep, ServerEvent
+from ..inputs import MAX_APPEND_SECONDS, MAX_FRAMES
 from ..overlap import OverlapDecision, OverlapPolicy, rms
-from ..session import Usage
-from ..triton_stream import StepEvent, StepRequest
 from ..vad import WINDOW_MS, SpeechSegmenter
-from .config import RealtimeConfig, apply_update, max_output_tokens
-from .conversation import Conversation, Item
-from .engine import UNIT, Effects, EngineState, PlannedStep
-from .events import RealtimeError, error_event, new_id, server_event, usage_block
+from ..wire import ProtocolError, Usage, new_id
+from .openai_config import RealtimeConfig, apply_update, max_output_tokens
+from .openai_conversation import Conversation, Item
+from .realtime_events import answer, closed_event, error_event, parse_event, server_event
 
-MAX_APPEND_SECONDS = 5
 MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
 CONTEXT_TOKENS = 8192
-MAX_FRAMES = 4
 CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
                 "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
@@ -111,8 +110,14 @@ class OpenAIRealtimeState(EngineState):
                                          position_ms=position)
 
     # ---- session ----
-    def created(self) -> list[dict[str, Any]]:
+    def created(self) -> list[ServerEvent]:
         return [server_event("session.created", session=self._session_dict(), capabilities=CAPABILITIES)]
+
+    def on_text(self, text: str) -> Effects:
+        return answer(parse_event(text, None), self.on_client)  # not JSON: an error, the session goes on
+
+    def error_event(self, err: ProtocolError) -> ServerEvent:
+        return error_event(err)
 
     def _session_dict(self) -> dict[str, Any]:
         return {**self.config.to_dict(self.session_id), "epoch": self.epoch}
@@ -126,13 +131,13 @@ class OpenAIRealtimeState(EngineState):
         kind = msg["type"]
         handler = _HANDLERS.get(kind)
         if handler is None:
-            raise RealtimeError("unknown_event", f"unknown event type {kind!r}", "type")
+            raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type")
         return handler(self, msg)
 
     def _session_update(self, msg: dict[str, Any]) -> Effects:
         config = apply_update(self.config, msg.get("session"), self.started)
         if config.turn_detection.type == "server_vad" and self.vad is None:
-            raise RealtimeError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
+            raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
                                 "session.audio.input.turn_detection.type")
         self.config = config
         self._reset_detectors()
@@ -141,12 +146,12 @@ class OpenAIRealtimeState(EngineState):
     def _append(self, msg: dict[str, Any]) -> Effects:
         data = msg.get("audio")
         if not isinstance(data, str) or not data:
-            raise RealtimeError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+            raise ProtocolError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
         rate = self.config.input_rate
         try:
             pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
         except AudioDecodeError as exc:
-            raise RealtimeError("bad_audio", str(exc), "audio") from exc
+            raise ProtocolError("bad_audio", str(exc), "audio") from exc
         if self._resampler is None or self._resampler.rate_in != rate:
             self._resampler = StreamResampler(rate, INPUT_RATE)
         hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
@@ -170,7 +175,7 @@ class OpenAIRealtimeState(EngineState):
         self._buffer.append(audio)
         if sum(len(a) for a in self._buffer) > MAX_BUFFER_SECONDS * INPUT_RATE:
             self._buffer.pop()
-            raise RealtimeError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
+            raise ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
                                 "commit or clear it (this append was dropped)")
         if self.config.turn_detection.type != "server_vad":
             return out
@@ -222,13 +227,13 @@ class OpenAIRealtimeState(EngineState):
     def _duplex_step(self, unit_audio: np.ndarray, force_listen: bool = False) -> PlannedStep:
         self._units += 1
         frames, self._frames = self._frames, []
-        req = StepRequest(audio=unit_audio, force_listen=force_listen, frames=frames,
-                          max_slice_nums=[1] * len(frames))
+        req = StepInput(audio=unit_audio, force_listen=force_listen, frames=frames,
+                        max_slice_nums=[1] * len(frames))
         return PlannedStep("duplex", req, self.epoch, unit=self._units)
 
-    def prepare(self, step: PlannedStep) -> StepRequest:
+    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
         req = super().prepare(step)
-        if step.kind == "duplex":
+        if isinstance(req, StepInput) and step.kind == "duplex":
             req.force_listen = req.force_listen or self._listen_next  # the second the caller barged in is heard
             self._listen_next = False
             if self._rollback is not None:
@@ -237,7 +242,7 @@ class OpenAIRealtimeState(EngineState):
                 replay = [a for u, a in self._sent_units if u > after]
                 if kv >= 0 and (not self._sent_units or self._sent_units[0][0] <= after + 1):
                     req.rollback_to = kv
-                    req.replay_audio = np.concatenate(replay) if replay else None
+                    req.replay_audio = np.concatenate(replay) if replay else np.zeros(0, np.float32)
             self._sent_units.append((step.unit, req.audio))
         return req
 
@@ -266,28 +271,28 @@ class OpenAIRealtimeState(EngineState):
     def _item_create(self, msg: dict[str, Any]) -> Effects:
         raw = msg.get("item")
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
-            raise RealtimeError("invalid_value", "item must be a message", "item")
+            raise ProtocolError("invalid_value", "item must be a message", "item")
         role = raw.get("role")
         if role not in ("user", "assistant", "system"):
-            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", "item.role")
+            raise ProtocolError("invalid_value", "item.role must be user, assistant or system", "item.role")
         item = self.conversation.new_item(role, spoken=False)
         content = raw.get("content") or []
         if not isinstance(content, list):
-            raise RealtimeError("invalid_value", "item.content must be a list", "item.content")
+            raise ProtocolError("invalid_value", "item.content must be a list", "item.content")
         for part in content:
             self._add_part(item, part)
         if not item.text and item.audio is None and not item.images:
-            raise RealtimeError("missing_field", "the item has no text, audio or image content", "item.content")
+            raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
         out = Effects()
         if self.config.duplex:
             if item.audio is not None:
-                raise RealtimeError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
+                raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
                                     "item.content")
             if len(self._frames) + len(item.images) > MAX_FRAMES:
-                raise RealtimeError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
+                raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
             self._frames += [base64.b64decode(i) for i in item.images]  # seen with the next second of audio
             if item.text:
-                req = StepRequest(context={"text": item.text, "kind": role, "respond": False})
+                req = StepInput.of_context(Context(item.text, role, respond=False))
                 out.steps.append(PlannedStep("context", req, self.epoch))
         previous, _ = self.conversation.add(item)
         out.events += [server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
@@ -296,7 +301,7 @@ class OpenAIRealtimeState(EngineState):
 
     def _add_part(self, item: Item, part: Any) -> None:
         if not isinstance(part, dict):
-            raise RealtimeError("invalid_value", "each content part must be an object", "item.content")
+            raise ProtocolError("invalid_value", "each content part must be an object", "item.content")
         kind = part.get("type")
         if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
             item.text += part["text"]
@@ -305,7 +310,7 @@ class OpenAIRealtimeState(EngineState):
             try:
                 audio = resample(decode_pcm16_base64(part["audio"], 60 * rate), rate, INPUT_RATE)
             except AudioDecodeError as exc:
-                raise RealtimeError("bad_audio", str(exc), "item.content.audio") from exc
+                raise ProtocolError("bad_audio", str(exc), "item.content.audio") from exc
             item.audio = _whole_tenths(audio)
         elif kind == "input_image":
             url = part.get("image_url")
@@ -314,11 +319,11 @@ class OpenAIRealtimeState(EngineState):
                 if not isinstance(data, str) or not base64.b64decode(data, validate=True):
                     raise ValueError("empty")
             except (binascii.Error, ValueError) as exc:
-                raise RealtimeError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
+                raise ProtocolError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
                     from exc
             item.images.append(data)
         else:
-            raise RealtimeError("invalid_value", f"unsupported content part {kind!r}", "item.content")
+            raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
 
     def _item_retrieve(self, msg: dict[str, Any]) -> Effects:
         return Effects([server_event("conversation.item.retrieved",
@@ -327,17 +332,17 @@ class OpenAIRealtimeState(EngineState):
     def _item_delete(self, msg: dict[str, Any]) -> Effects:
         item_id = msg.get("item_id")
         if self.active is not None and self.active.item.id == item_id:
-            raise RealtimeError("invalid_value", "cancel the response before deleting its item", "item_id")
+            raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
         return Effects([server_event("conversation.item.deleted", item_id=item_id)])
 
     def _item_truncate(self, msg: dict[str, Any]) -> Effects:
         item = self.conversation.get(msg.get("item_id"))
         if item.role != "assistant":
-            raise RealtimeError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
+            raise ProtocolError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
         end = msg.get("audio_end_ms")
         if isinstance(end, bool) or not isinstance(end, (int, float)) or end < 0:
-            raise RealtimeError("invalid_value", "audio_end_ms must be a number >= 0", "audio_end_ms")
+            raise ProtocolError("invalid_value", "audio_end_ms must be a number >= 0", "audio_end_ms")
         out = Effects()
         response = self.response if self.response is not None and self.response.item is item else None
         if response is not None and not response.done:
@@ -352,15 +357,15 @@ class OpenAIRealtimeState(EngineState):
 
     def _response_create(self, msg: dict[str, Any]) -> Effects:
         if self.active is not None:
-            raise RealtimeError("conversation_already_has_active_response",
+            raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self.active.id} is still in progress")
         spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
         if self.config.duplex:
             text = spec.get("instructions")
             if not isinstance(text, str) or not text.strip():
-                raise RealtimeError("invalid_value", "with duplex turn detection the model decides when to speak; "
+                raise ProtocolError("invalid_value", "with duplex turn detection the model decides when to speak; "
                                     "response.create needs response.instructions to prompt it", "response.instructions")
-            req = StepRequest(context={"text": text.strip(), "kind": "instructions", "respond": True})
+            req = StepInput.of_context(Context(text.strip(), "instructions", respond=True))
             return Effects(steps=[PlannedStep("context", req, self.epoch)])
         budget = spec.get("max_output_tokens")
         return self._respond(self.config.max_output_tokens if budget is None
@@ -370,24 +375,20 @@ class OpenAIRealtimeState(EngineState):
         """A turn-based response: a chat turn over the conversation so far."""
         messages = [self._chat_message(i) for i in self.conversation.items if i.text or i.audio is not None
                     or i.images]
-        if not messages or messages[-1]["role"] == "assistant":
-            raise RealtimeError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        if not messages or messages[-1].role == "assistant":
+            raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
         out = self._open_response(self.clock())
-        chat = {"messages": messages, "max_new_tokens": budget or self.config.max_output_tokens,
-                "generate_audio": self.config.audio_out}
-        out.steps.append(PlannedStep("chat", StepRequest(chat=chat), self.epoch, response_id=self.response.id))
+        chat = ChatInput(messages, budget or self.config.max_output_tokens, self.config.audio_out)
+        out.steps.append(PlannedStep("chat", chat, self.epoch, response_id=self.response.id))
         return out
 
     @staticmethod
-    def _chat_message(item: Item) -> dict[str, Any]:
-        audio = None
-        if item.audio is not None:
-            audio = base64.b64encode(np.ascontiguousarray(item.audio, "<f4").tobytes()).decode("ascii")
-        return {"role": item.role, "text": item.text, "audio": audio, "images": item.images, "max_slice_nums": 1}
+    def _chat_message(item: Item) -> ChatMessage:
+        return ChatMessage(item.role, item.text, item.audio, tuple(base64.b64decode(i) for i in item.images))
 
     def _response_cancel(self, msg: dict[str, Any]) -> Effects:
         if self.active is None:
-            raise RealtimeError("response_cancel_not_active", "there is no response in progress to cancel")
+            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
         return self._interrupt("client_cancelled")
 
     def _output_clear(self, msg: dict[str, Any]) -> Effects:
@@ -399,13 +400,13 @@ class OpenAIRealtimeState(EngineState):
     def _playback_ack(self, msg: dict[str, Any]) -> Effects:
         response_id, played = msg.get("response_id"), msg.get("played_ms")
         if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
-            raise RealtimeError("invalid_value", "played_ms must be a number >= 0", "played_ms")
+            raise ProtocolError("invalid_value", "played_ms must be a number >= 0", "played_ms")
         r = self.response
         if r is None or response_id != r.id:
             if response_id in self.past_responses:
-                raise RealtimeError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
+                raise ProtocolError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
                                     "response_id")
-            raise RealtimeError("unknown_response", f"no response {response_id!r}", "response_id")
+            raise ProtocolError("unknown_response", f"no response {response_id!r}", "response_id")
         r.ack_ms = max(r.ack_ms, min(float(played), r.item.audio_ms))  # acks only move forward
         r.ack_at = self.clock()
         committed = r.done
@@ -580,20 +581,35 @@ class OpenAIRealtimeState(EngineState):
 
     def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
-        out = Effects([error_event(RealtimeError(code, message))])
+        out = Effects([error_event(ProtocolError(code, message))])
         if step.epoch == self.epoch and self.active is not None and step.kind == "chat":
             out.extend(self._finish_response("failed", {"type": "failed", "error": {"code": code,
                                                                                      "message": message}}))
         return out
 
-    def on_close(self, reason: str) -> Effects:
-        if self.active is None:
-            return Effects()
-        return self._finish_response("cancelled", {"type": "cancelled", "reason": reason})
+    def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
+        out = [] if self.active is None else \
+            self._finish_response("cancelled", {"type": "cancelled", "reason": reason}).events
+        return [*out, closed_event(self.session_id, reason, self.usage.snapshot(), message)]
 
     def wanted(self, step: PlannedStep) -> bool:
         """A chat step whose response was cancelled while it waited need not run."""
         return step.kind != "chat" or (self.active is not None and self.active.id == step.response_id)
+
+
+def usage_block(counts: dict[str, int]) -> dict[str, Any]:
+    """The stages' token counts in OpenAI's `usage` shape."""
+    text_in, audio_in = counts.get("input_text_tokens", 0), counts.get("input_audio_tokens", 0)
+    image_in = counts.get("input_vision_tokens", 0)
+    text_out, audio_out = counts.get("output_text_tokens", 0), counts.get("output_speech_tokens", 0)
+    return {
+        "total_tokens": text_in + audio_in + image_in + text_out + audio_out,
+        "input_tokens": text_in + audio_in + image_in,
+        "output_tokens": text_out + audio_out,
+        "input_token_details": {"text_tokens": text_in, "audio_tokens": audio_in, "image_tokens": image_in,
+                                "cached_tokens": 0},
+        "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out},
+    }
 
 
 def _whole_tenths(audio: np.ndarray) -> np.ndarray:
@@ -603,7 +619,7 @@ def _whole_tenths(audio: np.ndarray) -> np.ndarray:
 
 def _committable(audio: np.ndarray) -> np.ndarray:
     if len(audio) < MIN_COMMIT_MS * INPUT_RATE // 1000:
-        raise RealtimeError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
+        raise ProtocolError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
     return _whole_tenths(audio)
 
 

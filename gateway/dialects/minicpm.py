@@ -12,19 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minicpmo_triton.duplex_contract import StepEvent, StepInput
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..audio import encode_f32_base64
-from ..protocol import CLOSE_POLICY, ProtocolError, parse_input_append, voice_ref
-from ..triton_stream import StepEvent, StepRequest
-from .engine import Effects, EngineState, PlannedStep
-from .events import RealtimeError, error_event, server_event
+from ..engine import Effects, EngineState, PlannedStep, ServerEvent
+from ..inputs import parse_append, voice_ref
+from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
+from .realtime_events import answer, closed_event, error_event, parse_event, server_event
 
 MODES = ("audio", "video")
 
 
-def _client_error(exc: ProtocolError) -> RealtimeError:
-    return RealtimeError(exc.code, exc.message, close_code=exc.close_code, error_type="client_error")
+def _client_error(exc: ProtocolError) -> ProtocolError:
+    exc.error_type = "client_error"
+    return exc
 
 
 @dataclass
@@ -38,41 +40,47 @@ class MiniCPMRealtimeState(EngineState):
     def options(self) -> DuplexOptions:
         return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
 
-    def created(self) -> list[dict[str, Any]]:
+    def created(self) -> list[ServerEvent]:
         return []  # session.created answers the client's session.update
+
+    def on_text(self, text: str) -> Effects:
+        return answer(parse_event(text, CLOSE_UNSUPPORTED_DATA), self.on_client)  # not JSON: the socket closes
+
+    def error_event(self, err: ProtocolError) -> ServerEvent:
+        return error_event(err)
 
     def on_client(self, msg: dict[str, Any]) -> Effects:
         kind = msg["type"]
         if kind == "session.update":
             return self._configure(msg.get("session"))
         if not self.configured:
-            raise RealtimeError("not_ready", "send session.update first", "type", error_type="client_error")
+            raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
         if kind == "input_audio_buffer.append":
             try:
-                step = parse_input_append({"input": {k: v for k, v in msg.items() if k != "type"}})
+                step = parse_append({k: v for k, v in msg.items() if k != "type"})
             except ProtocolError as exc:
-                raise _client_error(exc) from exc
+                raise _client_error(exc) from None
             if step.frames and self.mode != "video":
-                raise RealtimeError("invalid_payload", "video_frames need ?mode=video", "video_frames",
+                raise ProtocolError("invalid_payload", "video_frames need ?mode=video", "video_frames",
                                     error_type="client_error")
-            req = StepRequest(audio=step.audio, force_listen=step.force_listen, frames=step.frames,
+            req = StepInput(audio=step.audio, force_listen=step.force_listen, frames=step.frames,
                               max_slice_nums=step.max_slice_nums if step.frames else [])
             return Effects(steps=[PlannedStep("duplex", req, self.epoch)])
         if kind == "session.close":
             return Effects(close=str(msg.get("reason") or "stopped"))
         if kind == "session.heartbeat":
             return Effects()
-        raise RealtimeError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
+        raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
 
     def _configure(self, session: Any) -> Effects:
         if self.configured:
-            raise RealtimeError("invalid_payload", "the session is configured once, at its start", "session",
+            raise ProtocolError("invalid_payload", "the session is configured once, at its start", "session",
                                 error_type="client_error")
         session = session if isinstance(session, dict) else {}
         instructions = session.get("instructions") or session.get("system_prompt")
         if instructions is not None:
             if not isinstance(instructions, str):
-                raise RealtimeError("invalid_payload", "instructions must be a string", "session.instructions",
+                raise ProtocolError("invalid_payload", "instructions must be a string", "session.instructions",
                                     error_type="client_error")
             self.instructions = instructions
         voice_config = session.get("voice_config") if isinstance(session.get("voice_config"), dict) else {}
@@ -82,9 +90,9 @@ class MiniCPMRealtimeState(EngineState):
             self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
                           for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
         except InvalidOptions as exc:
-            raise RealtimeError("invalid_payload", str(exc), "session", error_type="client_error") from exc
+            raise ProtocolError("invalid_payload", str(exc), "session", error_type="client_error") from exc
         except ProtocolError as exc:
-            raise _client_error(exc) from exc
+            raise _client_error(exc) from None
         self.configured = True
         prompt_length = len(self.instructions.encode("utf-8"))  # bytes: the tiny model's tokens
         return Effects([server_event("session.created", session_id=self.session_id, mode=self.mode,
@@ -101,5 +109,5 @@ class MiniCPMRealtimeState(EngineState):
         return Effects([server_event("response.output_audio.delta", text=ev.text, audio=audio,
                                      end_of_turn=ev.end_of_turn, kv_cache_length=self.kv_length)])
 
-    def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
-        return Effects([error_event(RealtimeError(code, message, error_type="client_error"))])
+    def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
+        return [closed_event(self.session_id, reason, self.usage.snapshot(), message)]
