@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
-from gateway.journal import Journal
-from gateway.overlap import OverlapPolicy, OverlapSettings
 from gateway.dialects.openai import OpenAIRealtimeState
 from gateway.dialects.openai_config import RealtimeConfig, apply_update
 from gateway.dialects.openai_conversation import Item
+from gateway.journal import Journal
+from gateway.overlap import OverlapPolicy, OverlapSettings
+from gateway.vad import WINDOW, SpeechSegmenter
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent
-from gateway.vad import WINDOW, SpeechSegmenter
 
 
 class LoudnessVad:
