@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,13 +26,16 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from .dialects import backend, minicpm, openai
+from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
 from .dialects.realtime_events import server_event
 from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
 from .vad import SileroVad, VadUnavailable
-from .wire import CLOSE_POLICY, CLOSE_TRY_AGAIN, ProtocolError, new_session_id
+from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id
+
+log = logging.getLogger("gateway")
 
 
 async def _refuse(ws: WebSocket, event: dict[str, Any], code: int) -> None:
@@ -40,9 +44,14 @@ async def _refuse(ws: WebSocket, event: dict[str, Any], code: int) -> None:
         await ws.close(code=code)
 
 
-def _vad() -> SileroVad | None:
+async def _close(ws: WebSocket, code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.close(code=code)
+
+
+def _vad() -> SpeechProbabilities | None:
     try:
-        return SileroVad()
+        return SileroVad().probabilities
     except VadUnavailable:
         return None  # the overlap policy falls back to loudness; server_vad is refused at session.update
 
@@ -94,7 +103,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         try:
             check_ready()
             try:
-                text = await receive_text(ws, settings.init_timeout_s)
+                text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
             except (asyncio.TimeoutError, Disconnected):
                 raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
             init = backend.parse_init(backend.loads(text))
@@ -104,6 +113,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 await serve(session, ws)
         except ProtocolError as err:
             await _refuse(ws, backend.error_event(err.code, err.message), err.close_code or CLOSE_POLICY)
+        except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
+            log.exception("/backend: the opening failed")
+            await _close(ws, CLOSE_SERVER_ERROR)
 
     async def realtime_socket(ws: WebSocket) -> None:
         mode = ws.query_params.get("mode")
@@ -114,7 +126,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                                     close_code=CLOSE_POLICY)
             check_ready()
             if ws.query_params.get("resume") in ("1", "true"):
-                msg = _as_event(await receive_text(ws, settings.init_timeout_s))
+                msg = _as_event(await receive_text(ws, settings.init_timeout_s, settings.test_faults))
                 if msg.get("type") != "session.resume":
                     raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
                                         "type", close_code=CLOSE_POLICY)
@@ -127,15 +139,17 @@ def create_app(settings: Settings | None = None) -> Starlette:
         except ProtocolError as err:
             await _refuse(ws, {**realtime_error(err), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
         except (Disconnected, asyncio.TimeoutError):
-            with contextlib.suppress(Exception):
-                await ws.close(code=CLOSE_POLICY)
+            await _close(ws, CLOSE_POLICY)
+        except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
+            log.exception("/v1/realtime: the opening failed")
+            await _close(ws, CLOSE_SERVER_ERROR)
 
     async def openai_session(ws: WebSocket) -> dict[str, Any] | None:
         """Returns the first event when it is `session.resume` (this fresh session is then dropped)."""
         state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad())
         async with admitted(gw, ws), running(gw, state, ws, resumable=True) as session:
             try:
-                text = await receive_text(ws, settings.idle_timeout_s)
+                text = await receive_text(ws, settings.idle_timeout_s, settings.test_faults)
             except asyncio.TimeoutError:
                 await session.close("timeout")
                 return None
@@ -155,7 +169,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
         async with admitted(gw, ws, queue_event=server_event) as early:
             session_id = new_session_id()
             await ws.send_text(json.dumps(server_event("session.queue_done", session_id=session_id)))
-            text = early if early is not None else await receive_text(ws, settings.init_timeout_s)
+            if early is None:
+                early = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
+            text = early
             msg = _as_event(text)
             if msg.get("type") == "session.resume":
                 return msg

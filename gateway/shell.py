@@ -50,11 +50,20 @@ CLOSE_REASONS = {"context_full": "context_full"}
 CLIENT_ERRORS = {"invalid_chat", "bad_image"}
 
 
+# Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
+# exception anywhere in a session's handling still ends its Triton sequence and frees its slot.
+FAULT_FRAME = "\x00minicpmo-test-fault\x00"
+
+
 class Disconnected(Exception):
     pass
 
 
-async def receive_text(ws: WebSocket, timeout_s: float | None) -> str:
+class InjectedFault(Exception):
+    pass
+
+
+async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool = False) -> str:
     """The next text (or UTF-8 binary) frame; Disconnected when the socket is gone."""
     try:
         message = await asyncio.wait_for(ws.receive(), timeout_s)
@@ -62,9 +71,11 @@ async def receive_text(ws: WebSocket, timeout_s: float | None) -> str:
         raise Disconnected from exc
     if message["type"] == "websocket.disconnect":
         raise Disconnected
-    if message.get("text") is not None:
-        return message["text"]
-    return (message.get("bytes") or b"").decode("utf-8", errors="replace")
+    text = message["text"] if message.get("text") is not None else \
+        (message.get("bytes") or b"").decode("utf-8", errors="replace")
+    if test_faults and text == FAULT_FRAME:
+        raise InjectedFault("a test's fault frame")
+    return text
 
 
 # ---- admission ----
@@ -102,7 +113,8 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
                          queue_event: QueueEvent) -> str | None:
     ticket_id = new_id("ticket")
     early: str | None = None
-    watcher: asyncio.Task[str] | None = asyncio.create_task(receive_text(ws, None))  # a caller who hangs up
+    watcher: asyncio.Task[str] | None = asyncio.create_task(  # a caller who hangs up
+        receive_text(ws, None, gw.settings.test_faults))
     try:
         event = "session.queued"
         while not ticket.done():
@@ -137,6 +149,9 @@ class Session:
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
         self.resume_token = secrets.token_urlsafe(24)
         self._send_lock = asyncio.Lock()
+        # The state is pure but not thread-safe: a client frame is decided in a worker thread (decoding,
+        # resampling, VAD stay off the event loop), a step's events on the loop; one at a time.
+        self._state_lock = asyncio.Lock()
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -205,7 +220,8 @@ class Session:
     async def handle(self, text: str) -> None:
         """One client frame: answered, applied, or refused with a coded error."""
         try:
-            fx = self.state.on_text(text)
+            async with self._state_lock:
+                fx = await asyncio.to_thread(self.state.on_text, text)
         except ProtocolError as err:
             await self.emit([self.state.error_event(err)])
             if err.close_code is not None:
@@ -238,18 +254,25 @@ class Session:
                 self.fail("backend_error", str(exc))
                 return
 
+    async def _decide(self, decide: Callable[..., Effects], *args: Any) -> None:
+        async with self._state_lock:
+            fx = decide(*args)
+        await self.apply(fx)
+
     async def _run_step(self, step: PlannedStep) -> None:
-        if not self.state.wanted(step):
+        async with self._state_lock:
+            request = self.state.prepare(step) if self.state.wanted(step) else None
+        if request is None:
             return
-        async for ev in self.triton.step(self.state.prepare(step)):
+        async for ev in self.triton.step(request):
             if ev.kind == "error":
                 if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self.apply(self.state.on_step_error(step, ev.code, ev.message))
+                    await self._decide(self.state.on_step_error, step, ev.code, ev.message)
                 else:
                     self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
                 return
-            await self.apply(self.state.on_step_event(step, ev))
-        await self.apply(self.state.on_step_end(step))
+            await self._decide(self.state.on_step_event, step, ev)
+        await self._decide(self.state.on_step_end, step)
 
     def fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
@@ -325,7 +348,9 @@ class Session:
                 log.exception("session %s: ending the Triton sequence failed", self.session_id)
             if emit:
                 try:
-                    await self.emit(self.state.on_close(reason, message))
+                    async with self._state_lock:
+                        events = self.state.on_close(reason, message)
+                    await self.emit(events)
                 except Exception:  # noqa: BLE001 (the client may be gone)
                     log.debug("session %s: closed event not delivered", self.session_id)
             ws, self.ws = self.ws, None
@@ -380,7 +405,7 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
             await session.handle(pending)
         while not session.closed and session.ws is ws:
             try:
-                text = await receive_text(ws, session.settings.idle_timeout_s)
+                text = await receive_text(ws, session.settings.idle_timeout_s, session.settings.test_faults)
             except asyncio.TimeoutError:
                 await session.close("timeout")
                 return

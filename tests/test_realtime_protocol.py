@@ -43,7 +43,7 @@ def pcm(seconds: float, loud: bool, rate: int = 16_000) -> str:
 
 def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
     clock = Clock()
-    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad(), clock=clock)
+    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad().probabilities, clock=clock)
     # 16 kHz in: whole seconds of audio make whole steps (at 24 kHz the resampler holds back a few ms)
     st.on_client({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +55,9 @@ CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ac
                 "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
 
-class SpeechProbabilities(Protocol):
-    def probabilities(self, audio: np.ndarray) -> list[float]: ...
+# Work that is not protocol comes in as callables (the shell runs the state off the event loop):
+SpeechProbabilities = Callable[[np.ndarray], list[float]]  # 16 kHz audio -> one speech probability per VAD window
+Resampling = Callable[[int, int], Callable[[np.ndarray], np.ndarray]]  # (rate in, rate out) -> a stream resampler
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Response:
 class OpenAIRealtimeState(EngineState):
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
     vad: SpeechProbabilities | None = None
+    resampling: Resampling = StreamResampler
     conversation: Conversation = field(default_factory=Conversation)
     response: Response | None = None  # the latest response, open or done
     past_responses: set[str] = field(default_factory=set)
@@ -93,7 +95,8 @@ class OpenAIRealtimeState(EngineState):
     _listen_next: bool = False
     _frames: list[bytes] = field(default_factory=list)
     _reported: tuple[str, str] | None = None
-    _resampler: StreamResampler | None = None  # the caller's audio, at its rate, to 16 kHz
+    _resampler: Callable[[np.ndarray], np.ndarray] | None = None  # the caller's audio, at its rate, to 16 kHz
+    _resampler_rate: int = 0
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -152,8 +155,8 @@ class OpenAIRealtimeState(EngineState):
             pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc), "audio") from exc
-        if self._resampler is None or self._resampler.rate_in != rate:
-            self._resampler = StreamResampler(rate, INPUT_RATE)
+        if self._resampler is None or self._resampler_rate != rate:
+            self._resampler, self._resampler_rate = self.resampling(rate, INPUT_RATE), rate
         hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
         hint = msg.get("transcript_hint") or hints.get("transcript")
         return self.hear(self._resampler(pcm), hint if isinstance(hint, str) else None)
@@ -163,7 +166,7 @@ class OpenAIRealtimeState(EngineState):
         out = Effects()
         # The VAD runs where it is needed: server VAD, or judging speech under a reply (duplex).
         needed = self.config.turn_detection.type == "server_vad" or (self.config.duplex and self.active is not None)
-        probs = self.vad.probabilities(audio) if self.vad is not None and needed else []
+        probs = self.vad(audio) if self.vad is not None and needed else []
         vad_events = self.segmenter.feed(probs)
         if self.config.duplex:
             audio = self._judge_overlap(audio, probs, any(e.kind == "speech_started" for e in vad_events), hint, out)
