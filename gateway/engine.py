@@ -7,8 +7,8 @@ A dialect is an `EngineState`: client text in (`on_text`), step events in (`on_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -19,7 +19,20 @@ from .wire import ProtocolError, Usage
 
 UNIT = 16_000  # one duplex step: 1 s of 16 kHz audio
 
-ServerEvent = dict[str, Any]  # a server event as it is sent (JSON object)
+class ServerEvent(Protocol):
+    """A typed server event; its dialect's envelope says how it goes on the wire."""
+
+    def encode(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class EventFields:
+    """Base of a dialect's server events: a dataclass per event `type`; `None` fields are left out."""
+
+    type: ClassVar[str] = ""
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass

@@ -28,7 +28,6 @@ from starlette.websockets import WebSocket
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
-from .dialects.realtime_events import server_event
 from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
@@ -112,7 +111,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             async with admitted(gw, ws), running(gw, state, ws, resumable=False) as session:
                 await serve(session, ws)
         except ProtocolError as err:
-            await _refuse(ws, backend.error_event(err.code, err.message), err.close_code or CLOSE_POLICY)
+            await _refuse(ws, backend.error_event(err.code, err.message).encode(), err.close_code or CLOSE_POLICY)
         except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
             log.exception("/backend: the opening failed")
             await _close(ws, CLOSE_SERVER_ERROR)
@@ -137,7 +136,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             if msg is not None:  # the first event resumed another session: this socket goes on with it
                 await resume(gw, ws, msg)
         except ProtocolError as err:
-            await _refuse(ws, {**realtime_error(err), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
+            await _refuse(ws, {**realtime_error(err).encode(), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
         except (Disconnected, asyncio.TimeoutError):
             await _close(ws, CLOSE_POLICY)
         except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
@@ -166,9 +165,9 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def minicpm_session(ws: WebSocket, mode: str) -> dict[str, Any] | None:
         """Returns the first event when it is `session.resume` (the slot is given back first)."""
-        async with admitted(gw, ws, queue_event=server_event) as early:
+        async with admitted(gw, ws, queue_event=minicpm.queue_position) as early:
             session_id = new_session_id()
-            await ws.send_text(json.dumps(server_event("session.queue_done", session_id=session_id)))
+            await ws.send_text(json.dumps(minicpm.QueueDone(session_id).encode()))
             if early is None:
                 early = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
             text = early

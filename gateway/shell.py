@@ -80,7 +80,7 @@ async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool
 
 # ---- admission ----
 
-QueueEvent = Callable[..., ServerEvent]
+QueueEvent = Callable[[bool, int, int, str, float], ServerEvent]  # (first, position, length, ticket, wait s)
 
 
 @contextlib.asynccontextmanager
@@ -116,13 +116,12 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
     watcher: asyncio.Task[str] | None = asyncio.create_task(  # a caller who hangs up
         receive_text(ws, None, gw.settings.test_faults))
     try:
-        event = "session.queued"
+        first = True
         while not ticket.done():
             position = gw.position(ticket)
-            await ws.send_text(json.dumps(queue_event(
-                event, position=position, queue_length=gw.queue_length, ticket_id=ticket_id,
-                estimated_wait_s=round(position * gw.mean_session_s / max(1, gw.settings.max_sessions), 1))))
-            event = "session.queue_update"
+            wait_s = round(position * gw.mean_session_s / max(1, gw.settings.max_sessions), 1)
+            await ws.send_text(json.dumps(queue_event(first, position, gw.queue_length, ticket_id, wait_s).encode()))
+            first = False
             waiting = {ticket} if watcher is None else {ticket, watcher}
             await asyncio.wait(waiting, timeout=QUEUE_UPDATE_S, return_when=asyncio.FIRST_COMPLETED)
             if watcher is not None and watcher.done():
@@ -170,7 +169,8 @@ class Session:
     # ---- out: the one send path ----
     async def emit(self, events: list[ServerEvent]) -> None:
         async with self._send_lock:
-            for ev in events:
+            for event in events:
+                ev = event.encode()
                 if self.journal is not None:
                     if ev["type"] == "session.created":
                         ev["resume_token"] = self.resume_token

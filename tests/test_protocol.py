@@ -99,16 +99,17 @@ def test_options_validate_types_and_ranges() -> None:
 def test_session_state_maps_a_spoken_turn() -> None:
     state = BackendState("sess_x")
     usage = {"input_audio_tokens": 10, "output_text_tokens": 2, "output_speech_tokens": 25}
-    text = state.delta("in_4", StepEvent("text", text="hi", chunk_usage=usage))
-    audio = state.delta("in_4", StepEvent("audio", audio=AUDIO))
-    listen = state.delta("in_5", StepEvent("listen", end_of_turn=True, chunk_usage={"input_audio_tokens": 10}))
+    text = state.delta("in_4", StepEvent("text", text="hi", chunk_usage=usage)).encode()
+    audio = state.delta("in_4", StepEvent("audio", audio=AUDIO)).encode()
+    listen = state.delta("in_5", StepEvent("listen", end_of_turn=True,
+                                           chunk_usage={"input_audio_tokens": 10})).encode()
     assert text["kind"] == "text" and text["response_id"] == audio["response_id"] == listen["response_id"]
     assert text["usage"]["total_tokens"] == 37 and "usage" not in audio
     assert audio["audio_samples"] == 16_000 and audio["sample_rate"] == 24_000
     assert listen["end_of_turn"] and listen["usage"]["input_audio_tokens"] == 20
-    nxt = state.delta("in_9", StepEvent("text", text="again"))
+    nxt = state.delta("in_9", StepEvent("text", text="again")).encode()
     assert nxt["response_id"] != text["response_id"]  # a new turn, a new response id
-    assert state.on_close("client_closed", None)[0]["usage"]["total_tokens"] == 47
+    assert state.on_close("client_closed", None)[0].encode()["usage"]["total_tokens"] == 47
 
 
 class _Rules:

@@ -51,7 +51,11 @@ def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
 
 
 def types(fx) -> list[str]:
-    return [e["type"] for e in fx.events]
+    return [e.type for e in fx.events]
+
+
+def encoded(fx) -> list[dict]:
+    return [e.encode() for e in fx.events]
 
 
 def speak(st: OpenAIRealtimeState, step, text: str = "hi", kv: int = 100, seconds: float = 1.0) -> list[str]:
@@ -158,7 +162,7 @@ def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response(
         "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
         "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
         "response.listen"]
-    response = next(e for e in done.events if e["type"] == "response.done")["response"]
+    response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
     assert response["status"] == "completed" and response["usage"]["output_tokens"] == 2
     assert response["output"][0]["content"][0]["transcript"] == "hi"
 
@@ -174,9 +178,9 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     speak(st, steps[2], "two ", kv=80)
     fx = st.on_client({"type": "response.cancel"})
     assert fx.cancel and st.epoch == 1
-    done = next(e for e in fx.events if e["type"] == "response.done")["response"]
+    done = next(e for e in encoded(fx) if e["type"] == "response.done")["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
-    truncated = next(e for e in fx.events if e["type"] == "conversation.item.truncated")
+    truncated = next(e for e in encoded(fx) if e["type"] == "conversation.item.truncated")
     assert truncated["audio_end_ms"] == 500  # half a second heard, in real time from the first audio
     assert done["output"][0]["content"][0]["transcript"] == "on"
     # The step in flight (the old epoch) keeps talking: none of it gets out, its usage still counts.
@@ -196,14 +200,14 @@ def test_sustained_speech_under_a_reply_barges_in_and_a_backchannel_does_not() -
     st.prepare(steps[0])
     speak(st, steps[0])
     quiet = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.2, loud=False)})
-    assert [e["action"] for e in quiet.events if e["type"] == "overlap.decision"] == ["drop"]
+    assert [e["action"] for e in encoded(quiet) if e["type"] == "overlap.decision"] == ["drop"]
     ack = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.4, loud=True), "transcript_hint": "ok"})
-    assert [(e["action"], e["reason"]) for e in ack.events] == [("listen", "backchannel")]
+    assert [(e["action"], e["reason"]) for e in encoded(ack)] == [("listen", "backchannel")]
     assert st.active is not None
     more = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1.0, loud=True)})
-    decisions = [(e["action"], e["reason"]) for e in more.events if e["type"] == "overlap.decision"]
+    decisions = [(e["action"], e["reason"]) for e in encoded(more) if e["type"] == "overlap.decision"]
     assert decisions == [("barge_in", "sustained_speech")] and more.cancel
-    done = next(e for e in more.events if e["type"] == "response.done")["response"]
+    done = next(e for e in encoded(more) if e["type"] == "response.done")["response"]
     assert done["status_details"]["reason"] == "barge_in"
 
 
@@ -234,7 +238,7 @@ def test_client_errors_are_coded() -> None:
     speak(st, step)
     assert code({"type": "playback.ack", "response_id": first, "played_ms": 10}) == "playback_ack_too_late"
     ack = st.on_client({"type": "playback.ack", "response_id": st.response.id, "played_ms": 10**6})
-    assert ack.events[0]["played_ms"] == 1000  # clamped to the audio sent
+    assert encoded(ack)[0]["played_ms"] == 1000  # clamped to the audio sent
 
 
 def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> None:
@@ -295,4 +299,4 @@ def test_minicpm_session_update_checks_its_voice_references() -> None:
     assert (err.value.code, err.value.close_code) == ("invalid_voice", 1008)
     ref = np.zeros(16_000, np.float32)
     fx = st.on_client({"type": "session.update", "session": {"tts_ref_audio": encode_f32_base64(ref)}})
-    assert [e["type"] for e in fx.events] == ["session.created"] and set(st.voice) == {"tts_ref_audio"}
+    assert types(fx) == ["session.created"] and set(st.voice) == {"tts_ref_audio"}

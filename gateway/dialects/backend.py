@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
-from ..engine import Effects, EngineState, PlannedStep, ServerEvent
+from ..engine import Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id
 
@@ -226,16 +226,87 @@ def parse_client_message(message: dict[str, Any], mode: str = "full_duplex") -> 
 
 # ---- server events ----
 
-def event(event_type: str, **fields: Any) -> dict[str, Any]:
-    """A server event: `type`, the non-None fields, and `server_send_ts` (unix seconds)."""
-    out: dict[str, Any] = {"type": event_type}
-    out.update({k: v for k, v in fields.items() if v is not None})
-    out["server_send_ts"] = time.time()
-    return out
+@dataclass
+class BackendEvent(EventFields):
+    """`type`, the fields, and `server_send_ts` (unix seconds, when encoded)."""
+
+    def encode(self) -> dict[str, Any]:
+        return {"type": self.type, **self.fields(), "server_send_ts": time.time()}
 
 
-def error_event(code: str, message: str, session_id: str | None = None) -> dict[str, Any]:
-    return event("error", session_id=session_id, error={"code": code, "message": message})
+@dataclass
+class SessionCreated(BackendEvent):
+    type: ClassVar[str] = "session.created"
+    session_id: str
+    mode: str
+    metrics: dict[str, Any]
+    usage: dict[str, int]
+
+
+@dataclass
+class SessionClosed(BackendEvent):
+    type: ClassVar[str] = "session.closed"
+    session_id: str
+    reason: str
+    usage: dict[str, int]
+    diagnostic: dict[str, str] | None = None
+
+
+@dataclass
+class OutputDelta(BackendEvent):
+    """One step event of a response: `kind` listen | text | audio; a step's last one carries its usage."""
+
+    type: ClassVar[str] = "response.output.delta"
+    kind: str
+    session_id: str
+    input_id: str | None
+    response_id: str | None
+    metrics: dict[str, Any]
+    text: str | None = None
+    audio: str | None = None  # base64 float32
+    sample_rate: int | None = None
+    audio_samples: int | None = None
+    end_of_turn: bool | None = None
+    chunk_index: int | None = None
+    chunk_usage: dict[str, int] | None = None
+    usage: dict[str, int] | None = None
+
+
+@dataclass
+class ResponseDone(BackendEvent):
+    """A turn_based turn's end (with the turn's whole audio when it did not stream)."""
+
+    type: ClassVar[str] = "response.done"
+    session_id: str
+    response_id: str
+    input_id: str | None
+    text: str
+    audio: str | None
+    reason: str
+    metrics: dict[str, Any]
+    chunk_usage: dict[str, int] | None
+    usage: dict[str, int]
+
+
+@dataclass
+class ContextAccepted(BackendEvent):
+    type: ClassVar[str] = "input.context.accepted"
+    session_id: str
+    input_id: str | None
+    operation_id: str | None
+    context_kind: str
+    respond: bool
+
+
+@dataclass
+class Error(BackendEvent):
+    type: ClassVar[str] = "error"
+    session_id: str | None
+    error: dict[str, str]
+
+
+def error_event(code: str, message: str, session_id: str | None = None) -> Error:
+    return Error(session_id, {"code": code, "message": message})
 
 
 @dataclass
@@ -250,8 +321,8 @@ class BackendState(EngineState):
         return self.duplex
 
     def created(self) -> list[ServerEvent]:
-        return [event("session.created", session_id=self.session_id, mode=self.mode,
-                      metrics={"backend": "triton", "kv_cache_length": 0}, usage=self.usage.snapshot())]
+        return [SessionCreated(self.session_id, self.mode, {"backend": "triton", "kv_cache_length": 0},
+                               self.usage.snapshot())]
 
     def on_text(self, text: str) -> Effects:
         return self.on_client(parse_client_message(loads(text), self.mode))
@@ -289,52 +360,46 @@ class BackendState(EngineState):
         msg = step.cause
         if not isinstance(msg, InputContext):
             return Effects()
-        return Effects([event("input.context.accepted", session_id=self.session_id, input_id=msg.input_id,
-                              operation_id=msg.operation_id, context_kind=msg.kind, respond=msg.respond)])
+        return Effects([ContextAccepted(self.session_id, msg.input_id, msg.operation_id, msg.kind, msg.respond)])
 
     def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
         return Effects([error_event(code, message, self.session_id)])
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
-        return [event("session.closed", session_id=self.session_id, reason=reason, usage=self.usage.snapshot(),
-                      diagnostic={"message": message} if message else None)]
+        return [SessionClosed(self.session_id, reason, self.usage.snapshot(),
+                              {"message": message} if message else None)]
 
-    def delta(self, input_id: str | None, ev: StepEvent) -> ServerEvent:
+    def delta(self, input_id: str | None, ev: StepEvent) -> OutputDelta:
         """Map one duplex step event (not `error`) to its `response.output.delta`."""
-        fields: dict[str, Any] = {"session_id": self.session_id, "input_id": input_id, "metrics": ev.metrics}
-        if ev.chunk_usage is not None:  # the step's last event carries its usage
-            usage = self.usage.add(ev.chunk_usage)
-            fields.update(chunk_index=self.chunk_index, chunk_usage=ev.chunk_usage, usage=usage)
-            self.chunk_index += 1
         if ev.kind == "listen":
-            fields["response_id"] = self.active_response_id
-            if ev.end_of_turn:
-                fields["end_of_turn"] = True
+            out = OutputDelta("listen", self.session_id, input_id, self.active_response_id, ev.metrics,
+                              end_of_turn=True if ev.end_of_turn else None)
             self.active_response_id = None
-            return event("response.output.delta", kind="listen", **fields)
-        if self.active_response_id is None:
-            self.active_response_id = new_response_id()
-        fields["response_id"] = self.active_response_id
-        return _output_delta(ev, fields)
+        else:
+            if self.active_response_id is None:
+                self.active_response_id = new_response_id()
+            out = _output_delta(ev, self.session_id, input_id, self.active_response_id)
+        if ev.chunk_usage is not None:  # the step's last event carries its usage
+            out.chunk_index, out.chunk_usage = self.chunk_index, ev.chunk_usage
+            out.usage = self.usage.add(ev.chunk_usage)
+            self.chunk_index += 1
+        return out
 
     def chat_event(self, turn_input_id: str | None, response_id: str, ev: StepEvent,
                    streaming: bool, audio: str | None = None) -> ServerEvent | None:
         """A turn_based turn: deltas when streaming, then `response.done` (with the audio when not)."""
         if ev.kind == "done":
-            usage = self.usage.add(ev.chunk_usage or {})
-            return event("response.done", session_id=self.session_id, response_id=response_id, input_id=turn_input_id,
-                         text=ev.text, audio=None if streaming else audio, reason=ev.reason, metrics=ev.metrics,
-                         chunk_usage=ev.chunk_usage, usage=usage)
+            return ResponseDone(self.session_id, response_id, turn_input_id, ev.text, None if streaming else audio,
+                                ev.reason, ev.metrics, ev.chunk_usage, self.usage.add(ev.chunk_usage or {}))
         if not streaming:
             return None
-        return _output_delta(ev, {"session_id": self.session_id, "response_id": response_id,
-                                  "input_id": turn_input_id, "metrics": ev.metrics})
+        return _output_delta(ev, self.session_id, turn_input_id, response_id)
 
 
-def _output_delta(ev: StepEvent, fields: dict[str, Any]) -> ServerEvent:
+def _output_delta(ev: StepEvent, session_id: str, input_id: str | None, response_id: str) -> OutputDelta:
     if ev.kind == "text":
-        return event("response.output.delta", kind="text", text=ev.text, **fields)
+        return OutputDelta("text", session_id, input_id, response_id, ev.metrics, text=ev.text)
     if ev.kind == "audio":
-        return event("response.output.delta", kind="audio", audio=encode_f32_base64(ev.audio),
-                     sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio), **fields)
+        return OutputDelta("audio", session_id, input_id, response_id, ev.metrics, audio=encode_f32_base64(ev.audio),
+                           sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio))
     raise ValueError(f"unexpected step event kind {ev.kind!r}")

@@ -10,7 +10,7 @@ is one duplex step, answered by `response.output_audio.delta {text, audio, end_o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from minicpmo_triton.duplex_contract import StepEvent, StepInput
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
@@ -19,9 +19,61 @@ from ..audio import encode_f32_base64
 from ..engine import Effects, EngineState, PlannedStep, ServerEvent
 from ..inputs import parse_append, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
-from .realtime_events import answer, closed_event, error_event, parse_event, server_event
+from .realtime_events import RealtimeEvent, answer, closed_event, error_event, parse_event
 
 MODES = ("audio", "video")
+
+
+# ---- server events ----
+
+@dataclass
+class Queued(RealtimeEvent):
+    """Where a caller waiting for a slot stands (`session.queued` first, then `session.queue_update`)."""
+
+    type: ClassVar[str] = "session.queued"
+    position: int
+    queue_length: int
+    ticket_id: str
+    estimated_wait_s: float
+
+
+@dataclass
+class QueueUpdate(Queued):
+    type: ClassVar[str] = "session.queue_update"
+
+
+@dataclass
+class QueueDone(RealtimeEvent):
+    type: ClassVar[str] = "session.queue_done"
+    session_id: str
+
+
+@dataclass
+class SessionCreated(RealtimeEvent):
+    type: ClassVar[str] = "session.created"
+    session_id: str
+    mode: str
+    prompt_length: int
+
+
+@dataclass
+class Listen(RealtimeEvent):
+    type: ClassVar[str] = "response.listen"
+    kv_cache_length: int
+    end_of_turn: bool | None = None
+
+
+@dataclass
+class OutputAudioDelta(RealtimeEvent):
+    type: ClassVar[str] = "response.output_audio.delta"
+    text: str
+    audio: str  # base64 float32 24 kHz
+    end_of_turn: bool
+    kv_cache_length: int
+
+
+def queue_position(first: bool, position: int, queue_length: int, ticket_id: str, estimated_wait_s: float) -> Queued:
+    return (Queued if first else QueueUpdate)(position, queue_length, ticket_id, estimated_wait_s)
 
 
 def _client_error(exc: ProtocolError) -> ProtocolError:
@@ -95,19 +147,16 @@ class MiniCPMRealtimeState(EngineState):
             raise _client_error(exc) from None
         self.configured = True
         prompt_length = len(self.instructions.encode("utf-8"))  # bytes: the tiny model's tokens
-        return Effects([server_event("session.created", session_id=self.session_id, mode=self.mode,
-                                     prompt_length=prompt_length)])
+        return Effects([SessionCreated(self.session_id, self.mode, prompt_length)])
 
     def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
         if self.is_stale(step, ev):
             return Effects()
         self.kv_length = int(ev.metrics.get("kv_cache_length", self.kv_length))
         if ev.kind == "listen":
-            return Effects([server_event("response.listen", kv_cache_length=self.kv_length,
-                                         end_of_turn=ev.end_of_turn or None)])
+            return Effects([Listen(self.kv_length, ev.end_of_turn or None)])
         audio = encode_f32_base64(ev.audio) if ev.kind == "audio" else ""
-        return Effects([server_event("response.output_audio.delta", text=ev.text, audio=audio,
-                                     end_of_turn=ev.end_of_turn, kv_cache_length=self.kv_length)])
+        return Effects([OutputAudioDelta(ev.text, audio, ev.end_of_turn, self.kv_length)])
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
         return [closed_event(self.session_id, reason, self.usage.snapshot(), message)]

@@ -43,9 +43,10 @@ from ..inputs import MAX_APPEND_SECONDS, MAX_FRAMES
 from ..overlap import OverlapDecision, OverlapPolicy, rms
 from ..vad import WINDOW_MS, SpeechSegmenter
 from ..wire import ProtocolError, Usage, new_id
+from . import openai_events as oe
 from .openai_config import RealtimeConfig, apply_update, max_output_tokens
 from .openai_conversation import Conversation, Item
-from .realtime_events import answer, closed_event, error_event, parse_event, server_event
+from .realtime_events import answer, closed_event, error_event, parse_event
 
 MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
@@ -114,7 +115,7 @@ class OpenAIRealtimeState(EngineState):
 
     # ---- session ----
     def created(self) -> list[ServerEvent]:
-        return [server_event("session.created", session=self._session_dict(), capabilities=CAPABILITIES)]
+        return [oe.SessionCreated(self._session_dict(), CAPABILITIES)]
 
     def on_text(self, text: str) -> Effects:
         return answer(parse_event(text, None), self.on_client)  # not JSON: an error, the session goes on
@@ -144,7 +145,7 @@ class OpenAIRealtimeState(EngineState):
                                 "session.audio.input.turn_detection.type")
         self.config = config
         self._reset_detectors()
-        return Effects([server_event("session.updated", session=self._session_dict())])
+        return Effects([oe.SessionUpdated(self._session_dict())])
 
     def _append(self, msg: dict[str, Any]) -> Effects:
         data = msg.get("audio")
@@ -182,16 +183,14 @@ class OpenAIRealtimeState(EngineState):
                                 "commit or clear it (this append was dropped)")
         if self.config.turn_detection.type != "server_vad":
             return out
-        for ev in vad_events:
-            if ev.kind == "speech_started":
+        for vad_ev in vad_events:
+            if vad_ev.kind == "speech_started":
                 self._speech_item = new_id("item")
-                out.events.append(server_event("input_audio_buffer.speech_started", audio_start_ms=ev.audio_ms,
-                                               item_id=self._speech_item))
+                out.events.append(oe.SpeechStarted(vad_ev.audio_ms, self._speech_item))
                 if self.active is not None and self.config.turn_detection.interrupt_response:
                     out.extend(self._interrupt("barge_in"))
             else:
-                out.events.append(server_event("input_audio_buffer.speech_stopped", audio_end_ms=ev.audio_ms,
-                                               item_id=self._speech_item))
+                out.events.append(oe.SpeechStopped(vad_ev.audio_ms, self._speech_item))
                 out.extend(self._commit_buffer(self._speech_item))
                 if self.config.turn_detection.create_response and self.active is None:
                     out.extend(self._respond())
@@ -222,10 +221,9 @@ class OpenAIRealtimeState(EngineState):
             return np.zeros_like(audio)  # noise under a reply: the model hears silence
         return audio
 
-    def _decision_event(self, d: OverlapDecision) -> dict[str, Any]:
-        return server_event("overlap.decision", policy=self.config.overlap.policy, action=d.action, reason=d.reason,
-                            speech_ms=d.speech_ms, response_id=self.response.id if self.response else None,
-                            epoch=self.epoch)
+    def _decision_event(self, d: OverlapDecision) -> oe.OverlapDecision:
+        return oe.OverlapDecision(self.config.overlap.policy, d.action, d.reason, d.speech_ms,
+                                  self.response.id if self.response else None, self.epoch)
 
     def _duplex_step(self, unit_audio: np.ndarray, force_listen: bool = False) -> PlannedStep:
         self._units += 1
@@ -253,7 +251,7 @@ class OpenAIRealtimeState(EngineState):
         if self.config.duplex:
             unit = _committable(self._unit_audio)
             self._unit_audio = np.zeros(0, np.float32)
-            return Effects([server_event("input_audio_buffer.committed", item_id=None)], [self._duplex_step(unit)])
+            return Effects([oe.BufferCommitted(None)], [self._duplex_step(unit)])
         return self._commit_buffer(None)
 
     def _commit_buffer(self, item_id: str | None) -> Effects:
@@ -262,14 +260,14 @@ class OpenAIRealtimeState(EngineState):
         item = Item(item_id or new_id("item"), "user", audio=audio)
         previous, _ = self.conversation.add(item)
         return Effects([
-            server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous),
-            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-            server_event("conversation.item.done", item=item.to_dict()),
+            oe.BufferCommitted(item.id, previous),
+            oe.ItemAdded(previous, item.to_dict()),
+            oe.ItemDone(item.to_dict()),
         ])
 
     def _clear(self, msg: dict[str, Any]) -> Effects:
         self._buffer, self._unit_audio = [], np.zeros(0, np.float32)
-        return Effects([server_event("input_audio_buffer.cleared")])
+        return Effects([oe.BufferCleared()])
 
     def _item_create(self, msg: dict[str, Any]) -> Effects:
         raw = msg.get("item")
@@ -298,8 +296,8 @@ class OpenAIRealtimeState(EngineState):
                 req = StepInput.of_context(Context(item.text, role, respond=False))
                 out.steps.append(PlannedStep("context", req, self.epoch))
         previous, _ = self.conversation.add(item)
-        out.events += [server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-                       server_event("conversation.item.done", item=item.to_dict())]
+        out.events += [oe.ItemAdded(previous, item.to_dict()),
+                       oe.ItemDone(item.to_dict())]
         return out
 
     def _add_part(self, item: Item, part: Any) -> None:
@@ -329,15 +327,14 @@ class OpenAIRealtimeState(EngineState):
             raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
 
     def _item_retrieve(self, msg: dict[str, Any]) -> Effects:
-        return Effects([server_event("conversation.item.retrieved",
-                                     item=self.conversation.get(msg.get("item_id")).to_dict())])
+        return Effects([oe.ItemRetrieved(self.conversation.get(msg.get("item_id")).to_dict())])
 
     def _item_delete(self, msg: dict[str, Any]) -> Effects:
         item_id = msg.get("item_id")
         if self.active is not None and self.active.item.id == item_id:
             raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
-        return Effects([server_event("conversation.item.deleted", item_id=item_id)])
+        return Effects([oe.ItemDeleted(item_id)])
 
     def _item_truncate(self, msg: dict[str, Any]) -> Effects:
         item = self.conversation.get(msg.get("item_id"))
@@ -354,8 +351,7 @@ class OpenAIRealtimeState(EngineState):
         cut = item.truncate(float(end))
         if response is not None:
             self._plan_rollback(response)
-        out.events.append(server_event("conversation.item.truncated", item_id=item.id,
-                                       content_index=msg.get("content_index", 0), audio_end_ms=round(cut)))
+        out.events.append(oe.ItemTruncated(item.id, msg.get("content_index", 0), round(cut)))
         return out
 
     def _response_create(self, msg: dict[str, Any]) -> Effects:
@@ -396,8 +392,7 @@ class OpenAIRealtimeState(EngineState):
 
     def _output_clear(self, msg: dict[str, Any]) -> Effects:
         out = self._interrupt("output_cleared") if self.active is not None else Effects()
-        out.events.append(server_event("output_audio_buffer.cleared",
-                                       response_id=self.response.id if self.response else None))
+        out.events.append(oe.OutputBufferCleared(self.response.id if self.response else None))
         return out
 
     def _playback_ack(self, msg: dict[str, Any]) -> Effects:
@@ -417,10 +412,8 @@ class OpenAIRealtimeState(EngineState):
         if r.done and self.config.playback_commit_policy == "ack_only" and r.ack_ms < r.item.audio_ms:
             cut = r.item.truncate(r.ack_ms)
             self._plan_rollback(r)
-            out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
-                                           audio_end_ms=round(cut)))
-        out.events.insert(0, server_event("playback.acknowledged", response_id=r.id, played_ms=round(r.ack_ms),
-                                          history_committed=committed))
+            out.events.append(oe.ItemTruncated(r.item.id, 0, round(cut)))
+        out.events.insert(0, oe.PlaybackAcknowledged(r.id, round(r.ack_ms), committed))
         return out
 
     def _close(self, msg: dict[str, Any]) -> Effects:
@@ -440,15 +433,14 @@ class OpenAIRealtimeState(EngineState):
         r = self.response
         part = {"type": "output_audio" if self.config.audio_out else "output_text",
                 "transcript" if self.config.audio_out else "text": ""}
-        events = []
+        events: list[ServerEvent] = []
         if self.config.duplex:
-            events.append(server_event("response.speak", response_id=r.id, epoch=self.epoch))
+            events.append(oe.ResponseSpeak(r.id, self.epoch))
         events += [
-            server_event("response.created", response=self._response_dict(r)),
-            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-            server_event("response.output_item.added", response_id=r.id, output_index=0, item=item.to_dict()),
-            server_event("response.content_part.added", response_id=r.id, item_id=item.id, output_index=0,
-                         content_index=0, part=part),
+            oe.ResponseCreated(self._response_dict(r)),
+            oe.ItemAdded(previous, item.to_dict()),
+            oe.OutputItemAdded(r.id, 0, item.to_dict()),
+            oe.ContentPartAdded(r.id, item.id, 0, 0, part),
         ]
         return Effects(events)
 
@@ -468,24 +460,22 @@ class OpenAIRealtimeState(EngineState):
         item.status = "completed" if status == "completed" else "incomplete"
         ids = {"response_id": r.id, "item_id": item.id, "output_index": 0, "content_index": 0}
         if self.config.audio_out:
-            events = [server_event("response.output_audio.done", **ids),
-                      server_event("response.output_audio_transcript.done", transcript=item.text, **ids)]
+            events: list[ServerEvent] = [oe.OutputAudioDone(**ids), oe.TranscriptDone(**ids, transcript=item.text)]
             part = {"type": "output_audio", "transcript": item.text}
         else:
-            events = [server_event("response.output_text.done", text=item.text, **ids)]
+            events = [oe.TextDone(**ids, text=item.text)]
             part = {"type": "output_text", "text": item.text}
         events += [
-            server_event("response.content_part.done", part=part, **ids),
-            server_event("response.output_item.done", response_id=r.id, output_index=0, item=item.to_dict()),
-            server_event("conversation.item.done", item=item.to_dict()),
-            server_event("response.done", response=self._response_dict(r, status, details)),
-            server_event("rate_limits.updated", rate_limits=[{
+            oe.ContentPartDone(**ids, part=part),
+            oe.OutputItemDone(r.id, 0, item.to_dict()),
+            oe.ItemDone(item.to_dict()),
+            oe.ResponseDone(self._response_dict(r, status, details)),
+            oe.RateLimitsUpdated([{
                 "name": "context_tokens", "limit": CONTEXT_TOKENS,
                 "remaining": max(0, CONTEXT_TOKENS - r.kv_length), "reset_seconds": 0}]),
         ]
         if self.config.duplex:
-            events.append(server_event("response.listen", response_id=r.id, epoch=self.epoch,
-                                       end_of_turn=status == "completed"))
+            events.append(oe.ResponseListen(r.id, self.epoch, status == "completed"))
         return Effects(events)
 
     def heard_ms(self, r: Response) -> float:
@@ -510,8 +500,7 @@ class OpenAIRealtimeState(EngineState):
         self.epoch += 1
         out = Effects(cancel=True)
         out.extend(self._finish_response("cancelled", {"type": "cancelled", "reason": reason}))
-        out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
-                                       audio_end_ms=round(cut)))
+        out.events.append(oe.ItemTruncated(r.item.id, 0, round(cut)))
         self.overlap.reset()
         return out
 
@@ -553,20 +542,20 @@ class OpenAIRealtimeState(EngineState):
         if ev.chunk_usage and self.response is not None:
             self.response.usage.add(ev.chunk_usage)
 
-    def _delta_events(self, ev: StepEvent, kv: int = -1, unit: int = -1) -> list[dict[str, Any]]:
+    def _delta_events(self, ev: StepEvent, kv: int = -1, unit: int = -1) -> list[ServerEvent]:
         r = self.response
         ids = {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
         if ev.kind == "text" and ev.text:
             r.item.add_text(ev.text, voiced=self.config.audio_out)
-            kind = "response.output_audio_transcript.delta" if self.config.audio_out else "response.output_text.delta"
-            return [server_event(kind, delta=ev.text, **ids)]
+            delta = oe.TranscriptDelta if self.config.audio_out else oe.TextDelta
+            return [delta(**ids, delta=ev.text)]
         if ev.kind == "audio" and len(ev.audio) and self.config.audio_out:
             dur_ms = len(ev.audio) * 1000 / OUTPUT_RATE
             mark = r.item.add_audio(dur_ms, kv, unit)
             if r.first_audio_at is None:
                 r.first_audio_at = self.clock()
             pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, self.config.output_rate))
-            return [server_event("response.output_audio.delta", delta=pcm, **ids, metadata={
+            return [oe.OutputAudioDelta(**ids, delta=pcm, metadata={
                 "epoch": self.epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
                 "kv_cache_length": kv})]
         return []

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
+from ..engine import EventFields
 from ..wire import ProtocolError, new_id
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
@@ -38,19 +40,33 @@ def answer(msg: ClientEvent, handler: Callable[[ClientEvent], T]) -> T:
         raise
 
 
-def server_event(event_type: str, **fields: Any) -> dict[str, Any]:
-    """`type`, an `event_id`, then the fields (None left out). `server_event_seq` is added when sent."""
-    out: dict[str, Any] = {"type": event_type, "event_id": new_id("event")}
-    out.update({k: v for k, v in fields.items() if v is not None})
-    return out
+@dataclass
+class RealtimeEvent(EventFields):
+    """`type`, an `event_id`, then the fields. `server_event_seq` is added when sent."""
+
+    def encode(self) -> dict[str, Any]:
+        return {"type": self.type, "event_id": new_id("event"), **self.fields()}
 
 
-def error_event(err: ProtocolError) -> dict[str, Any]:
-    return server_event("error", error={
-        "type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-        "event_id": err.event_id})
+@dataclass
+class Error(RealtimeEvent):
+    type: ClassVar[str] = "error"
+    error: dict[str, Any]
 
 
-def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> dict[str, Any]:
-    return server_event("session.closed", session_id=session_id, reason=reason, usage=usage,
-                        diagnostic={"message": message} if message else None)
+@dataclass
+class SessionClosed(RealtimeEvent):
+    type: ClassVar[str] = "session.closed"
+    session_id: str
+    reason: str
+    usage: dict[str, int]
+    diagnostic: dict[str, str] | None = None
+
+
+def error_event(err: ProtocolError) -> Error:
+    return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
+                  "event_id": err.event_id})
+
+
+def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:
+    return SessionClosed(session_id, reason, usage, {"message": message} if message else None)
