@@ -17,7 +17,7 @@ from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions,
 
 from ..audio import encode_f32_base64
 from ..engine import Effects, EngineState, PlannedStep, ServerEvent
-from ..inputs import parse_append, voice_ref
+from ..inputs import InputAppend, parse_append, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
 from .realtime_events import RealtimeEvent, answer, closed_event, error_event, parse_event
 
@@ -81,6 +81,42 @@ def _client_error(exc: ProtocolError) -> ProtocolError:
     return exc
 
 
+# ---- client events ----
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    session: Any  # {instructions, ref_audio, tts_ref_audio, config, voice_config}, checked when applied
+
+
+@dataclass(frozen=True)
+class SessionClose:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+ClientEvent = SessionUpdate | InputAppend | SessionClose | Heartbeat  # InputAppend: input_audio_buffer.append
+
+
+def decode_client(msg: dict[str, Any]) -> ClientEvent:
+    kind = msg["type"]
+    if kind == "session.update":
+        return SessionUpdate(msg.get("session"))
+    if kind == "input_audio_buffer.append":
+        try:
+            return parse_append({k: v for k, v in msg.items() if k != "type"})
+        except ProtocolError as exc:
+            raise _client_error(exc) from None
+    if kind == "session.close":
+        return SessionClose(str(msg.get("reason") or "stopped"))
+    if kind == "session.heartbeat":
+        return Heartbeat()
+    raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
+
+
 @dataclass
 class MiniCPMRealtimeState(EngineState):
     mode: str = "audio"
@@ -102,27 +138,21 @@ class MiniCPMRealtimeState(EngineState):
         return error_event(err)
 
     def on_client(self, msg: dict[str, Any]) -> Effects:
-        kind = msg["type"]
-        if kind == "session.update":
-            return self._configure(msg.get("session"))
-        if not self.configured:
+        if msg["type"] != "session.update" and not self.configured:
             raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
-        if kind == "input_audio_buffer.append":
-            try:
-                step = parse_append({k: v for k, v in msg.items() if k != "type"})
-            except ProtocolError as exc:
-                raise _client_error(exc) from None
-            if step.frames and self.mode != "video":
+        event = decode_client(msg)
+        if isinstance(event, SessionUpdate):
+            return self._configure(event.session)
+        if isinstance(event, InputAppend):
+            if event.frames and self.mode != "video":
                 raise ProtocolError("invalid_payload", "video_frames need ?mode=video", "video_frames",
                                     error_type="client_error")
-            req = StepInput(audio=step.audio, force_listen=step.force_listen, frames=step.frames,
-                              max_slice_nums=step.max_slice_nums if step.frames else [])
+            req = StepInput(audio=event.audio, force_listen=event.force_listen, frames=event.frames,
+                            max_slice_nums=event.max_slice_nums if event.frames else [])
             return Effects(steps=[PlannedStep("duplex", req, self.epoch)])
-        if kind == "session.close":
-            return Effects(close=str(msg.get("reason") or "stopped"))
-        if kind == "session.heartbeat":
-            return Effects()
-        raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
+        if isinstance(event, SessionClose):
+            return Effects(close=event.reason)
+        return Effects()  # a heartbeat
 
     def _configure(self, session: Any) -> Effects:
         if self.configured:

@@ -28,6 +28,7 @@ import numpy as np
 
 from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, StepEvent, StepInput
 from minicpmo_triton.duplex_options import DuplexOptions
+from minicpmo_triton.model_config import DuplexDefaults
 
 from ..audio import (
     INPUT_RATE,
@@ -51,7 +52,7 @@ from .realtime_events import answer, closed_event, error_event, parse_event
 MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
-CONTEXT_TOKENS = 8192
+CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
 CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
                 "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
@@ -132,14 +133,13 @@ class OpenAIRealtimeState(EngineState):
 
     # ---- client events ----
     def on_client(self, msg: dict[str, Any]) -> Effects:
-        kind = msg["type"]
-        handler = _HANDLERS.get(kind)
-        if handler is None:
-            raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type")
-        return handler(self, msg)
+        return self.on_event(oe.decode_client(msg))
 
-    def _session_update(self, msg: dict[str, Any]) -> Effects:
-        config = apply_update(self.config, msg.get("session"), self.started)
+    def on_event(self, event: oe.ClientEvent) -> Effects:
+        return _HANDLERS[type(event)](self, event)
+
+    def _session_update(self, msg: oe.SessionUpdate) -> Effects:
+        config = apply_update(self.config, msg.session, self.started)
         if config.turn_detection.type == "server_vad" and self.vad is None:
             raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
                                 "session.audio.input.turn_detection.type")
@@ -147,20 +147,15 @@ class OpenAIRealtimeState(EngineState):
         self._reset_detectors()
         return Effects([oe.SessionUpdated(self._session_dict())])
 
-    def _append(self, msg: dict[str, Any]) -> Effects:
-        data = msg.get("audio")
-        if not isinstance(data, str) or not data:
-            raise ProtocolError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+    def _append(self, msg: oe.AudioAppend) -> Effects:
         rate = self.config.input_rate
         try:
-            pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
+            pcm = decode_pcm16_base64(msg.audio, MAX_APPEND_SECONDS * rate)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc), "audio") from exc
         if self._resampler is None or self._resampler_rate != rate:
             self._resampler, self._resampler_rate = self.resampling(rate, INPUT_RATE), rate
-        hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
-        hint = msg.get("transcript_hint") or hints.get("transcript")
-        return self.hear(self._resampler(pcm), hint if isinstance(hint, str) else None)
+        return self.hear(self._resampler(pcm), msg.hint)
 
     def hear(self, audio: np.ndarray, hint: str | None = None) -> Effects:
         """Caller audio (16 kHz float32), however it arrived."""
@@ -247,7 +242,7 @@ class OpenAIRealtimeState(EngineState):
             self._sent_units.append((step.unit, req.audio))
         return req
 
-    def _commit(self, msg: dict[str, Any]) -> Effects:
+    def _commit(self, msg: oe.BufferCommit) -> Effects:
         if self.config.duplex:
             unit = _committable(self._unit_audio)
             self._unit_audio = np.zeros(0, np.float32)
@@ -265,12 +260,12 @@ class OpenAIRealtimeState(EngineState):
             oe.ItemDone(item.to_dict()),
         ])
 
-    def _clear(self, msg: dict[str, Any]) -> Effects:
+    def _clear(self, msg: oe.BufferClear) -> Effects:
         self._buffer, self._unit_audio = [], np.zeros(0, np.float32)
         return Effects([oe.BufferCleared()])
 
-    def _item_create(self, msg: dict[str, Any]) -> Effects:
-        raw = msg.get("item")
+    def _item_create(self, msg: oe.ItemCreate) -> Effects:
+        raw = msg.item
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
             raise ProtocolError("invalid_value", "item must be a message", "item")
         role = raw.get("role")
@@ -326,47 +321,44 @@ class OpenAIRealtimeState(EngineState):
         else:
             raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
 
-    def _item_retrieve(self, msg: dict[str, Any]) -> Effects:
-        return Effects([oe.ItemRetrieved(self.conversation.get(msg.get("item_id")).to_dict())])
+    def _item_retrieve(self, msg: oe.ItemRetrieve) -> Effects:
+        return Effects([oe.ItemRetrieved(self.conversation.get(msg.item_id).to_dict())])
 
-    def _item_delete(self, msg: dict[str, Any]) -> Effects:
-        item_id = msg.get("item_id")
+    def _item_delete(self, msg: oe.ItemDelete) -> Effects:
+        item_id = msg.item_id
         if self.active is not None and self.active.item.id == item_id:
             raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
         return Effects([oe.ItemDeleted(item_id)])
 
-    def _item_truncate(self, msg: dict[str, Any]) -> Effects:
-        item = self.conversation.get(msg.get("item_id"))
+    def _item_truncate(self, msg: oe.ItemTruncate) -> Effects:
+        item = self.conversation.get(msg.item_id)
         if item.role != "assistant":
             raise ProtocolError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
-        end = msg.get("audio_end_ms")
-        if isinstance(end, bool) or not isinstance(end, (int, float)) or end < 0:
-            raise ProtocolError("invalid_value", "audio_end_ms must be a number >= 0", "audio_end_ms")
+        end = msg.audio_end_ms
         out = Effects()
         response = self.response if self.response is not None and self.response.item is item else None
         if response is not None and not response.done:
-            out.extend(self._interrupt("client_cancelled", heard_ms=float(end)))
+            out.extend(self._interrupt("client_cancelled", heard_ms=end))
             return out
-        cut = item.truncate(float(end))
+        cut = item.truncate(end)
         if response is not None:
             self._plan_rollback(response)
-        out.events.append(oe.ItemTruncated(item.id, msg.get("content_index", 0), round(cut)))
+        out.events.append(oe.ItemTruncated(item.id, msg.content_index, round(cut)))
         return out
 
-    def _response_create(self, msg: dict[str, Any]) -> Effects:
+    def _response_create(self, msg: oe.ResponseCreate) -> Effects:
         if self.active is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self.active.id} is still in progress")
-        spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
         if self.config.duplex:
-            text = spec.get("instructions")
+            text = msg.instructions
             if not isinstance(text, str) or not text.strip():
                 raise ProtocolError("invalid_value", "with duplex turn detection the model decides when to speak; "
                                     "response.create needs response.instructions to prompt it", "response.instructions")
             req = StepInput.of_context(Context(text.strip(), "instructions", respond=True))
             return Effects(steps=[PlannedStep("context", req, self.epoch)])
-        budget = spec.get("max_output_tokens")
+        budget = msg.max_output_tokens
         return self._respond(self.config.max_output_tokens if budget is None
                              else max_output_tokens(budget, "response.max_output_tokens"))
 
@@ -385,27 +377,25 @@ class OpenAIRealtimeState(EngineState):
     def _chat_message(item: Item) -> ChatMessage:
         return ChatMessage(item.role, item.text, item.audio, tuple(base64.b64decode(i) for i in item.images))
 
-    def _response_cancel(self, msg: dict[str, Any]) -> Effects:
+    def _response_cancel(self, msg: oe.ResponseCancel) -> Effects:
         if self.active is None:
             raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
         return self._interrupt("client_cancelled")
 
-    def _output_clear(self, msg: dict[str, Any]) -> Effects:
+    def _output_clear(self, msg: oe.OutputClear) -> Effects:
         out = self._interrupt("output_cleared") if self.active is not None else Effects()
         out.events.append(oe.OutputBufferCleared(self.response.id if self.response else None))
         return out
 
-    def _playback_ack(self, msg: dict[str, Any]) -> Effects:
-        response_id, played = msg.get("response_id"), msg.get("played_ms")
-        if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
-            raise ProtocolError("invalid_value", "played_ms must be a number >= 0", "played_ms")
+    def _playback_ack(self, msg: oe.PlaybackAck) -> Effects:
+        response_id, played = msg.response_id, msg.played_ms
         r = self.response
         if r is None or response_id != r.id:
             if response_id in self.past_responses:
                 raise ProtocolError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
                                     "response_id")
             raise ProtocolError("unknown_response", f"no response {response_id!r}", "response_id")
-        r.ack_ms = max(r.ack_ms, min(float(played), r.item.audio_ms))  # acks only move forward
+        r.ack_ms = max(r.ack_ms, min(played, r.item.audio_ms))  # acks only move forward
         r.ack_at = self.clock()
         committed = r.done
         out = Effects()
@@ -416,10 +406,10 @@ class OpenAIRealtimeState(EngineState):
         out.events.insert(0, oe.PlaybackAcknowledged(r.id, round(r.ack_ms), committed))
         return out
 
-    def _close(self, msg: dict[str, Any]) -> Effects:
+    def _close(self, msg: oe.SessionClose) -> Effects:
         return Effects(close="client_closed")
 
-    def _heartbeat(self, msg: dict[str, Any]) -> Effects:
+    def _heartbeat(self, msg: oe.Heartbeat) -> Effects:
         return Effects()
 
     # ---- responses ----
@@ -615,19 +605,19 @@ def _committable(audio: np.ndarray) -> np.ndarray:
     return _whole_tenths(audio)
 
 
-_HANDLERS: dict[str, Callable[[OpenAIRealtimeState, dict[str, Any]], Effects]] = {
-    "session.update": OpenAIRealtimeState._session_update,
-    "input_audio_buffer.append": OpenAIRealtimeState._append,
-    "input_audio_buffer.commit": OpenAIRealtimeState._commit,
-    "input_audio_buffer.clear": OpenAIRealtimeState._clear,
-    "conversation.item.create": OpenAIRealtimeState._item_create,
-    "conversation.item.retrieve": OpenAIRealtimeState._item_retrieve,
-    "conversation.item.delete": OpenAIRealtimeState._item_delete,
-    "conversation.item.truncate": OpenAIRealtimeState._item_truncate,
-    "response.create": OpenAIRealtimeState._response_create,
-    "response.cancel": OpenAIRealtimeState._response_cancel,
-    "output_audio_buffer.clear": OpenAIRealtimeState._output_clear,
-    "playback.ack": OpenAIRealtimeState._playback_ack,
-    "session.close": OpenAIRealtimeState._close,
-    "session.heartbeat": OpenAIRealtimeState._heartbeat,
+_HANDLERS: dict[type[oe.ClientEvent], Callable[[OpenAIRealtimeState, Any], Effects]] = {
+    oe.SessionUpdate: OpenAIRealtimeState._session_update,
+    oe.AudioAppend: OpenAIRealtimeState._append,
+    oe.BufferCommit: OpenAIRealtimeState._commit,
+    oe.BufferClear: OpenAIRealtimeState._clear,
+    oe.ItemCreate: OpenAIRealtimeState._item_create,
+    oe.ItemRetrieve: OpenAIRealtimeState._item_retrieve,
+    oe.ItemDelete: OpenAIRealtimeState._item_delete,
+    oe.ItemTruncate: OpenAIRealtimeState._item_truncate,
+    oe.ResponseCreate: OpenAIRealtimeState._response_create,
+    oe.ResponseCancel: OpenAIRealtimeState._response_cancel,
+    oe.OutputClear: OpenAIRealtimeState._output_clear,
+    oe.PlaybackAck: OpenAIRealtimeState._playback_ack,
+    oe.SessionClose: OpenAIRealtimeState._close,
+    oe.Heartbeat: OpenAIRealtimeState._heartbeat,
 }
