@@ -223,7 +223,8 @@ class TritonServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run tritonserver on the minicpmo-triton model repository")
+    parser = argparse.ArgumentParser(prog="python -m gateway.triton",
+                                     description="Run tritonserver on the minicpmo-triton model repository")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
