@@ -8,7 +8,7 @@ A dialect is an `EngineState`: client text in (`on_text`), step events in (`on_s
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, dataclass_transform
 
 import numpy as np
 
@@ -25,14 +25,30 @@ class ServerEvent(Protocol):
     def encode(self) -> dict[str, Any]: ...
 
 
-@dataclass
+@dataclass_transform()
 class EventFields:
-    """Base of a dialect's server events: a dataclass per event `type`; `None` fields are left out."""
+    """Base of a dialect's server events: each subclass is a dataclass, its event `type` given with the
+    class (`class Done(EventFields, type="response.done")`); `None` fields are left out."""
 
     type: ClassVar[str] = ""
 
+    def __init_subclass__(cls, type: str = "", **kwargs: Any) -> None:  # noqa: A002 (the wire's name)
+        super().__init_subclass__(**kwargs)
+        if type:
+            cls.type = type
+        dataclass(cls)
+
     def fields(self) -> dict[str, Any]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+class Closed(EventFields, type="session.closed"):
+    """What every dialect says last (each in its envelope)."""
+
+    session_id: str
+    reason: str
+    usage: dict[str, int]
+    diagnostic: dict[str, str] | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
-from ..engine import Effects, EngineState, EventFields, PlannedStep, ServerEvent
+from ..engine import Closed, Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id
 
@@ -226,7 +226,6 @@ def parse_client_message(message: dict[str, Any], mode: str = "full_duplex") -> 
 
 # ---- server events ----
 
-@dataclass
 class BackendEvent(EventFields):
     """`type`, the fields, and `server_send_ts` (unix seconds, when encoded)."""
 
@@ -234,29 +233,20 @@ class BackendEvent(EventFields):
         return {"type": self.type, **self.fields(), "server_send_ts": time.time()}
 
 
-@dataclass
-class SessionCreated(BackendEvent):
-    type: ClassVar[str] = "session.created"
+class SessionCreated(BackendEvent, type="session.created"):
     session_id: str
     mode: str
     metrics: dict[str, Any]
     usage: dict[str, int]
 
 
-@dataclass
-class SessionClosed(BackendEvent):
-    type: ClassVar[str] = "session.closed"
-    session_id: str
-    reason: str
-    usage: dict[str, int]
-    diagnostic: dict[str, str] | None = None
+class SessionClosed(BackendEvent, Closed):
+    pass
 
 
-@dataclass
-class OutputDelta(BackendEvent):
+class OutputDelta(BackendEvent, type="response.output.delta"):
     """One step event of a response: `kind` listen | text | audio; a step's last one carries its usage."""
 
-    type: ClassVar[str] = "response.output.delta"
     kind: str
     session_id: str
     input_id: str | None
@@ -272,11 +262,9 @@ class OutputDelta(BackendEvent):
     usage: dict[str, int] | None = None
 
 
-@dataclass
-class ResponseDone(BackendEvent):
+class ResponseDone(BackendEvent, type="response.done"):
     """A turn_based turn's end (with the turn's whole audio when it did not stream)."""
 
-    type: ClassVar[str] = "response.done"
     session_id: str
     response_id: str
     input_id: str | None
@@ -288,9 +276,7 @@ class ResponseDone(BackendEvent):
     usage: dict[str, int]
 
 
-@dataclass
-class ContextAccepted(BackendEvent):
-    type: ClassVar[str] = "input.context.accepted"
+class ContextAccepted(BackendEvent, type="input.context.accepted"):
     session_id: str
     input_id: str | None
     operation_id: str | None
@@ -298,9 +284,7 @@ class ContextAccepted(BackendEvent):
     respond: bool
 
 
-@dataclass
-class Error(BackendEvent):
-    type: ClassVar[str] = "error"
+class Error(BackendEvent, type="error"):
     session_id: str | None
     error: dict[str, str]
 

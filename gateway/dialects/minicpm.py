@@ -10,7 +10,7 @@ is one duplex step, answered by `response.output_audio.delta {text, audio, end_o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from minicpmo_triton.duplex_contract import StepEvent, StepInput
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
@@ -26,46 +26,35 @@ MODES = ("audio", "video")
 
 # ---- server events ----
 
-@dataclass
-class Queued(RealtimeEvent):
+class Queued(RealtimeEvent, type="session.queued"):
     """Where a caller waiting for a slot stands (`session.queued` first, then `session.queue_update`)."""
 
-    type: ClassVar[str] = "session.queued"
     position: int
     queue_length: int
     ticket_id: str
     estimated_wait_s: float
 
 
-@dataclass
-class QueueUpdate(Queued):
-    type: ClassVar[str] = "session.queue_update"
+class QueueUpdate(Queued, type="session.queue_update"):
+    pass
 
 
-@dataclass
-class QueueDone(RealtimeEvent):
-    type: ClassVar[str] = "session.queue_done"
+class QueueDone(RealtimeEvent, type="session.queue_done"):
     session_id: str
 
 
-@dataclass
-class SessionCreated(RealtimeEvent):
-    type: ClassVar[str] = "session.created"
+class SessionCreated(RealtimeEvent, type="session.created"):
     session_id: str
     mode: str
     prompt_length: int
 
 
-@dataclass
-class Listen(RealtimeEvent):
-    type: ClassVar[str] = "response.listen"
+class Listen(RealtimeEvent, type="response.listen"):
     kv_cache_length: int
     end_of_turn: bool | None = None
 
 
-@dataclass
-class OutputAudioDelta(RealtimeEvent):
-    type: ClassVar[str] = "response.output_audio.delta"
+class OutputAudioDelta(RealtimeEvent, type="response.output_audio.delta"):
     text: str
     audio: str  # base64 float32 24 kHz
     end_of_turn: bool

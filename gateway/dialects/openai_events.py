@@ -6,59 +6,46 @@ Nested payloads (a session, an item, a response) are the JSON objects OpenAI's r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from ..engine import EventFields
 from ..wire import ProtocolError
 from .realtime_events import RealtimeEvent
 
 Json = dict[str, Any]
 
 
-@dataclass
-class SessionCreated(RealtimeEvent):
-    type: ClassVar[str] = "session.created"
+class SessionCreated(RealtimeEvent, type="session.created"):
     session: Json
     capabilities: Json
 
 
-@dataclass
-class SessionUpdated(RealtimeEvent):
-    type: ClassVar[str] = "session.updated"
+class SessionUpdated(RealtimeEvent, type="session.updated"):
     session: Json
 
 
-@dataclass
-class SpeechStarted(RealtimeEvent):
-    type: ClassVar[str] = "input_audio_buffer.speech_started"
+class SpeechStarted(RealtimeEvent, type="input_audio_buffer.speech_started"):
     audio_start_ms: int
     item_id: str | None
 
 
-@dataclass
-class SpeechStopped(RealtimeEvent):
-    type: ClassVar[str] = "input_audio_buffer.speech_stopped"
+class SpeechStopped(RealtimeEvent, type="input_audio_buffer.speech_stopped"):
     audio_end_ms: int
     item_id: str | None
 
 
-@dataclass
-class BufferCommitted(RealtimeEvent):
-    type: ClassVar[str] = "input_audio_buffer.committed"
+class BufferCommitted(RealtimeEvent, type="input_audio_buffer.committed"):
     item_id: str | None
     previous_item_id: str | None = None
 
 
-@dataclass
-class BufferCleared(RealtimeEvent):
-    type: ClassVar[str] = "input_audio_buffer.cleared"
+class BufferCleared(RealtimeEvent, type="input_audio_buffer.cleared"):
+    pass
 
 
-@dataclass
-class OverlapDecision(RealtimeEvent):
+class OverlapDecision(RealtimeEvent, type="overlap.decision"):
     """Extension: what the overlap policy made of caller audio heard while the assistant speaks."""
 
-    type: ClassVar[str] = "overlap.decision"
     policy: str
     action: str
     reason: str
@@ -67,106 +54,78 @@ class OverlapDecision(RealtimeEvent):
     epoch: int
 
 
-@dataclass
-class ItemAdded(RealtimeEvent):
-    type: ClassVar[str] = "conversation.item.added"
+class ItemAdded(RealtimeEvent, type="conversation.item.added"):
     previous_item_id: str | None
     item: Json
 
 
-@dataclass
-class ItemDone(RealtimeEvent):
-    type: ClassVar[str] = "conversation.item.done"
+class ItemDone(RealtimeEvent, type="conversation.item.done"):
     item: Json
 
 
-@dataclass
-class ItemRetrieved(RealtimeEvent):
-    type: ClassVar[str] = "conversation.item.retrieved"
-    item: Json
+class ItemRetrieved(ItemDone, type="conversation.item.retrieved"):
+    pass
 
 
-@dataclass
-class ItemDeleted(RealtimeEvent):
-    type: ClassVar[str] = "conversation.item.deleted"
+class ItemDeleted(RealtimeEvent, type="conversation.item.deleted"):
     item_id: str
 
 
-@dataclass
-class ItemTruncated(RealtimeEvent):
-    type: ClassVar[str] = "conversation.item.truncated"
+class ItemTruncated(RealtimeEvent, type="conversation.item.truncated"):
     item_id: str
     content_index: int
     audio_end_ms: int
 
 
-@dataclass
-class OutputBufferCleared(RealtimeEvent):
-    type: ClassVar[str] = "output_audio_buffer.cleared"
+class OutputBufferCleared(RealtimeEvent, type="output_audio_buffer.cleared"):
     response_id: str | None
 
 
-@dataclass
-class PlaybackAcknowledged(RealtimeEvent):
+class PlaybackAcknowledged(RealtimeEvent, type="playback.acknowledged"):
     """Extension: the client's `playback.ack`, as the server took it."""
 
-    type: ClassVar[str] = "playback.acknowledged"
     response_id: str
     played_ms: int
     history_committed: bool
 
 
-@dataclass
-class ResponseSpeak(RealtimeEvent):
+class ResponseSpeak(RealtimeEvent, type="response.speak"):
     """Extension (duplex): the model decided to speak."""
 
-    type: ClassVar[str] = "response.speak"
     response_id: str
     epoch: int
 
 
-@dataclass
-class ResponseListen(RealtimeEvent):
+class ResponseListen(RealtimeEvent, type="response.listen"):
     """Extension (duplex): the model listens again."""
 
-    type: ClassVar[str] = "response.listen"
     response_id: str
     epoch: int
     end_of_turn: bool
 
 
-@dataclass
-class ResponseCreated(RealtimeEvent):
-    type: ClassVar[str] = "response.created"
+class ResponseCreated(RealtimeEvent, type="response.created"):
     response: Json
 
 
-@dataclass
-class ResponseDone(RealtimeEvent):
-    type: ClassVar[str] = "response.done"
-    response: Json
+class ResponseDone(ResponseCreated, type="response.done"):
+    pass
 
 
-@dataclass
-class RateLimitsUpdated(RealtimeEvent):
-    type: ClassVar[str] = "rate_limits.updated"
+class RateLimitsUpdated(RealtimeEvent, type="rate_limits.updated"):
     rate_limits: list[Json]
 
 
-@dataclass
-class OutputItemAdded(RealtimeEvent):
-    type: ClassVar[str] = "response.output_item.added"
+class OutputItemAdded(RealtimeEvent, type="response.output_item.added"):
     response_id: str
     output_index: int
     item: Json
 
 
-@dataclass
-class OutputItemDone(OutputItemAdded):
-    type: ClassVar[str] = "response.output_item.done"
+class OutputItemDone(OutputItemAdded, type="response.output_item.done"):
+    pass
 
 
-@dataclass
 class ContentEvent(RealtimeEvent):
     """An event about the one content part of a response's one output item."""
 
@@ -176,49 +135,36 @@ class ContentEvent(RealtimeEvent):
     content_index: int
 
 
-@dataclass
-class ContentPartAdded(ContentEvent):
-    type: ClassVar[str] = "response.content_part.added"
+class ContentPartAdded(ContentEvent, type="response.content_part.added"):
     part: Json
 
 
-@dataclass
-class ContentPartDone(ContentPartAdded):
-    type: ClassVar[str] = "response.content_part.done"
+class ContentPartDone(ContentPartAdded, type="response.content_part.done"):
+    pass
 
 
-@dataclass
-class OutputAudioDelta(ContentEvent):
-    type: ClassVar[str] = "response.output_audio.delta"
+class OutputAudioDelta(ContentEvent, type="response.output_audio.delta"):
     delta: str  # base64 audio/pcm at the session's output rate
     metadata: Json
 
 
-@dataclass
-class OutputAudioDone(ContentEvent):
-    type: ClassVar[str] = "response.output_audio.done"
+class OutputAudioDone(ContentEvent, type="response.output_audio.done"):
+    pass
 
 
-@dataclass
-class TranscriptDelta(ContentEvent):
-    type: ClassVar[str] = "response.output_audio_transcript.delta"
+class TranscriptDelta(ContentEvent, type="response.output_audio_transcript.delta"):
     delta: str
 
 
-@dataclass
-class TranscriptDone(ContentEvent):
-    type: ClassVar[str] = "response.output_audio_transcript.done"
+class TranscriptDone(ContentEvent, type="response.output_audio_transcript.done"):
     transcript: str
 
 
-@dataclass
-class TextDelta(TranscriptDelta):
-    type: ClassVar[str] = "response.output_text.delta"
+class TextDelta(TranscriptDelta, type="response.output_text.delta"):
+    pass
 
 
-@dataclass
-class TextDone(ContentEvent):
-    type: ClassVar[str] = "response.output_text.done"
+class TextDone(ContentEvent, type="response.output_text.done"):
     text: str
 
 
@@ -236,18 +182,15 @@ def _id(msg: Json, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-@dataclass(frozen=True)
-class ClientEvent:
-    type: ClassVar[str] = ""
+class ClientEvent(EventFields):
+    """A client event, decoded from its JSON object (field types checked here, meaning in the state)."""
 
     @classmethod
     def decode(cls, msg: Json) -> ClientEvent:
         return cls()
 
 
-@dataclass(frozen=True)
-class SessionUpdate(ClientEvent):
-    type: ClassVar[str] = "session.update"
+class SessionUpdate(ClientEvent, type="session.update"):
     session: Any  # checked by openai_config.apply_update
 
     @classmethod
@@ -255,9 +198,7 @@ class SessionUpdate(ClientEvent):
         return cls(msg.get("session"))
 
 
-@dataclass(frozen=True)
-class AudioAppend(ClientEvent):
-    type: ClassVar[str] = "input_audio_buffer.append"
+class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
     audio: str  # base64 audio/pcm at the session's input rate
     hint: str | None = None  # extension: what the caller said, if the client knows (a backchannel?)
 
@@ -271,19 +212,15 @@ class AudioAppend(ClientEvent):
         return cls(data, hint if isinstance(hint, str) else None)
 
 
-@dataclass(frozen=True)
-class BufferCommit(ClientEvent):
-    type: ClassVar[str] = "input_audio_buffer.commit"
+class BufferCommit(ClientEvent, type="input_audio_buffer.commit"):
+    pass
 
 
-@dataclass(frozen=True)
-class BufferClear(ClientEvent):
-    type: ClassVar[str] = "input_audio_buffer.clear"
+class BufferClear(ClientEvent, type="input_audio_buffer.clear"):
+    pass
 
 
-@dataclass(frozen=True)
-class ItemCreate(ClientEvent):
-    type: ClassVar[str] = "conversation.item.create"
+class ItemCreate(ClientEvent, type="conversation.item.create"):
     item: Any  # a message item, checked as its parts are read
 
     @classmethod
@@ -291,9 +228,7 @@ class ItemCreate(ClientEvent):
         return cls(msg.get("item"))
 
 
-@dataclass(frozen=True)
-class ItemRetrieve(ClientEvent):
-    type: ClassVar[str] = "conversation.item.retrieve"
+class ItemRetrieve(ClientEvent, type="conversation.item.retrieve"):
     item_id: str | None
 
     @classmethod
@@ -301,14 +236,11 @@ class ItemRetrieve(ClientEvent):
         return cls(_id(msg, "item_id"))
 
 
-@dataclass(frozen=True)
-class ItemDelete(ItemRetrieve):
-    type: ClassVar[str] = "conversation.item.delete"
+class ItemDelete(ItemRetrieve, type="conversation.item.delete"):
+    pass
 
 
-@dataclass(frozen=True)
-class ItemTruncate(ClientEvent):
-    type: ClassVar[str] = "conversation.item.truncate"
+class ItemTruncate(ClientEvent, type="conversation.item.truncate"):
     item_id: str | None
     audio_end_ms: float
     content_index: Any = 0  # echoed back
@@ -318,9 +250,7 @@ class ItemTruncate(ClientEvent):
         return cls(_id(msg, "item_id"), _number(msg, "audio_end_ms"), msg.get("content_index", 0))
 
 
-@dataclass(frozen=True)
-class ResponseCreate(ClientEvent):
-    type: ClassVar[str] = "response.create"
+class ResponseCreate(ClientEvent, type="response.create"):
     instructions: Any = None
     max_output_tokens: Any = None  # checked by openai_config.max_output_tokens
 
@@ -330,21 +260,17 @@ class ResponseCreate(ClientEvent):
         return cls(spec.get("instructions"), spec.get("max_output_tokens"))
 
 
-@dataclass(frozen=True)
-class ResponseCancel(ClientEvent):
-    type: ClassVar[str] = "response.cancel"
+class ResponseCancel(ClientEvent, type="response.cancel"):
+    pass
 
 
-@dataclass(frozen=True)
-class OutputClear(ClientEvent):
-    type: ClassVar[str] = "output_audio_buffer.clear"
+class OutputClear(ClientEvent, type="output_audio_buffer.clear"):
+    pass
 
 
-@dataclass(frozen=True)
-class PlaybackAck(ClientEvent):
+class PlaybackAck(ClientEvent, type="playback.ack"):
     """Extension: how much of a response's audio the listener has heard."""
 
-    type: ClassVar[str] = "playback.ack"
     response_id: str | None
     played_ms: float
 
@@ -353,14 +279,12 @@ class PlaybackAck(ClientEvent):
         return cls(_id(msg, "response_id"), _number(msg, "played_ms"))
 
 
-@dataclass(frozen=True)
-class SessionClose(ClientEvent):
-    type: ClassVar[str] = "session.close"
+class SessionClose(ClientEvent, type="session.close"):
+    pass
 
 
-@dataclass(frozen=True)
-class Heartbeat(ClientEvent):
-    type: ClassVar[str] = "session.heartbeat"
+class Heartbeat(ClientEvent, type="session.heartbeat"):
+    pass
 
 
 CLIENT_EVENTS: dict[str, type[ClientEvent]] = {c.type: c for c in (

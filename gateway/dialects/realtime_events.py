@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
-from ..engine import EventFields
+from ..engine import Closed, EventFields
 from ..wire import ProtocolError, new_id
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
@@ -40,7 +39,6 @@ def answer(msg: ClientEvent, handler: Callable[[ClientEvent], T]) -> T:
         raise
 
 
-@dataclass
 class RealtimeEvent(EventFields):
     """`type`, an `event_id`, then the fields. `server_event_seq` is added when sent."""
 
@@ -48,19 +46,12 @@ class RealtimeEvent(EventFields):
         return {"type": self.type, "event_id": new_id("event"), **self.fields()}
 
 
-@dataclass
-class Error(RealtimeEvent):
-    type: ClassVar[str] = "error"
+class Error(RealtimeEvent, type="error"):
     error: dict[str, Any]
 
 
-@dataclass
-class SessionClosed(RealtimeEvent):
-    type: ClassVar[str] = "session.closed"
-    session_id: str
-    reason: str
-    usage: dict[str, int]
-    diagnostic: dict[str, str] | None = None
+class SessionClosed(RealtimeEvent, Closed):
+    pass
 
 
 def error_event(err: ProtocolError) -> Error:
