@@ -7,8 +7,9 @@ A dialect is an `EngineState`: client text in (`on_text`), step events in (`on_s
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, dataclass_transform
+from typing import Any, ClassVar, Protocol, Self, dataclass_transform
 
 import numpy as np
 
@@ -40,6 +41,11 @@ class EventFields:
 
     def fields(self) -> dict[str, Any]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def retyped(cls, name: str, event_type: str) -> type[Self]:
+        """The same fields under another event type (`response.done` beside `response.created`)."""
+        return types.new_class(name, (cls,), {"type": event_type})
 
 
 class Closed(EventFields, type="session.closed"):

@@ -35,8 +35,7 @@ class Queued(RealtimeEvent, type="session.queued"):
     estimated_wait_s: float
 
 
-class QueueUpdate(Queued, type="session.queue_update"):
-    pass
+QueueUpdate = Queued.retyped("QueueUpdate", "session.queue_update")
 
 
 class QueueDone(RealtimeEvent, type="session.queue_done"):

@@ -242,7 +242,7 @@ class OpenAIRealtimeState(EngineState):
             self._sent_units.append((step.unit, req.audio))
         return req
 
-    def _commit(self, msg: oe.BufferCommit) -> Effects:
+    def _commit(self, msg: oe.ClientEvent) -> Effects:
         if self.config.duplex:
             unit = _committable(self._unit_audio)
             self._unit_audio = np.zeros(0, np.float32)
@@ -260,7 +260,7 @@ class OpenAIRealtimeState(EngineState):
             oe.ItemDone(item.to_dict()),
         ])
 
-    def _clear(self, msg: oe.BufferClear) -> Effects:
+    def _clear(self, msg: oe.ClientEvent) -> Effects:
         self._buffer, self._unit_audio = [], np.zeros(0, np.float32)
         return Effects([oe.BufferCleared()])
 
@@ -324,7 +324,7 @@ class OpenAIRealtimeState(EngineState):
     def _item_retrieve(self, msg: oe.ItemRetrieve) -> Effects:
         return Effects([oe.ItemRetrieved(self.conversation.get(msg.item_id).to_dict())])
 
-    def _item_delete(self, msg: oe.ItemDelete) -> Effects:
+    def _item_delete(self, msg: oe.ItemRetrieve) -> Effects:
         item_id = msg.item_id
         if self.active is not None and self.active.item.id == item_id:
             raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
@@ -377,12 +377,12 @@ class OpenAIRealtimeState(EngineState):
     def _chat_message(item: Item) -> ChatMessage:
         return ChatMessage(item.role, item.text, item.audio, tuple(base64.b64decode(i) for i in item.images))
 
-    def _response_cancel(self, msg: oe.ResponseCancel) -> Effects:
+    def _response_cancel(self, msg: oe.ClientEvent) -> Effects:
         if self.active is None:
             raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
         return self._interrupt("client_cancelled")
 
-    def _output_clear(self, msg: oe.OutputClear) -> Effects:
+    def _output_clear(self, msg: oe.ClientEvent) -> Effects:
         out = self._interrupt("output_cleared") if self.active is not None else Effects()
         out.events.append(oe.OutputBufferCleared(self.response.id if self.response else None))
         return out
@@ -406,10 +406,10 @@ class OpenAIRealtimeState(EngineState):
         out.events.insert(0, oe.PlaybackAcknowledged(r.id, round(r.ack_ms), committed))
         return out
 
-    def _close(self, msg: oe.SessionClose) -> Effects:
+    def _close(self, msg: oe.ClientEvent) -> Effects:
         return Effects(close="client_closed")
 
-    def _heartbeat(self, msg: oe.Heartbeat) -> Effects:
+    def _heartbeat(self, msg: oe.ClientEvent) -> Effects:
         return Effects()
 
     # ---- responses ----

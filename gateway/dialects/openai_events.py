@@ -39,8 +39,7 @@ class BufferCommitted(RealtimeEvent, type="input_audio_buffer.committed"):
     previous_item_id: str | None = None
 
 
-class BufferCleared(RealtimeEvent, type="input_audio_buffer.cleared"):
-    pass
+BufferCleared = RealtimeEvent.retyped("BufferCleared", "input_audio_buffer.cleared")
 
 
 class OverlapDecision(RealtimeEvent, type="overlap.decision"):
@@ -63,8 +62,7 @@ class ItemDone(RealtimeEvent, type="conversation.item.done"):
     item: Json
 
 
-class ItemRetrieved(ItemDone, type="conversation.item.retrieved"):
-    pass
+ItemRetrieved = ItemDone.retyped("ItemRetrieved", "conversation.item.retrieved")
 
 
 class ItemDeleted(RealtimeEvent, type="conversation.item.deleted"):
@@ -108,8 +106,7 @@ class ResponseCreated(RealtimeEvent, type="response.created"):
     response: Json
 
 
-class ResponseDone(ResponseCreated, type="response.done"):
-    pass
+ResponseDone = ResponseCreated.retyped("ResponseDone", "response.done")
 
 
 class RateLimitsUpdated(RealtimeEvent, type="rate_limits.updated"):
@@ -122,8 +119,7 @@ class OutputItemAdded(RealtimeEvent, type="response.output_item.added"):
     item: Json
 
 
-class OutputItemDone(OutputItemAdded, type="response.output_item.done"):
-    pass
+OutputItemDone = OutputItemAdded.retyped("OutputItemDone", "response.output_item.done")
 
 
 class ContentEvent(RealtimeEvent):
@@ -139,8 +135,7 @@ class ContentPartAdded(ContentEvent, type="response.content_part.added"):
     part: Json
 
 
-class ContentPartDone(ContentPartAdded, type="response.content_part.done"):
-    pass
+ContentPartDone = ContentPartAdded.retyped("ContentPartDone", "response.content_part.done")
 
 
 class OutputAudioDelta(ContentEvent, type="response.output_audio.delta"):
@@ -148,8 +143,7 @@ class OutputAudioDelta(ContentEvent, type="response.output_audio.delta"):
     metadata: Json
 
 
-class OutputAudioDone(ContentEvent, type="response.output_audio.done"):
-    pass
+OutputAudioDone = ContentEvent.retyped("OutputAudioDone", "response.output_audio.done")
 
 
 class TranscriptDelta(ContentEvent, type="response.output_audio_transcript.delta"):
@@ -160,8 +154,7 @@ class TranscriptDone(ContentEvent, type="response.output_audio_transcript.done")
     transcript: str
 
 
-class TextDelta(TranscriptDelta, type="response.output_text.delta"):
-    pass
+TextDelta = TranscriptDelta.retyped("TextDelta", "response.output_text.delta")
 
 
 class TextDone(ContentEvent, type="response.output_text.done"):
@@ -212,12 +205,10 @@ class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
         return cls(data, hint if isinstance(hint, str) else None)
 
 
-class BufferCommit(ClientEvent, type="input_audio_buffer.commit"):
-    pass
+BufferCommit = ClientEvent.retyped("BufferCommit", "input_audio_buffer.commit")
 
 
-class BufferClear(ClientEvent, type="input_audio_buffer.clear"):
-    pass
+BufferClear = ClientEvent.retyped("BufferClear", "input_audio_buffer.clear")
 
 
 class ItemCreate(ClientEvent, type="conversation.item.create"):
@@ -236,8 +227,7 @@ class ItemRetrieve(ClientEvent, type="conversation.item.retrieve"):
         return cls(_id(msg, "item_id"))
 
 
-class ItemDelete(ItemRetrieve, type="conversation.item.delete"):
-    pass
+ItemDelete = ItemRetrieve.retyped("ItemDelete", "conversation.item.delete")
 
 
 class ItemTruncate(ClientEvent, type="conversation.item.truncate"):
@@ -260,12 +250,10 @@ class ResponseCreate(ClientEvent, type="response.create"):
         return cls(spec.get("instructions"), spec.get("max_output_tokens"))
 
 
-class ResponseCancel(ClientEvent, type="response.cancel"):
-    pass
+ResponseCancel = ClientEvent.retyped("ResponseCancel", "response.cancel")
 
 
-class OutputClear(ClientEvent, type="output_audio_buffer.clear"):
-    pass
+OutputClear = ClientEvent.retyped("OutputClear", "output_audio_buffer.clear")
 
 
 class PlaybackAck(ClientEvent, type="playback.ack"):
@@ -279,12 +267,10 @@ class PlaybackAck(ClientEvent, type="playback.ack"):
         return cls(_id(msg, "response_id"), _number(msg, "played_ms"))
 
 
-class SessionClose(ClientEvent, type="session.close"):
-    pass
+SessionClose = ClientEvent.retyped("SessionClose", "session.close")
 
 
-class Heartbeat(ClientEvent, type="session.heartbeat"):
-    pass
+Heartbeat = ClientEvent.retyped("Heartbeat", "session.heartbeat")
 
 
 CLIENT_EVENTS: dict[str, type[ClientEvent]] = {c.type: c for c in (
