@@ -148,9 +148,6 @@ class Session:
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
         self.resume_token = secrets.token_urlsafe(24)
         self._send_lock = asyncio.Lock()
-        # The state is pure but not thread-safe: a client frame is decided in a worker thread (decoding,
-        # resampling, VAD stay off the event loop), a step's events on the loop; one at a time.
-        self._state_lock = asyncio.Lock()
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -220,8 +217,7 @@ class Session:
     async def handle(self, text: str) -> None:
         """One client frame: answered, applied, or refused with a coded error."""
         try:
-            async with self._state_lock:
-                fx = await asyncio.to_thread(self.state.on_text, text)
+            fx = self.state.on_text(text)
         except ProtocolError as err:
             await self.emit([self.state.error_event(err)])
             if err.close_code is not None:
@@ -254,25 +250,18 @@ class Session:
                 self.fail("backend_error", str(exc))
                 return
 
-    async def _decide(self, decide: Callable[..., Effects], *args: Any) -> None:
-        async with self._state_lock:
-            fx = decide(*args)
-        await self.apply(fx)
-
     async def _run_step(self, step: PlannedStep) -> None:
-        async with self._state_lock:
-            request = self.state.prepare(step) if self.state.wanted(step) else None
-        if request is None:
+        if not self.state.wanted(step):
             return
-        async for ev in self.triton.step(request):
+        async for ev in self.triton.step(self.state.prepare(step)):
             if ev.kind == "error":
                 if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self._decide(self.state.on_step_error, step, ev.code, ev.message)
+                    await self.apply(self.state.on_step_error(step, ev.code, ev.message))
                 else:
                     self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
                 return
-            await self._decide(self.state.on_step_event, step, ev)
-        await self._decide(self.state.on_step_end, step)
+            await self.apply(self.state.on_step_event(step, ev))
+        await self.apply(self.state.on_step_end(step))
 
     def fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
@@ -348,9 +337,7 @@ class Session:
                 log.exception("session %s: ending the Triton sequence failed", self.session_id)
             if emit:
                 try:
-                    async with self._state_lock:
-                        events = self.state.on_close(reason, message)
-                    await self.emit(events)
+                    await self.emit(self.state.on_close(reason, message))
                 except Exception:  # noqa: BLE001 (the client may be gone)
                     log.debug("session %s: closed event not delivered", self.session_id)
             ws, self.ws = self.ws, None

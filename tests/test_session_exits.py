@@ -29,6 +29,10 @@ BAD_FRAMES = {
 }
 
 
+# Before each test, sessions of earlier tests' gateways may still wait out their resume grace (30 s).
+GRACE_S = 90.0
+
+
 @pytest.fixture
 def gw(gateway_factory):
     return gateway_factory(disconnect_grace_s="1", test_faults=TEST_FAULTS_PHRASE)
@@ -38,9 +42,9 @@ def second(speech) -> np.ndarray:
     return speech("Hello there, how are you today?")[:16_000]
 
 
-async def settled(gw, triton) -> None:
+async def settled(gw, triton, timeout_s: float = 20.0) -> None:
     """Nothing of the session is left: every stage's live sequences back to zero, no active session."""
-    live = await asyncio.to_thread(triton.wait_live, lambda lv: not any(lv.values()))
+    live = await asyncio.to_thread(triton.wait_live, lambda lv: not any(lv.values()), timeout_s)
     assert not any(live.values()), live
     for _ in range(100):
         if gw.health()["active_sessions"] == 0:
@@ -66,7 +70,7 @@ async def closed_by_server(ws: websockets.ClientConnection) -> int:
 
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 async def test_backend(gw, triton, speech, fault: str) -> None:
-    await settled(gw, triton)
+    await settled(gw, triton, GRACE_S)
     ws, _ = await open_session(gw.ws)
     await ws.send(append_message(second(speech), "in_0"))
     await started(triton)
@@ -79,7 +83,7 @@ async def test_backend(gw, triton, speech, fault: str) -> None:
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 @pytest.mark.parametrize("first", [True, False], ids=["first_event", "after_a_step"])
 async def test_openai_realtime(gw, triton, speech, fault: str, first: bool) -> None:
-    await settled(gw, triton)
+    await settled(gw, triton, GRACE_S)
     c = await RealtimeClient.connect(gw.realtime)
     await c.until("session.created")
     if first:
@@ -104,7 +108,7 @@ async def test_openai_realtime(gw, triton, speech, fault: str, first: bool) -> N
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 @pytest.mark.parametrize("first", [True, False], ids=["first_event", "after_a_step"])
 async def test_minicpm_realtime(gw, triton, speech, fault: str, first: bool) -> None:
-    await settled(gw, triton)
+    await settled(gw, triton, GRACE_S)
     c = await RealtimeClient.connect(gw.realtime + "?mode=audio")
     assert (await c.recv())["type"] == "session.queue_done"
     if not first:
