@@ -1,4 +1,4 @@
-"""The gateway's sessions: slots (one limit for every protocol), a FIFO of callers waiting for one,
+"""The gateway's sessions: slots (one limit for every dialect), a FIFO of callers waiting for one,
 the live sessions by id, and whether Triton's entry model is ready."""
 
 from __future__ import annotations
@@ -6,17 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tritonclient.grpc import aio as grpcaio
 
-from .protocol import CLOSE_GOING_AWAY
 from .settings import Settings
-from .triton_stream import ENTRY_MODEL
-
-if TYPE_CHECKING:
-    from .connection import Connection
-    from .realtime.session import RealtimeSession
+from .triton.client import ENTRY_MODEL
+from .wire import CLOSE_GOING_AWAY
 
 
 class SessionLimitReached(Exception):
@@ -27,11 +23,22 @@ class QueueFull(Exception):
     pass
 
 
+class _State(Protocol):
+    stale_dropped: int
+
+
+class LiveSession(Protocol):
+    session_id: str
+    state: _State
+    started_at: float
+
+    async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
+
+
 class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.sessions: dict[str, Connection] = {}  # /backend
-        self.realtime: dict[str, RealtimeSession] = {}  # /v1/realtime, attached or within their grace
+        self.sessions: dict[str, LiveSession] = {}  # every dialect's, attached or within a resume grace
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.ready = False
@@ -40,12 +47,13 @@ class Gateway:
 
     @property
     def active_sessions(self) -> int:
-        return len(self.sessions) + len(self.realtime)
+        return len(self.sessions)
 
     @property
     def stale_dropped(self) -> int:
-        return self.stale_dropped_closed + sum(s.state.stale_dropped for s in self.realtime.values())
+        return self.stale_dropped_closed + sum(s.state.stale_dropped for s in self.sessions.values())
 
+    # ---- slots: taken by shell.admitted, given back by it (one place) ----
     def reserve(self) -> None:
         if self._reserved >= self.settings.max_sessions or self._waiters:
             raise SessionLimitReached
@@ -67,26 +75,26 @@ class Gateway:
         return len(self._waiters)
 
     def leave_queue(self, fut: asyncio.Future[None]) -> None:
-        """A caller that stops waiting; a slot already handed to it goes to the next one."""
+        """A caller that stops waiting before a slot was handed to it."""
         if fut in self._waiters:
             self._waiters.remove(fut)
-        elif fut.done() and not fut.cancelled():
-            self.release(None)
 
-    def release(self, session_id: str | None, started_at: float | None = None) -> None:
-        if session_id is not None:
-            self.sessions.pop(session_id, None)
-            gone = self.realtime.pop(session_id, None)
-            if gone is not None:
-                self.stale_dropped_closed += gone.state.stale_dropped
-        if started_at is not None:
-            self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - started_at)
+    def release(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # the slot passes straight on
                 return
         self._reserved -= 1
+
+    # ---- live sessions ----
+    def add(self, session: LiveSession) -> None:
+        self.sessions[session.session_id] = session
+
+    def forget(self, session: LiveSession) -> None:
+        if self.sessions.pop(session.session_id, None) is not None:
+            self.stale_dropped_closed += session.state.stale_dropped
+            self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
         client = grpcaio.InferenceServerClient(self.settings.triton_url)
@@ -101,6 +109,6 @@ class Gateway:
             await client.close()
 
     async def shutdown(self) -> None:
-        sessions = [*self.sessions.values(), *self.realtime.values()]
+        sessions = list(self.sessions.values())
         await asyncio.gather(*(s.close("server_shutdown", ws_code=CLOSE_GOING_AWAY) for s in sessions),
                              return_exceptions=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import create_app
 from .registry import Gateway
+from .routes import create_app
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
 

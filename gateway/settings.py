@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+TEST_FAULTS_PHRASE = "raise-on-fault-frames-in-tests"
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -21,6 +23,9 @@ class Settings:
     journal_s: float = 60.0  # ... and replays what it sent in this window
     journal_bytes: int = 8 * 1024 * 1024  # ... up to this many bytes
     queue_max: int = 1000  # MiniCPM-o's dialect: callers waiting for a session slot
+    # Tests only: a frame of exactly shell.FAULT_FRAME raises where it is read. On only when
+    # MINICPMO_TEST_FAULTS is this very phrase, so no operator turns it on by accident.
+    test_faults: bool = False
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -39,4 +44,5 @@ class Settings:
             journal_s=float(env.get("MINICPMO_JOURNAL_S", d.journal_s)),
             journal_bytes=int(env.get("MINICPMO_JOURNAL_BYTES", d.journal_bytes)),
             queue_max=int(env.get("MINICPMO_QUEUE_MAX", d.queue_max)),
+            test_faults=env.get("MINICPMO_TEST_FAULTS") == TEST_FAULTS_PHRASE,
         )

@@ -8,7 +8,29 @@ from __future__ import annotations
 
 import re
 
-STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
+
+class Code:
+    """The error codes a step can answer with (`StepEvent.code`, `StepError.code`)."""
+
+    CONTEXT_FULL = "context_full"  # the session ends with this reason
+    BAD_IMAGE = "bad_image"  # the client's input: refused, the session goes on
+    BAD_AUDIO = "bad_audio"  # ditto
+    INVALID_CHAT = "invalid_chat"  # ditto
+    INVALID_AUDIO = "invalid_audio"
+    INVALID_CONFIG = "invalid_config"  # the session ends with this reason
+    INVALID_INPUT = "invalid_input"
+    NUMERIC_ERROR = "numeric_error"
+    SEQUENCE_NOT_STARTED = "sequence_not_started"
+    STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
+    INTERNAL_ERROR = "internal_error"
+
+
+# Codes that are the client's input: refused, the session goes on (its state untouched).
+CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
+# Codes that end the session with that reason instead of `backend_error`.
+CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config"}
+
+STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)
 
 
@@ -18,6 +40,7 @@ class StepError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.message = message
 
 
 def to_wire(exc: Exception) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, VoiceRefs
 from .duplex_options import DuplexOptions
 from .errors import StepError
 from .model_config import PresetConfig
@@ -60,68 +61,6 @@ class StageClient(Protocol):
     async def tts(self, call: StageCall[TtsRequest]) -> TtsResult: ...
 
     async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult: ...
-
-
-@dataclass
-class StepInput:
-    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 16 kHz float32
-    force_listen: bool = False
-    context_text: str = ""
-    context_kind: str = "tool_result"
-    respond: bool = True
-    options: DuplexOptions | None = None  # at START
-    frames: list[bytes] = field(default_factory=list)  # JPEG, seen with this second of audio
-    max_slice_nums: list[int] = field(default_factory=list)  # one per frame
-    voice: VoiceRefs | None = None  # at START
-    # Barge-in: cut the LLM's context back to what the listener heard (a kv length from an earlier step),
-    # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
-    rollback_to: int = -1
-    replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-
-
-@dataclass(frozen=True)
-class VoiceRefs:
-    """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
-
-    ref_audio: np.ndarray | None = None
-    tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    text: str = ""
-    audio: np.ndarray | None = None  # 16 kHz float32
-    images: tuple[bytes, ...] = ()
-    max_slice_nums: int = 1
-
-    def key(self) -> tuple[str, str, bytes]:
-        """What identifies a message already in the context (audio and images by their bytes)."""
-        media = (b"" if self.audio is None else self.audio.tobytes()) + b"".join(self.images)
-        return (self.role, self.text, media)
-
-
-@dataclass
-class ChatInput:
-    """One turn-based turn: the whole conversation so far; the prefix already in context is reused."""
-
-    messages: list[ChatMessage]
-    max_new_tokens: int = 256
-    generate_audio: bool = False
-    options: DuplexOptions | None = None  # at START
-    voice: VoiceRefs | None = None  # at START
-    tts_ref_audio: np.ndarray | None = None  # this turn's voice (16 kHz), else the session's
-
-
-@dataclass
-class StepEvent:
-    kind: str  # listen | text | audio | done (turn-based)
-    text: str = ""
-    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
-    end_of_turn: bool = False
-    metrics: dict[str, Any] = field(default_factory=dict)
-    chunk_usage: dict[str, int] | None = None  # on the last event of a step only
-    reason: str = ""  # done: turn_end | length
 
 
 @dataclass

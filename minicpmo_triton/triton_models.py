@@ -8,7 +8,6 @@ over every request of an `execute()`, and publish their live sequence count as t
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import threading
@@ -19,12 +18,13 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from . import duplex_contract as contract
 from .bls import TritonBlsStages
-from .duplex_options import DuplexOptions, InvalidOptions
+from .duplex_contract import StepEvent
 from .engines import load_engine
-from .errors import StepError, to_wire
+from .errors import Code, StepError, to_wire
 from .model_config import load_stage_config
-from .pipeline import ChatInput, ChatMessage, DuplexPipeline, StepEvent, StepInput, VoiceRefs
+from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
@@ -34,7 +34,7 @@ from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
-from .state_store import SequenceStore
+from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 
 LIVE_METRIC = "minicpmo_live_sequences"
@@ -207,21 +207,8 @@ class VisionEncoderModel(_StatelessStageModel):
         return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision)
 
 
-def _json_input(rows: dict[str, np.ndarray], name: str) -> dict[str, Any]:
-    raw = rows.get(name)
-    if raw is None:
-        return {}
-    value = raw.reshape(-1)[0]
-    data = json.loads(value.decode("utf-8") if isinstance(value, bytes) else str(value))
-    if not isinstance(data, dict):
-        raise StepError("invalid_input", f"{name} must be a JSON object")
-    return data
-
-
-def _event_response(event: dict[str, Any], audio: np.ndarray | None = None) -> Any:
-    payload = np.array([[json.dumps(event).encode("utf-8")]], dtype=np.object_)
-    wav = np.zeros((1, 0), np.float32) if audio is None else audio.astype(np.float32)[None]
-    return pb_utils.InferenceResponse([pb_utils.Tensor("event", payload), pb_utils.Tensor("audio", wav)])
+def _event_response(event: StepEvent) -> Any:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(k, v[None]) for k, v in contract.encode_event(event).items()])
 
 
 class DuplexModel:
@@ -268,62 +255,27 @@ class DuplexModel:
                 pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {exc}")
 
         try:
-            cancel = rows.get("cancel")
-            if cancel is not None and cancel.reshape(-1)[0]:
+            inp = contract.decode_request(rows, start, self.pipeline.preset.duplex)
+            if isinstance(inp, contract.Cancel):
                 # Beside the step in flight (not queued behind it): it stops at its next stage boundary.
                 self.pipeline.cancel(corr_id)
                 return
-            inp = self._parse(rows, start)
 
             async def emit(event: StepEvent) -> None:
                 self.gauge.update()  # a sequence started by this step is counted before the client hears of it
-                send(_event_response(_event_dict(event), event.audio))
+                send(_event_response(event))
 
             await self.pipeline.step(corr_id, start, end, inp, emit)
         except StepError as exc:
-            send(_event_response({"kind": "error", "code": exc.code, "message": str(exc)}))
+            send(_event_response(StepEvent.error(exc)))
+        except SequenceNotStarted as exc:
+            send(_event_response(StepEvent.error(StepError(Code.SEQUENCE_NOT_STARTED, f"no sequence {exc}"))))
         except Exception as exc:  # noqa: BLE001 (the client is told; the server keeps serving)
             pb_utils.Logger.log_error(f"duplex step failed for sequence {corr_id}: {exc!r}")
-            code = "sequence_not_started" if isinstance(exc, KeyError) else "internal_error"
-            send(_event_response({"kind": "error", "code": code, "message": str(exc)}))
+            send(_event_response(StepEvent.error(StepError(Code.INTERNAL_ERROR, str(exc)))))
         finally:
             self.gauge.update()
             send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    def _parse(self, rows: dict[str, np.ndarray], start: bool) -> StepInput | ChatInput:
-        audio = rows.get("audio")
-        force = rows.get("force_listen")
-        context = _json_input(rows, "context")
-        chat = _json_input(rows, "chat")
-        options = voice = None
-        if start:
-            try:
-                options = DuplexOptions.from_config(_json_input(rows, "options"), self.pipeline.preset.duplex)
-            except InvalidOptions as exc:
-                raise StepError("invalid_config", str(exc)) from exc
-            ref, tts_ref = rows.get("ref_audio"), rows.get("tts_ref_audio")
-            voice = VoiceRefs(None if ref is None else ref.reshape(-1).astype(np.float32),
-                              None if tts_ref is None else tts_ref.reshape(-1).astype(np.float32))
-        if chat:
-            turn = _chat_input(chat, options)
-            turn.voice = voice
-            return turn
-        frames = rows.get("frames")
-        slices = rows.get("max_slice_nums")
-        rollback, replay = rows.get("rollback_to"), rows.get("replay_audio")
-        return StepInput(
-            frames=[bytes(f) for f in frames.reshape(-1)] if frames is not None else [],
-            max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
-            audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32),
-            force_listen=bool(force is not None and force.reshape(-1)[0]),
-            context_text=str(context.get("text") or ""),
-            context_kind=str(context.get("kind") or "tool_result"),
-            respond=bool(context.get("respond", True)),
-            options=options,
-            voice=voice,
-            rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
-            replay_audio=np.zeros(0, np.float32) if replay is None else replay.reshape(-1).astype(np.float32),
-        )
 
     def finalize(self) -> None:
         self.gauge.close()
@@ -336,33 +288,3 @@ class SpeakerEncoderModel(_StatelessStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> SpeakerEncoderStage:
         return SpeakerEncoderStage(load_engine(ctx.version_dir, _threads(ctx)))
-
-
-def _f32_base64(data: str | None) -> np.ndarray | None:
-    return np.frombuffer(base64.b64decode(data), "<f4").astype(np.float32) if data else None
-
-
-def _chat_input(chat: dict[str, Any], options: DuplexOptions | None) -> ChatInput:
-    """The gateway's chat JSON: messages of {role, text, audio (base64 float32 16 kHz)}."""
-    try:
-        messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""), _f32_base64(m.get("audio")),
-                                tuple(base64.b64decode(i) for i in m.get("images") or ()),
-                                int(m.get("max_slice_nums") or 1))
-                    for m in chat["messages"]]
-        return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
-                         options, tts_ref_audio=_f32_base64(chat.get("tts_ref_audio")))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StepError("invalid_chat", f"malformed chat request: {exc}") from exc
-
-
-def _event_dict(event: StepEvent) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics}
-    if event.reason:
-        out["reason"] = event.reason
-    if event.text:
-        out["text"] = event.text
-    if event.end_of_turn:
-        out["end_of_turn"] = True
-    if event.chunk_usage is not None:
-        out["chunk_usage"] = event.chunk_usage
-    return out

@@ -10,17 +10,17 @@ import pytest
 
 from export.presets import tiny
 from gateway.audio import encode_f32_base64
-from gateway.protocol import (
+from gateway.dialects.backend import (
+    BackendState,
     InputAppend,
     InputContext,
-    ProtocolError,
     loads,
     parse_client_message,
     parse_init,
     voice_refs,
 )
-from gateway.session import DuplexProtocolState
-from gateway.triton_stream import StepEvent
+from gateway.wire import ProtocolError
+from minicpmo_triton.duplex_contract import StepEvent
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 from minicpmo_triton.duplex_rules import ChunkDecoder, allowed_token_mask
 from minicpmo_triton.tokenizer import ByteTokenizer, tiny_special_ids
@@ -97,18 +97,19 @@ def test_options_validate_types_and_ranges() -> None:
 
 
 def test_session_state_maps_a_spoken_turn() -> None:
-    state = DuplexProtocolState("sess_x")
+    state = BackendState("sess_x")
     usage = {"input_audio_tokens": 10, "output_text_tokens": 2, "output_speech_tokens": 25}
-    text = state.on_step_event("in_4", StepEvent("text", text="hi", chunk_usage=usage))
-    audio = state.on_step_event("in_4", StepEvent("audio", audio=AUDIO))
-    listen = state.on_step_event("in_5", StepEvent("listen", end_of_turn=True, chunk_usage={"input_audio_tokens": 10}))
+    text = state.delta("in_4", StepEvent("text", text="hi", chunk_usage=usage)).encode()
+    audio = state.delta("in_4", StepEvent("audio", audio=AUDIO)).encode()
+    listen = state.delta("in_5", StepEvent("listen", end_of_turn=True,
+                                           chunk_usage={"input_audio_tokens": 10})).encode()
     assert text["kind"] == "text" and text["response_id"] == audio["response_id"] == listen["response_id"]
     assert text["usage"]["total_tokens"] == 37 and "usage" not in audio
     assert audio["audio_samples"] == 16_000 and audio["sample_rate"] == 24_000
     assert listen["end_of_turn"] and listen["usage"]["input_audio_tokens"] == 20
-    nxt = state.on_step_event("in_9", StepEvent("text", text="again"))
+    nxt = state.delta("in_9", StepEvent("text", text="again")).encode()
     assert nxt["response_id"] != text["response_id"]  # a new turn, a new response id
-    assert state.closed("client_closed")["usage"]["total_tokens"] == 47
+    assert state.on_close("client_closed", None)[0].encode()["usage"]["total_tokens"] == 47
 
 
 class _Rules:

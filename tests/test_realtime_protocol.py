@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
+from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_config import RealtimeConfig, apply_update
+from gateway.dialects.openai_conversation import Item
 from gateway.journal import Journal
 from gateway.overlap import OverlapPolicy, OverlapSettings
-from gateway.realtime.config import RealtimeConfig, apply_update
-from gateway.realtime.conversation import Item
-from gateway.realtime.events import RealtimeError
-from gateway.realtime.openai_state import OpenAIRealtimeState
-from gateway.triton_stream import StepEvent
 from gateway.vad import WINDOW, SpeechSegmenter
+from gateway.wire import ProtocolError
+from minicpmo_triton.duplex_contract import StepEvent
 
 
 class LoudnessVad:
@@ -43,7 +43,7 @@ def pcm(seconds: float, loud: bool, rate: int = 16_000) -> str:
 
 def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
     clock = Clock()
-    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad(), clock=clock)
+    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad().probabilities, clock=clock)
     # 16 kHz in: whole seconds of audio make whole steps (at 24 kHz the resampler holds back a few ms)
     st.on_client({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
@@ -51,7 +51,11 @@ def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
 
 
 def types(fx) -> list[str]:
-    return [e["type"] for e in fx.events]
+    return [e.type for e in fx.events]
+
+
+def encoded(fx) -> list[dict]:
+    return [e.encode() for e in fx.events]
 
 
 def speak(st: OpenAIRealtimeState, step, text: str = "hi", kv: int = 100, seconds: float = 1.0) -> list[str]:
@@ -128,13 +132,13 @@ def test_session_update_reads_ga_and_beta_shapes() -> None:
     beta = apply_update(RealtimeConfig(), {"input_audio_format": "pcm16", "turn_detection": None,
                                            "temperature": 0.0}, started=False)
     assert beta.turn_detection.type is None and beta.options().temperature == 0.0
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, started=False)
     assert err.value.code == "unsupported_audio_format"
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"turn_detection": {"type": "server_vad"}}, started=True)
     assert err.value.code == "session_update_not_allowed"
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         apply_update(RealtimeConfig(), {"instructions": "Be brief."}, started=True)
     assert err.value.code == "session_update_not_allowed"
     assert apply_update(RealtimeConfig(), {"overlap_barge_in_ms": 900}, started=True).overlap.barge_in_ms == 900
@@ -158,7 +162,7 @@ def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response(
         "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
         "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
         "response.listen"]
-    response = next(e for e in done.events if e["type"] == "response.done")["response"]
+    response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
     assert response["status"] == "completed" and response["usage"]["output_tokens"] == 2
     assert response["output"][0]["content"][0]["transcript"] == "hi"
 
@@ -174,9 +178,9 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     speak(st, steps[2], "two ", kv=80)
     fx = st.on_client({"type": "response.cancel"})
     assert fx.cancel and st.epoch == 1
-    done = next(e for e in fx.events if e["type"] == "response.done")["response"]
+    done = next(e for e in encoded(fx) if e["type"] == "response.done")["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
-    truncated = next(e for e in fx.events if e["type"] == "conversation.item.truncated")
+    truncated = next(e for e in encoded(fx) if e["type"] == "conversation.item.truncated")
     assert truncated["audio_end_ms"] == 500  # half a second heard, in real time from the first audio
     assert done["output"][0]["content"][0]["transcript"] == "on"
     # The step in flight (the old epoch) keeps talking: none of it gets out, its usage still counts.
@@ -196,14 +200,14 @@ def test_sustained_speech_under_a_reply_barges_in_and_a_backchannel_does_not() -
     st.prepare(steps[0])
     speak(st, steps[0])
     quiet = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.2, loud=False)})
-    assert [e["action"] for e in quiet.events if e["type"] == "overlap.decision"] == ["drop"]
+    assert [e["action"] for e in encoded(quiet) if e["type"] == "overlap.decision"] == ["drop"]
     ack = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(0.4, loud=True), "transcript_hint": "ok"})
-    assert [(e["action"], e["reason"]) for e in ack.events] == [("listen", "backchannel")]
+    assert [(e["action"], e["reason"]) for e in encoded(ack)] == [("listen", "backchannel")]
     assert st.active is not None
     more = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1.0, loud=True)})
-    decisions = [(e["action"], e["reason"]) for e in more.events if e["type"] == "overlap.decision"]
+    decisions = [(e["action"], e["reason"]) for e in encoded(more) if e["type"] == "overlap.decision"]
     assert decisions == [("barge_in", "sustained_speech")] and more.cancel
-    done = next(e for e in more.events if e["type"] == "response.done")["response"]
+    done = next(e for e in encoded(more) if e["type"] == "response.done")["response"]
     assert done["status_details"]["reason"] == "barge_in"
 
 
@@ -211,7 +215,7 @@ def test_client_errors_are_coded() -> None:
     st, _ = state()
 
     def code(event: dict) -> str:
-        with pytest.raises(RealtimeError) as err:
+        with pytest.raises(ProtocolError) as err:
             st.on_client(event)
         return err.value.code
 
@@ -234,7 +238,7 @@ def test_client_errors_are_coded() -> None:
     speak(st, step)
     assert code({"type": "playback.ack", "response_id": first, "played_ms": 10}) == "playback_ack_too_late"
     ack = st.on_client({"type": "playback.ack", "response_id": st.response.id, "played_ms": 10**6})
-    assert ack.events[0]["played_ms"] == 1000  # clamped to the audio sent
+    assert encoded(ack)[0]["played_ms"] == 1000  # clamped to the audio sent
 
 
 def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> None:
@@ -242,8 +246,8 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
     st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                                "content": [{"type": "input_text", "text": "Hi"}]}})
     fx = st.on_client({"type": "response.create"})
-    chat = fx.steps[0].request.chat
-    assert [m["role"] for m in chat["messages"]] == ["user"] and chat["generate_audio"] is True
+    chat = fx.steps[0].request
+    assert [m.role for m in chat.messages] == ["user"] and chat.generate_audio is True
     st.prepare(fx.steps[0])
     st.on_step_event(fx.steps[0], StepEvent("text", text="Hello you"))
     st.on_step_event(fx.steps[0], StepEvent("audio", audio=np.zeros(24_000, np.float32)))
@@ -251,8 +255,8 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
     st.on_client({"type": "response.cancel"})
     st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                                "content": [{"type": "input_text", "text": "Go"}]}})
-    nxt = st.on_client({"type": "response.create"}).steps[0].request.chat["messages"]
-    assert [(m["role"], m["text"]) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
+    nxt = st.on_client({"type": "response.create"}).steps[0].request.messages
+    assert [(m.role, m.text) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
 
 
 def test_the_stream_resampler_has_no_seams_between_chunks() -> None:
@@ -271,7 +275,7 @@ def test_the_turn_based_buffer_is_bounded() -> None:
     st, _ = state(turn_detection=None)
     for _ in range(12):
         st.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
     assert err.value.code == "input_audio_buffer_full"
     vad, _ = state(turn_detection={"type": "server_vad", "prefix_padding_ms": 300})
@@ -287,12 +291,12 @@ def test_the_turn_based_buffer_is_bounded() -> None:
 
 def test_minicpm_session_update_checks_its_voice_references() -> None:
     from gateway.audio import encode_f32_base64
-    from gateway.realtime.minicpm_state import MiniCPMRealtimeState
+    from gateway.dialects.minicpm import MiniCPMRealtimeState
 
     st = MiniCPMRealtimeState("sess_m")
-    with pytest.raises(RealtimeError) as err:
+    with pytest.raises(ProtocolError) as err:
         st.on_client({"type": "session.update", "session": {"ref_audio": encode_f32_base64(np.zeros(800, np.float32))}})
     assert (err.value.code, err.value.close_code) == ("invalid_voice", 1008)
     ref = np.zeros(16_000, np.float32)
     fx = st.on_client({"type": "session.update", "session": {"tts_ref_audio": encode_f32_base64(ref)}})
-    assert [e["type"] for e in fx.events] == ["session.created"] and set(st.voice) == {"tts_ref_audio"}
+    assert types(fx) == ["session.created"] and set(st.voice) == {"tts_ref_audio"}

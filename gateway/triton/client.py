@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import aio as grpcaio
+
+from minicpmo_triton.duplex_contract import Cancel, Request, StepEvent, StepInput, decode_event, encode_request
 
 ENTRY_MODEL = "duplex"
 _FINAL = "triton_final_response"
@@ -34,81 +34,16 @@ class TritonStreamError(RuntimeError):
     """The stream to Triton broke, or Triton rejected a step."""
 
 
-@dataclass
-class StepEvent:
-    kind: str  # listen | text | audio | error
-    text: str = ""
-    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    end_of_turn: bool = False
-    metrics: dict[str, Any] = field(default_factory=dict)
-    chunk_usage: dict[str, int] | None = None
-    code: str = ""
-    message: str = ""
-    reason: str = ""
+_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
+           np.dtype(np.object_): "BYTES"}
 
 
-@dataclass
-class StepRequest:
-    audio: np.ndarray | None = None  # 16 kHz float32
-    force_listen: bool = False
-    context: dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
-    chat: dict[str, Any] | None = None  # a turn-based turn
-    frames: list[bytes] = field(default_factory=list)  # encoded images
-    max_slice_nums: list[int] = field(default_factory=list)
-    voice: dict[str, np.ndarray] | None = None  # ref_audio / tts_ref_audio (16 kHz), with the first step
-    rollback_to: int = -1  # barge-in: the LLM's kv length to go back to
-    replay_audio: np.ndarray | None = None  # ... and the caller's whole seconds since then, heard again
-    cancel: bool = False  # stop the step in flight (sent beside it, answers nothing)
-
-
-def _string_input(name: str, value: dict[str, Any]) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, [1, 1], "BYTES")
-    t.set_data_from_numpy(np.array([[json.dumps(value).encode("utf-8")]], dtype=np.object_))
-    return t
-
-
-def _f32_input(name: str, values: np.ndarray) -> grpcclient.InferInput:
-    arr = np.ascontiguousarray(values, np.float32).reshape(1, -1)
-    t = grpcclient.InferInput(name, list(arr.shape), "FP32")
-    t.set_data_from_numpy(arr)
-    return t
-
-
-def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
+def build_inputs(req: Request) -> list[grpcclient.InferInput]:
     inputs = []
-    if req.audio is not None and len(req.audio):
-        inputs.append(_f32_input("audio", req.audio))
-    for name, ref in (req.voice or {}).items():
-        inputs.append(_f32_input(name, ref))
-    if req.replay_audio is not None and len(req.replay_audio):
-        inputs.append(_f32_input("replay_audio", req.replay_audio))
-    for name, flag in (("force_listen", req.force_listen), ("cancel", req.cancel)):
-        if flag:
-            t = grpcclient.InferInput(name, [1, 1], "BOOL")
-            t.set_data_from_numpy(np.array([[True]]))
-            inputs.append(t)
-    if req.rollback_to >= 0:
-        t = grpcclient.InferInput("rollback_to", [1, 1], "INT64")
-        t.set_data_from_numpy(np.array([[req.rollback_to]], np.int64))
-        inputs.append(t)
-    if req.context:
-        inputs.append(_string_input("context", req.context))
-    if req.options is not None:
-        inputs.append(_string_input("options", req.options))
-    if req.chat is not None:
-        inputs.append(_string_input("chat", req.chat))
-    if req.frames:
-        t = grpcclient.InferInput("frames", [1, len(req.frames)], "BYTES")
-        t.set_data_from_numpy(np.array([req.frames], dtype=np.object_))
-        inputs.append(t)
-        slices = np.array([req.max_slice_nums or [1] * len(req.frames)], np.int64)
-        t = grpcclient.InferInput("max_slice_nums", list(slices.shape), "INT64")
-        t.set_data_from_numpy(slices)
-        inputs.append(t)
-    if not inputs:  # an END-only request still needs one tensor
-        t = grpcclient.InferInput("force_listen", [1, 1], "BOOL")
-        t.set_data_from_numpy(np.array([[False]]))
+    for name, value in encode_request(req).items():
+        arr = value[None]  # the batch dimension
+        t = grpcclient.InferInput(name, list(arr.shape), _DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
         inputs.append(t)
     return inputs
 
@@ -117,15 +52,7 @@ def parse_result(result: grpcclient.InferResult) -> StepEvent | None:
     raw = result.as_numpy("event")
     if raw is None:
         return None  # the empty final response
-    event = json.loads(raw.reshape(-1)[0])
-    audio = result.as_numpy("audio")
-    return StepEvent(
-        kind=event["kind"], text=event.get("text", ""),
-        audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1),
-        end_of_turn=bool(event.get("end_of_turn")), metrics=event.get("metrics", {}),
-        chunk_usage=event.get("chunk_usage"), code=event.get("code", ""), message=event.get("message", ""),
-        reason=event.get("reason", ""),
-    )
+    return decode_event(raw, result.as_numpy("audio"))
 
 
 class TritonSession:
@@ -179,7 +106,7 @@ class TritonSession:
                 q.put_nowait(TritonStreamError(f"stream to Triton lost: {self._broken}"))
             self._pending.clear()
 
-    def _send(self, req: StepRequest, end: bool) -> asyncio.Queue[StepEvent | BaseException | None]:
+    def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | BaseException | None]:
         if self._broken is not None:
             raise TritonStreamError(f"stream to Triton lost: {self._broken}")
         if self.ended:
@@ -197,7 +124,7 @@ class TritonSession:
         self.ended = end
         return q
 
-    async def step(self, req: StepRequest, end: bool = False) -> AsyncIterator[StepEvent]:
+    async def step(self, req: Request, end: bool = False) -> AsyncIterator[StepEvent]:
         """Send one step now; iterate its events (a coded `error` event ends the step)."""
         q = self._send(req, end)
         while (item := await q.get()) is not None:
@@ -208,7 +135,7 @@ class TritonSession:
     async def cancel(self) -> None:
         """Stop the step in flight: its remaining stages are skipped (its events still end normally)."""
         if self.started and not self.ended and self._broken is None:
-            async for _ in self.step(StepRequest(cancel=True)):
+            async for _ in self.step(Cancel()):
                 pass
 
     async def close(self, timeout_s: float = 10.0) -> None:
@@ -216,7 +143,7 @@ class TritonSession:
         try:
             if self.started and not self.ended and self._broken is None:
                 async def drain() -> None:
-                    async for _ in self.step(StepRequest(), end=True):
+                    async for _ in self.step(StepInput(), end=True):
                         pass
                 await asyncio.wait_for(drain(), timeout_s)
         finally:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .events import RealtimeError, new_id
+from ..wire import ProtocolError, new_id
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Conversation:
         for item in self.items:
             if item.id == item_id:
                 return item
-        raise RealtimeError("item_not_found", f"no conversation item {item_id!r}", "item_id")
+        raise ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id")
 
     def delete(self, item_id: Any) -> None:
         self.items.remove(self.get(item_id))

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
 
@@ -223,7 +223,8 @@ class TritonServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run tritonserver on the minicpmo-triton model repository")
+    parser = argparse.ArgumentParser(prog="python -m gateway.triton",
+                                     description="Run tritonserver on the minicpmo-triton model repository")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -243,6 +244,3 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

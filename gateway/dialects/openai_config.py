@@ -15,7 +15,7 @@ from typing import Any
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..overlap import POLICIES, OverlapSettings
-from .events import RealtimeError
+from ..wire import ProtocolError
 
 TURN_DETECTION = ("duplex", "server_vad", None)
 RATES = (16_000, 24_000)
@@ -86,14 +86,14 @@ def _rate(fmt: Any, param: str) -> int | None:
         rate = fmt.get("rate", 24_000)
         if rate in RATES:
             return int(rate)
-        raise RealtimeError("unsupported_audio_format", f"audio/pcm at {rate} Hz: use 16000 or 24000", param)
-    raise RealtimeError("unsupported_audio_format", f"only audio/pcm (16-bit little-endian) is served, got {fmt!r}",
+        raise ProtocolError("unsupported_audio_format", f"audio/pcm at {rate} Hz: use 16000 or 24000", param)
+    raise ProtocolError("unsupported_audio_format", f"only audio/pcm (16-bit little-endian) is served, got {fmt!r}",
                         param)
 
 
 def _number(value: Any, kind: type, param: str, low: float, high: float) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RealtimeError("invalid_value", f"{param} must be a number in [{low}, {high}]", param)
+        raise ProtocolError("invalid_value", f"{param} must be a number in [{low}, {high}]", param)
     return kind(value)
 
 
@@ -101,10 +101,10 @@ def _turn_detection(raw: Any, current: TurnDetection, param: str) -> TurnDetecti
     if raw is None:
         return TurnDetection(type=None)
     if not isinstance(raw, dict):
-        raise RealtimeError("invalid_value", "turn_detection must be an object or null", param)
+        raise ProtocolError("invalid_value", "turn_detection must be an object or null", param)
     kind = raw.get("type", current.type or "server_vad")
     if kind not in TURN_DETECTION:
-        raise RealtimeError("invalid_value", "turn_detection.type must be duplex, server_vad or null", f"{param}.type")
+        raise ProtocolError("invalid_value", "turn_detection.type must be duplex, server_vad or null", f"{param}.type")
     out = dataclasses.replace(current, type=kind)
     for key, kind_, low, high in (("threshold", float, 0.0, 1.0), ("prefix_padding_ms", int, 0, 5000),
                                   ("silence_duration_ms", int, 0, 10_000)):
@@ -126,7 +126,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     """`session.update`'s `session` over the current config. `started`: audio has reached the model,
     so what is fixed at the Triton sequence's start (model options, instructions, duplex or not) stays."""
     if not isinstance(session, dict):
-        raise RealtimeError("invalid_value", "session.update needs a `session` object", "session")
+        raise ProtocolError("invalid_value", "session.update needs a `session` object", "session")
     audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
     audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
     audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
@@ -141,7 +141,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     modalities = session.get("output_modalities", session.get("modalities"))
     if modalities is not None:
         if not isinstance(modalities, list) or not set(modalities) <= {"audio", "text"} or not modalities:
-            raise RealtimeError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
+            raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
                                 "session.output_modalities")
         changes["output_modalities"] = ("audio",) if "audio" in modalities else ("text",)
     voice = audio_out.get("voice", session.get("voice"))
@@ -151,14 +151,14 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
         raw = audio_in["turn_detection"] if "turn_detection" in audio_in else session["turn_detection"]
         td = _turn_detection(raw, config.turn_detection, "session.audio.input.turn_detection")
         if started and (td.type == "duplex") != config.duplex:
-            raise RealtimeError("session_update_not_allowed",
+            raise ProtocolError("session_update_not_allowed",
                                 "turn_detection cannot switch between duplex and turn-based once audio was sent",
                                 "session.audio.input.turn_detection.type")
         changes["turn_detection"] = td
     overlap = config.overlap
     if session.get("overlap_policy") is not None:
         if session["overlap_policy"] not in POLICIES:
-            raise RealtimeError("invalid_value", f"overlap_policy must be one of {', '.join(POLICIES)}",
+            raise ProtocolError("invalid_value", f"overlap_policy must be one of {', '.join(POLICIES)}",
                                 "session.overlap_policy")
         overlap = dataclasses.replace(overlap, policy=session["overlap_policy"])
     for key, attr, kind, low, high in (("overlap_short_ack_ms", "short_ack_ms", int, 0, 60_000),
@@ -169,7 +169,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     changes["overlap"] = overlap
     if session.get("playback_commit_policy") is not None:
         if session["playback_commit_policy"] not in COMMIT_POLICIES:
-            raise RealtimeError("invalid_value", f"playback_commit_policy must be one of {', '.join(COMMIT_POLICIES)}",
+            raise ProtocolError("invalid_value", f"playback_commit_policy must be one of {', '.join(COMMIT_POLICIES)}",
                                 "session.playback_commit_policy")
         changes["playback_commit_policy"] = session["playback_commit_policy"]
 
@@ -179,7 +179,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     fixed: dict[str, Any] = {}
     if session.get("instructions") is not None:
         if not isinstance(session["instructions"], str):
-            raise RealtimeError("invalid_value", "instructions must be a string", "session.instructions")
+            raise ProtocolError("invalid_value", "instructions must be a string", "session.instructions")
         fixed["instructions"] = session["instructions"]
     extra = session.get("extra_body") if isinstance(session.get("extra_body"), dict) else {}
     model = {k: v for k, v in {**session, **extra}.items() if k in MODEL_KEYS and v is not None}
@@ -188,11 +188,11 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     if fixed and started:
         changed = [k for k, v in fixed.items() if getattr(config, k) != v]
         if changed:
-            raise RealtimeError("session_update_not_allowed",
+            raise ProtocolError("session_update_not_allowed",
                                 f"{', '.join(changed)} can only change before the first audio", f"session.{changed[0]}")
     out = dataclasses.replace(config, **changes, **fixed)
     try:
         out.options()
     except InvalidOptions as exc:
-        raise RealtimeError("invalid_value", str(exc), "session") from exc
+        raise ProtocolError("invalid_value", str(exc), "session") from exc
     return out

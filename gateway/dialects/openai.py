@@ -22,11 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, StepEvent, StepInput
 from minicpmo_triton.duplex_options import DuplexOptions
+from minicpmo_triton.model_config import DuplexDefaults
 
 from ..audio import (
     INPUT_RATE,
@@ -37,27 +39,27 @@ from ..audio import (
     encode_pcm16_base64,
     resample,
 )
+from ..engine import UNIT, Effects, EngineState, PlannedStep, ServerEvent
+from ..inputs import MAX_APPEND_SECONDS, MAX_FRAMES
 from ..overlap import OverlapDecision, OverlapPolicy, rms
-from ..session import Usage
-from ..triton_stream import StepEvent, StepRequest
 from ..vad import WINDOW_MS, SpeechSegmenter
-from .config import RealtimeConfig, apply_update, max_output_tokens
-from .conversation import Conversation, Item
-from .engine import UNIT, Effects, EngineState, PlannedStep
-from .events import RealtimeError, error_event, new_id, server_event, usage_block
+from ..wire import ProtocolError, Usage, new_id
+from . import openai_events as oe
+from .openai_config import RealtimeConfig, apply_update, max_output_tokens
+from .openai_conversation import Conversation, Item
+from .realtime_events import answer, closed_event, error_event, parse_event
 
-MAX_APPEND_SECONDS = 5
 MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
-CONTEXT_TOKENS = 8192
-MAX_FRAMES = 4
+CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
 CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
                 "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
 
-class SpeechProbabilities(Protocol):
-    def probabilities(self, audio: np.ndarray) -> list[float]: ...
+# Work that is not protocol comes in as callables (the shell runs the state off the event loop):
+SpeechProbabilities = Callable[[np.ndarray], list[float]]  # 16 kHz audio -> one speech probability per VAD window
+Resampling = Callable[[int, int], Callable[[np.ndarray], np.ndarray]]  # (rate in, rate out) -> a stream resampler
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Response:
 class OpenAIRealtimeState(EngineState):
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
     vad: SpeechProbabilities | None = None
+    resampling: Resampling = StreamResampler
     conversation: Conversation = field(default_factory=Conversation)
     response: Response | None = None  # the latest response, open or done
     past_responses: set[str] = field(default_factory=set)
@@ -94,7 +97,8 @@ class OpenAIRealtimeState(EngineState):
     _listen_next: bool = False
     _frames: list[bytes] = field(default_factory=list)
     _reported: tuple[str, str] | None = None
-    _resampler: StreamResampler | None = None  # the caller's audio, at its rate, to 16 kHz
+    _resampler: Callable[[np.ndarray], np.ndarray] | None = None  # the caller's audio, at its rate, to 16 kHz
+    _resampler_rate: int = 0
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -111,8 +115,14 @@ class OpenAIRealtimeState(EngineState):
                                          position_ms=position)
 
     # ---- session ----
-    def created(self) -> list[dict[str, Any]]:
-        return [server_event("session.created", session=self._session_dict(), capabilities=CAPABILITIES)]
+    def created(self) -> list[ServerEvent]:
+        return [oe.SessionCreated(self._session_dict(), CAPABILITIES)]
+
+    def on_text(self, text: str) -> Effects:
+        return answer(parse_event(text, None), self.on_client)  # not JSON: an error, the session goes on
+
+    def error_event(self, err: ProtocolError) -> ServerEvent:
+        return error_event(err)
 
     def _session_dict(self) -> dict[str, Any]:
         return {**self.config.to_dict(self.session_id), "epoch": self.epoch}
@@ -123,42 +133,36 @@ class OpenAIRealtimeState(EngineState):
 
     # ---- client events ----
     def on_client(self, msg: dict[str, Any]) -> Effects:
-        kind = msg["type"]
-        handler = _HANDLERS.get(kind)
-        if handler is None:
-            raise RealtimeError("unknown_event", f"unknown event type {kind!r}", "type")
-        return handler(self, msg)
+        return self.on_event(oe.decode_client(msg))
 
-    def _session_update(self, msg: dict[str, Any]) -> Effects:
-        config = apply_update(self.config, msg.get("session"), self.started)
+    def on_event(self, event: oe.ClientEvent) -> Effects:
+        return _HANDLERS[type(event)](self, event)
+
+    def _session_update(self, msg: oe.SessionUpdate) -> Effects:
+        config = apply_update(self.config, msg.session, self.started)
         if config.turn_detection.type == "server_vad" and self.vad is None:
-            raise RealtimeError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
+            raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
                                 "session.audio.input.turn_detection.type")
         self.config = config
         self._reset_detectors()
-        return Effects([server_event("session.updated", session=self._session_dict())])
+        return Effects([oe.SessionUpdated(self._session_dict())])
 
-    def _append(self, msg: dict[str, Any]) -> Effects:
-        data = msg.get("audio")
-        if not isinstance(data, str) or not data:
-            raise RealtimeError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+    def _append(self, msg: oe.AudioAppend) -> Effects:
         rate = self.config.input_rate
         try:
-            pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
+            pcm = decode_pcm16_base64(msg.audio, MAX_APPEND_SECONDS * rate)
         except AudioDecodeError as exc:
-            raise RealtimeError("bad_audio", str(exc), "audio") from exc
-        if self._resampler is None or self._resampler.rate_in != rate:
-            self._resampler = StreamResampler(rate, INPUT_RATE)
-        hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
-        hint = msg.get("transcript_hint") or hints.get("transcript")
-        return self.hear(self._resampler(pcm), hint if isinstance(hint, str) else None)
+            raise ProtocolError("bad_audio", str(exc), "audio") from exc
+        if self._resampler is None or self._resampler_rate != rate:
+            self._resampler, self._resampler_rate = self.resampling(rate, INPUT_RATE), rate
+        return self.hear(self._resampler(pcm), msg.hint)
 
     def hear(self, audio: np.ndarray, hint: str | None = None) -> Effects:
         """Caller audio (16 kHz float32), however it arrived."""
         out = Effects()
         # The VAD runs where it is needed: server VAD, or judging speech under a reply (duplex).
         needed = self.config.turn_detection.type == "server_vad" or (self.config.duplex and self.active is not None)
-        probs = self.vad.probabilities(audio) if self.vad is not None and needed else []
+        probs = self.vad(audio) if self.vad is not None and needed else []
         vad_events = self.segmenter.feed(probs)
         if self.config.duplex:
             audio = self._judge_overlap(audio, probs, any(e.kind == "speech_started" for e in vad_events), hint, out)
@@ -170,20 +174,18 @@ class OpenAIRealtimeState(EngineState):
         self._buffer.append(audio)
         if sum(len(a) for a in self._buffer) > MAX_BUFFER_SECONDS * INPUT_RATE:
             self._buffer.pop()
-            raise RealtimeError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
+            raise ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
                                 "commit or clear it (this append was dropped)")
         if self.config.turn_detection.type != "server_vad":
             return out
-        for ev in vad_events:
-            if ev.kind == "speech_started":
+        for vad_ev in vad_events:
+            if vad_ev.kind == "speech_started":
                 self._speech_item = new_id("item")
-                out.events.append(server_event("input_audio_buffer.speech_started", audio_start_ms=ev.audio_ms,
-                                               item_id=self._speech_item))
+                out.events.append(oe.SpeechStarted(vad_ev.audio_ms, self._speech_item))
                 if self.active is not None and self.config.turn_detection.interrupt_response:
                     out.extend(self._interrupt("barge_in"))
             else:
-                out.events.append(server_event("input_audio_buffer.speech_stopped", audio_end_ms=ev.audio_ms,
-                                               item_id=self._speech_item))
+                out.events.append(oe.SpeechStopped(vad_ev.audio_ms, self._speech_item))
                 out.extend(self._commit_buffer(self._speech_item))
                 if self.config.turn_detection.create_response and self.active is None:
                     out.extend(self._respond())
@@ -214,21 +216,20 @@ class OpenAIRealtimeState(EngineState):
             return np.zeros_like(audio)  # noise under a reply: the model hears silence
         return audio
 
-    def _decision_event(self, d: OverlapDecision) -> dict[str, Any]:
-        return server_event("overlap.decision", policy=self.config.overlap.policy, action=d.action, reason=d.reason,
-                            speech_ms=d.speech_ms, response_id=self.response.id if self.response else None,
-                            epoch=self.epoch)
+    def _decision_event(self, d: OverlapDecision) -> oe.OverlapDecision:
+        return oe.OverlapDecision(self.config.overlap.policy, d.action, d.reason, d.speech_ms,
+                                  self.response.id if self.response else None, self.epoch)
 
     def _duplex_step(self, unit_audio: np.ndarray, force_listen: bool = False) -> PlannedStep:
         self._units += 1
         frames, self._frames = self._frames, []
-        req = StepRequest(audio=unit_audio, force_listen=force_listen, frames=frames,
-                          max_slice_nums=[1] * len(frames))
+        req = StepInput(audio=unit_audio, force_listen=force_listen, frames=frames,
+                        max_slice_nums=[1] * len(frames))
         return PlannedStep("duplex", req, self.epoch, unit=self._units)
 
-    def prepare(self, step: PlannedStep) -> StepRequest:
+    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
         req = super().prepare(step)
-        if step.kind == "duplex":
+        if isinstance(req, StepInput) and step.kind == "duplex":
             req.force_listen = req.force_listen or self._listen_next  # the second the caller barged in is heard
             self._listen_next = False
             if self._rollback is not None:
@@ -237,15 +238,15 @@ class OpenAIRealtimeState(EngineState):
                 replay = [a for u, a in self._sent_units if u > after]
                 if kv >= 0 and (not self._sent_units or self._sent_units[0][0] <= after + 1):
                     req.rollback_to = kv
-                    req.replay_audio = np.concatenate(replay) if replay else None
+                    req.replay_audio = np.concatenate(replay) if replay else np.zeros(0, np.float32)
             self._sent_units.append((step.unit, req.audio))
         return req
 
-    def _commit(self, msg: dict[str, Any]) -> Effects:
+    def _commit(self, msg: oe.ClientEvent) -> Effects:
         if self.config.duplex:
             unit = _committable(self._unit_audio)
             self._unit_audio = np.zeros(0, np.float32)
-            return Effects([server_event("input_audio_buffer.committed", item_id=None)], [self._duplex_step(unit)])
+            return Effects([oe.BufferCommitted(None)], [self._duplex_step(unit)])
         return self._commit_buffer(None)
 
     def _commit_buffer(self, item_id: str | None) -> Effects:
@@ -254,49 +255,49 @@ class OpenAIRealtimeState(EngineState):
         item = Item(item_id or new_id("item"), "user", audio=audio)
         previous, _ = self.conversation.add(item)
         return Effects([
-            server_event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous),
-            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-            server_event("conversation.item.done", item=item.to_dict()),
+            oe.BufferCommitted(item.id, previous),
+            oe.ItemAdded(previous, item.to_dict()),
+            oe.ItemDone(item.to_dict()),
         ])
 
-    def _clear(self, msg: dict[str, Any]) -> Effects:
+    def _clear(self, msg: oe.ClientEvent) -> Effects:
         self._buffer, self._unit_audio = [], np.zeros(0, np.float32)
-        return Effects([server_event("input_audio_buffer.cleared")])
+        return Effects([oe.BufferCleared()])
 
-    def _item_create(self, msg: dict[str, Any]) -> Effects:
-        raw = msg.get("item")
+    def _item_create(self, msg: oe.ItemCreate) -> Effects:
+        raw = msg.item
         if not isinstance(raw, dict) or raw.get("type", "message") != "message":
-            raise RealtimeError("invalid_value", "item must be a message", "item")
+            raise ProtocolError("invalid_value", "item must be a message", "item")
         role = raw.get("role")
         if role not in ("user", "assistant", "system"):
-            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", "item.role")
+            raise ProtocolError("invalid_value", "item.role must be user, assistant or system", "item.role")
         item = self.conversation.new_item(role, spoken=False)
         content = raw.get("content") or []
         if not isinstance(content, list):
-            raise RealtimeError("invalid_value", "item.content must be a list", "item.content")
+            raise ProtocolError("invalid_value", "item.content must be a list", "item.content")
         for part in content:
             self._add_part(item, part)
         if not item.text and item.audio is None and not item.images:
-            raise RealtimeError("missing_field", "the item has no text, audio or image content", "item.content")
+            raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
         out = Effects()
         if self.config.duplex:
             if item.audio is not None:
-                raise RealtimeError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
+                raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
                                     "item.content")
             if len(self._frames) + len(item.images) > MAX_FRAMES:
-                raise RealtimeError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
+                raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
             self._frames += [base64.b64decode(i) for i in item.images]  # seen with the next second of audio
             if item.text:
-                req = StepRequest(context={"text": item.text, "kind": role, "respond": False})
+                req = StepInput.of_context(Context(item.text, role, respond=False))
                 out.steps.append(PlannedStep("context", req, self.epoch))
         previous, _ = self.conversation.add(item)
-        out.events += [server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-                       server_event("conversation.item.done", item=item.to_dict())]
+        out.events += [oe.ItemAdded(previous, item.to_dict()),
+                       oe.ItemDone(item.to_dict())]
         return out
 
     def _add_part(self, item: Item, part: Any) -> None:
         if not isinstance(part, dict):
-            raise RealtimeError("invalid_value", "each content part must be an object", "item.content")
+            raise ProtocolError("invalid_value", "each content part must be an object", "item.content")
         kind = part.get("type")
         if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
             item.text += part["text"]
@@ -305,7 +306,7 @@ class OpenAIRealtimeState(EngineState):
             try:
                 audio = resample(decode_pcm16_base64(part["audio"], 60 * rate), rate, INPUT_RATE)
             except AudioDecodeError as exc:
-                raise RealtimeError("bad_audio", str(exc), "item.content.audio") from exc
+                raise ProtocolError("bad_audio", str(exc), "item.content.audio") from exc
             item.audio = _whole_tenths(audio)
         elif kind == "input_image":
             url = part.get("image_url")
@@ -314,55 +315,50 @@ class OpenAIRealtimeState(EngineState):
                 if not isinstance(data, str) or not base64.b64decode(data, validate=True):
                     raise ValueError("empty")
             except (binascii.Error, ValueError) as exc:
-                raise RealtimeError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
+                raise ProtocolError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
                     from exc
             item.images.append(data)
         else:
-            raise RealtimeError("invalid_value", f"unsupported content part {kind!r}", "item.content")
+            raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
 
-    def _item_retrieve(self, msg: dict[str, Any]) -> Effects:
-        return Effects([server_event("conversation.item.retrieved",
-                                     item=self.conversation.get(msg.get("item_id")).to_dict())])
+    def _item_retrieve(self, msg: oe.ItemRetrieve) -> Effects:
+        return Effects([oe.ItemRetrieved(self.conversation.get(msg.item_id).to_dict())])
 
-    def _item_delete(self, msg: dict[str, Any]) -> Effects:
-        item_id = msg.get("item_id")
+    def _item_delete(self, msg: oe.ItemRetrieve) -> Effects:
+        item_id = msg.item_id
         if self.active is not None and self.active.item.id == item_id:
-            raise RealtimeError("invalid_value", "cancel the response before deleting its item", "item_id")
+            raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
-        return Effects([server_event("conversation.item.deleted", item_id=item_id)])
+        return Effects([oe.ItemDeleted(item_id)])
 
-    def _item_truncate(self, msg: dict[str, Any]) -> Effects:
-        item = self.conversation.get(msg.get("item_id"))
+    def _item_truncate(self, msg: oe.ItemTruncate) -> Effects:
+        item = self.conversation.get(msg.item_id)
         if item.role != "assistant":
-            raise RealtimeError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
-        end = msg.get("audio_end_ms")
-        if isinstance(end, bool) or not isinstance(end, (int, float)) or end < 0:
-            raise RealtimeError("invalid_value", "audio_end_ms must be a number >= 0", "audio_end_ms")
+            raise ProtocolError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
+        end = msg.audio_end_ms
         out = Effects()
         response = self.response if self.response is not None and self.response.item is item else None
         if response is not None and not response.done:
-            out.extend(self._interrupt("client_cancelled", heard_ms=float(end)))
+            out.extend(self._interrupt("client_cancelled", heard_ms=end))
             return out
-        cut = item.truncate(float(end))
+        cut = item.truncate(end)
         if response is not None:
             self._plan_rollback(response)
-        out.events.append(server_event("conversation.item.truncated", item_id=item.id,
-                                       content_index=msg.get("content_index", 0), audio_end_ms=round(cut)))
+        out.events.append(oe.ItemTruncated(item.id, msg.content_index, round(cut)))
         return out
 
-    def _response_create(self, msg: dict[str, Any]) -> Effects:
+    def _response_create(self, msg: oe.ResponseCreate) -> Effects:
         if self.active is not None:
-            raise RealtimeError("conversation_already_has_active_response",
+            raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self.active.id} is still in progress")
-        spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
         if self.config.duplex:
-            text = spec.get("instructions")
+            text = msg.instructions
             if not isinstance(text, str) or not text.strip():
-                raise RealtimeError("invalid_value", "with duplex turn detection the model decides when to speak; "
+                raise ProtocolError("invalid_value", "with duplex turn detection the model decides when to speak; "
                                     "response.create needs response.instructions to prompt it", "response.instructions")
-            req = StepRequest(context={"text": text.strip(), "kind": "instructions", "respond": True})
+            req = StepInput.of_context(Context(text.strip(), "instructions", respond=True))
             return Effects(steps=[PlannedStep("context", req, self.epoch)])
-        budget = spec.get("max_output_tokens")
+        budget = msg.max_output_tokens
         return self._respond(self.config.max_output_tokens if budget is None
                              else max_output_tokens(budget, "response.max_output_tokens"))
 
@@ -370,59 +366,50 @@ class OpenAIRealtimeState(EngineState):
         """A turn-based response: a chat turn over the conversation so far."""
         messages = [self._chat_message(i) for i in self.conversation.items if i.text or i.audio is not None
                     or i.images]
-        if not messages or messages[-1]["role"] == "assistant":
-            raise RealtimeError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        if not messages or messages[-1].role == "assistant":
+            raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
         out = self._open_response(self.clock())
-        chat = {"messages": messages, "max_new_tokens": budget or self.config.max_output_tokens,
-                "generate_audio": self.config.audio_out}
-        out.steps.append(PlannedStep("chat", StepRequest(chat=chat), self.epoch, response_id=self.response.id))
+        chat = ChatInput(messages, budget or self.config.max_output_tokens, self.config.audio_out)
+        out.steps.append(PlannedStep("chat", chat, self.epoch, response_id=self.response.id))
         return out
 
     @staticmethod
-    def _chat_message(item: Item) -> dict[str, Any]:
-        audio = None
-        if item.audio is not None:
-            audio = base64.b64encode(np.ascontiguousarray(item.audio, "<f4").tobytes()).decode("ascii")
-        return {"role": item.role, "text": item.text, "audio": audio, "images": item.images, "max_slice_nums": 1}
+    def _chat_message(item: Item) -> ChatMessage:
+        return ChatMessage(item.role, item.text, item.audio, tuple(base64.b64decode(i) for i in item.images))
 
-    def _response_cancel(self, msg: dict[str, Any]) -> Effects:
+    def _response_cancel(self, msg: oe.ClientEvent) -> Effects:
         if self.active is None:
-            raise RealtimeError("response_cancel_not_active", "there is no response in progress to cancel")
+            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
         return self._interrupt("client_cancelled")
 
-    def _output_clear(self, msg: dict[str, Any]) -> Effects:
+    def _output_clear(self, msg: oe.ClientEvent) -> Effects:
         out = self._interrupt("output_cleared") if self.active is not None else Effects()
-        out.events.append(server_event("output_audio_buffer.cleared",
-                                       response_id=self.response.id if self.response else None))
+        out.events.append(oe.OutputBufferCleared(self.response.id if self.response else None))
         return out
 
-    def _playback_ack(self, msg: dict[str, Any]) -> Effects:
-        response_id, played = msg.get("response_id"), msg.get("played_ms")
-        if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
-            raise RealtimeError("invalid_value", "played_ms must be a number >= 0", "played_ms")
+    def _playback_ack(self, msg: oe.PlaybackAck) -> Effects:
+        response_id, played = msg.response_id, msg.played_ms
         r = self.response
         if r is None or response_id != r.id:
             if response_id in self.past_responses:
-                raise RealtimeError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
+                raise ProtocolError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
                                     "response_id")
-            raise RealtimeError("unknown_response", f"no response {response_id!r}", "response_id")
-        r.ack_ms = max(r.ack_ms, min(float(played), r.item.audio_ms))  # acks only move forward
+            raise ProtocolError("unknown_response", f"no response {response_id!r}", "response_id")
+        r.ack_ms = max(r.ack_ms, min(played, r.item.audio_ms))  # acks only move forward
         r.ack_at = self.clock()
         committed = r.done
         out = Effects()
         if r.done and self.config.playback_commit_policy == "ack_only" and r.ack_ms < r.item.audio_ms:
             cut = r.item.truncate(r.ack_ms)
             self._plan_rollback(r)
-            out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
-                                           audio_end_ms=round(cut)))
-        out.events.insert(0, server_event("playback.acknowledged", response_id=r.id, played_ms=round(r.ack_ms),
-                                          history_committed=committed))
+            out.events.append(oe.ItemTruncated(r.item.id, 0, round(cut)))
+        out.events.insert(0, oe.PlaybackAcknowledged(r.id, round(r.ack_ms), committed))
         return out
 
-    def _close(self, msg: dict[str, Any]) -> Effects:
+    def _close(self, msg: oe.ClientEvent) -> Effects:
         return Effects(close="client_closed")
 
-    def _heartbeat(self, msg: dict[str, Any]) -> Effects:
+    def _heartbeat(self, msg: oe.ClientEvent) -> Effects:
         return Effects()
 
     # ---- responses ----
@@ -436,15 +423,14 @@ class OpenAIRealtimeState(EngineState):
         r = self.response
         part = {"type": "output_audio" if self.config.audio_out else "output_text",
                 "transcript" if self.config.audio_out else "text": ""}
-        events = []
+        events: list[ServerEvent] = []
         if self.config.duplex:
-            events.append(server_event("response.speak", response_id=r.id, epoch=self.epoch))
+            events.append(oe.ResponseSpeak(r.id, self.epoch))
         events += [
-            server_event("response.created", response=self._response_dict(r)),
-            server_event("conversation.item.added", previous_item_id=previous, item=item.to_dict()),
-            server_event("response.output_item.added", response_id=r.id, output_index=0, item=item.to_dict()),
-            server_event("response.content_part.added", response_id=r.id, item_id=item.id, output_index=0,
-                         content_index=0, part=part),
+            oe.ResponseCreated(self._response_dict(r)),
+            oe.ItemAdded(previous, item.to_dict()),
+            oe.OutputItemAdded(r.id, 0, item.to_dict()),
+            oe.ContentPartAdded(r.id, item.id, 0, 0, part),
         ]
         return Effects(events)
 
@@ -464,24 +450,22 @@ class OpenAIRealtimeState(EngineState):
         item.status = "completed" if status == "completed" else "incomplete"
         ids = {"response_id": r.id, "item_id": item.id, "output_index": 0, "content_index": 0}
         if self.config.audio_out:
-            events = [server_event("response.output_audio.done", **ids),
-                      server_event("response.output_audio_transcript.done", transcript=item.text, **ids)]
+            events: list[ServerEvent] = [oe.OutputAudioDone(**ids), oe.TranscriptDone(**ids, transcript=item.text)]
             part = {"type": "output_audio", "transcript": item.text}
         else:
-            events = [server_event("response.output_text.done", text=item.text, **ids)]
+            events = [oe.TextDone(**ids, text=item.text)]
             part = {"type": "output_text", "text": item.text}
         events += [
-            server_event("response.content_part.done", part=part, **ids),
-            server_event("response.output_item.done", response_id=r.id, output_index=0, item=item.to_dict()),
-            server_event("conversation.item.done", item=item.to_dict()),
-            server_event("response.done", response=self._response_dict(r, status, details)),
-            server_event("rate_limits.updated", rate_limits=[{
+            oe.ContentPartDone(**ids, part=part),
+            oe.OutputItemDone(r.id, 0, item.to_dict()),
+            oe.ItemDone(item.to_dict()),
+            oe.ResponseDone(self._response_dict(r, status, details)),
+            oe.RateLimitsUpdated([{
                 "name": "context_tokens", "limit": CONTEXT_TOKENS,
                 "remaining": max(0, CONTEXT_TOKENS - r.kv_length), "reset_seconds": 0}]),
         ]
         if self.config.duplex:
-            events.append(server_event("response.listen", response_id=r.id, epoch=self.epoch,
-                                       end_of_turn=status == "completed"))
+            events.append(oe.ResponseListen(r.id, self.epoch, status == "completed"))
         return Effects(events)
 
     def heard_ms(self, r: Response) -> float:
@@ -506,8 +490,7 @@ class OpenAIRealtimeState(EngineState):
         self.epoch += 1
         out = Effects(cancel=True)
         out.extend(self._finish_response("cancelled", {"type": "cancelled", "reason": reason}))
-        out.events.append(server_event("conversation.item.truncated", item_id=r.item.id, content_index=0,
-                                       audio_end_ms=round(cut)))
+        out.events.append(oe.ItemTruncated(r.item.id, 0, round(cut)))
         self.overlap.reset()
         return out
 
@@ -549,20 +532,20 @@ class OpenAIRealtimeState(EngineState):
         if ev.chunk_usage and self.response is not None:
             self.response.usage.add(ev.chunk_usage)
 
-    def _delta_events(self, ev: StepEvent, kv: int = -1, unit: int = -1) -> list[dict[str, Any]]:
+    def _delta_events(self, ev: StepEvent, kv: int = -1, unit: int = -1) -> list[ServerEvent]:
         r = self.response
         ids = {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
         if ev.kind == "text" and ev.text:
             r.item.add_text(ev.text, voiced=self.config.audio_out)
-            kind = "response.output_audio_transcript.delta" if self.config.audio_out else "response.output_text.delta"
-            return [server_event(kind, delta=ev.text, **ids)]
+            delta = oe.TranscriptDelta if self.config.audio_out else oe.TextDelta
+            return [delta(**ids, delta=ev.text)]
         if ev.kind == "audio" and len(ev.audio) and self.config.audio_out:
             dur_ms = len(ev.audio) * 1000 / OUTPUT_RATE
             mark = r.item.add_audio(dur_ms, kv, unit)
             if r.first_audio_at is None:
                 r.first_audio_at = self.clock()
             pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, self.config.output_rate))
-            return [server_event("response.output_audio.delta", delta=pcm, **ids, metadata={
+            return [oe.OutputAudioDelta(**ids, delta=pcm, metadata={
                 "epoch": self.epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
                 "kv_cache_length": kv})]
         return []
@@ -580,20 +563,35 @@ class OpenAIRealtimeState(EngineState):
 
     def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
-        out = Effects([error_event(RealtimeError(code, message))])
+        out = Effects([error_event(ProtocolError(code, message))])
         if step.epoch == self.epoch and self.active is not None and step.kind == "chat":
             out.extend(self._finish_response("failed", {"type": "failed", "error": {"code": code,
                                                                                      "message": message}}))
         return out
 
-    def on_close(self, reason: str) -> Effects:
-        if self.active is None:
-            return Effects()
-        return self._finish_response("cancelled", {"type": "cancelled", "reason": reason})
+    def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
+        out = [] if self.active is None else \
+            self._finish_response("cancelled", {"type": "cancelled", "reason": reason}).events
+        return [*out, closed_event(self.session_id, reason, self.usage.snapshot(), message)]
 
     def wanted(self, step: PlannedStep) -> bool:
         """A chat step whose response was cancelled while it waited need not run."""
         return step.kind != "chat" or (self.active is not None and self.active.id == step.response_id)
+
+
+def usage_block(counts: dict[str, int]) -> dict[str, Any]:
+    """The stages' token counts in OpenAI's `usage` shape."""
+    text_in, audio_in = counts.get("input_text_tokens", 0), counts.get("input_audio_tokens", 0)
+    image_in = counts.get("input_vision_tokens", 0)
+    text_out, audio_out = counts.get("output_text_tokens", 0), counts.get("output_speech_tokens", 0)
+    return {
+        "total_tokens": text_in + audio_in + image_in + text_out + audio_out,
+        "input_tokens": text_in + audio_in + image_in,
+        "output_tokens": text_out + audio_out,
+        "input_token_details": {"text_tokens": text_in, "audio_tokens": audio_in, "image_tokens": image_in,
+                                "cached_tokens": 0},
+        "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out},
+    }
 
 
 def _whole_tenths(audio: np.ndarray) -> np.ndarray:
@@ -603,23 +601,23 @@ def _whole_tenths(audio: np.ndarray) -> np.ndarray:
 
 def _committable(audio: np.ndarray) -> np.ndarray:
     if len(audio) < MIN_COMMIT_MS * INPUT_RATE // 1000:
-        raise RealtimeError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
+        raise ProtocolError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
     return _whole_tenths(audio)
 
 
-_HANDLERS: dict[str, Callable[[OpenAIRealtimeState, dict[str, Any]], Effects]] = {
-    "session.update": OpenAIRealtimeState._session_update,
-    "input_audio_buffer.append": OpenAIRealtimeState._append,
-    "input_audio_buffer.commit": OpenAIRealtimeState._commit,
-    "input_audio_buffer.clear": OpenAIRealtimeState._clear,
-    "conversation.item.create": OpenAIRealtimeState._item_create,
-    "conversation.item.retrieve": OpenAIRealtimeState._item_retrieve,
-    "conversation.item.delete": OpenAIRealtimeState._item_delete,
-    "conversation.item.truncate": OpenAIRealtimeState._item_truncate,
-    "response.create": OpenAIRealtimeState._response_create,
-    "response.cancel": OpenAIRealtimeState._response_cancel,
-    "output_audio_buffer.clear": OpenAIRealtimeState._output_clear,
-    "playback.ack": OpenAIRealtimeState._playback_ack,
-    "session.close": OpenAIRealtimeState._close,
-    "session.heartbeat": OpenAIRealtimeState._heartbeat,
+_HANDLERS: dict[type[oe.ClientEvent], Callable[[OpenAIRealtimeState, Any], Effects]] = {
+    oe.SessionUpdate: OpenAIRealtimeState._session_update,
+    oe.AudioAppend: OpenAIRealtimeState._append,
+    oe.BufferCommit: OpenAIRealtimeState._commit,
+    oe.BufferClear: OpenAIRealtimeState._clear,
+    oe.ItemCreate: OpenAIRealtimeState._item_create,
+    oe.ItemRetrieve: OpenAIRealtimeState._item_retrieve,
+    oe.ItemDelete: OpenAIRealtimeState._item_delete,
+    oe.ItemTruncate: OpenAIRealtimeState._item_truncate,
+    oe.ResponseCreate: OpenAIRealtimeState._response_create,
+    oe.ResponseCancel: OpenAIRealtimeState._response_cancel,
+    oe.OutputClear: OpenAIRealtimeState._output_clear,
+    oe.PlaybackAck: OpenAIRealtimeState._playback_ack,
+    oe.SessionClose: OpenAIRealtimeState._close,
+    oe.Heartbeat: OpenAIRealtimeState._heartbeat,
 }

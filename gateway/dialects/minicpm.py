@@ -1,0 +1,180 @@
+"""MiniCPM-o's own Realtime dialect (`/v1/realtime?mode=audio|video`) as a state machine (pure code).
+
+`session.update {session: {instructions, ref_audio, tts_ref_audio, max_slice_nums, voice_config}}` opens
+the session (answered by `session.created {session_id, prompt_length}`); each
+`input_audio_buffer.append {audio (base64 float32 16 kHz), video_frames, force_listen, max_slice_nums}`
+is one duplex step, answered by `response.output_audio.delta {text, audio, end_of_turn, kv_cache_length}`
+(text first, its audio after, as the model makes them) or `response.listen {kv_cache_length}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minicpmo_triton.duplex_contract import StepEvent, StepInput
+from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
+
+from ..audio import encode_f32_base64
+from ..engine import Effects, EngineState, PlannedStep, ServerEvent
+from ..inputs import InputAppend, parse_append, voice_ref
+from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
+from .realtime_events import RealtimeEvent, answer, closed_event, error_event, parse_event
+
+MODES = ("audio", "video")
+
+
+# ---- server events ----
+
+class Queued(RealtimeEvent, type="session.queued"):
+    """Where a caller waiting for a slot stands (`session.queued` first, then `session.queue_update`)."""
+
+    position: int
+    queue_length: int
+    ticket_id: str
+    estimated_wait_s: float
+
+
+QueueUpdate = Queued.retyped("QueueUpdate", "session.queue_update")
+
+
+class QueueDone(RealtimeEvent, type="session.queue_done"):
+    session_id: str
+
+
+class SessionCreated(RealtimeEvent, type="session.created"):
+    session_id: str
+    mode: str
+    prompt_length: int
+
+
+class Listen(RealtimeEvent, type="response.listen"):
+    kv_cache_length: int
+    end_of_turn: bool | None = None
+
+
+class OutputAudioDelta(RealtimeEvent, type="response.output_audio.delta"):
+    text: str
+    audio: str  # base64 float32 24 kHz
+    end_of_turn: bool
+    kv_cache_length: int
+
+
+def queue_position(first: bool, position: int, queue_length: int, ticket_id: str, estimated_wait_s: float) -> Queued:
+    return (Queued if first else QueueUpdate)(position, queue_length, ticket_id, estimated_wait_s)
+
+
+def _client_error(exc: ProtocolError) -> ProtocolError:
+    exc.error_type = "client_error"
+    return exc
+
+
+# ---- client events ----
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    session: Any  # {instructions, ref_audio, tts_ref_audio, config, voice_config}, checked when applied
+
+
+@dataclass(frozen=True)
+class SessionClose:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+ClientEvent = SessionUpdate | InputAppend | SessionClose | Heartbeat  # InputAppend: input_audio_buffer.append
+
+
+def decode_client(msg: dict[str, Any]) -> ClientEvent:
+    kind = msg["type"]
+    if kind == "session.update":
+        return SessionUpdate(msg.get("session"))
+    if kind == "input_audio_buffer.append":
+        try:
+            return parse_append({k: v for k, v in msg.items() if k != "type"})
+        except ProtocolError as exc:
+            raise _client_error(exc) from None
+    if kind == "session.close":
+        return SessionClose(str(msg.get("reason") or "stopped"))
+    if kind == "session.heartbeat":
+        return Heartbeat()
+    raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
+
+
+@dataclass
+class MiniCPMRealtimeState(EngineState):
+    mode: str = "audio"
+    instructions: str = DEFAULT_SYSTEM_PROMPT
+    model: dict[str, Any] = field(default_factory=dict)
+    configured: bool = False
+    kv_length: int = 0
+
+    def options(self) -> DuplexOptions:
+        return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
+
+    def created(self) -> list[ServerEvent]:
+        return []  # session.created answers the client's session.update
+
+    def on_text(self, text: str) -> Effects:
+        return answer(parse_event(text, CLOSE_UNSUPPORTED_DATA), self.on_client)  # not JSON: the socket closes
+
+    def error_event(self, err: ProtocolError) -> ServerEvent:
+        return error_event(err)
+
+    def on_client(self, msg: dict[str, Any]) -> Effects:
+        if msg["type"] != "session.update" and not self.configured:
+            raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
+        event = decode_client(msg)
+        if isinstance(event, SessionUpdate):
+            return self._configure(event.session)
+        if isinstance(event, InputAppend):
+            if event.frames and self.mode != "video":
+                raise ProtocolError("invalid_payload", "video_frames need ?mode=video", "video_frames",
+                                    error_type="client_error")
+            req = StepInput(audio=event.audio, force_listen=event.force_listen, frames=event.frames,
+                            max_slice_nums=event.max_slice_nums if event.frames else [])
+            return Effects(steps=[PlannedStep("duplex", req, self.epoch)])
+        if isinstance(event, SessionClose):
+            return Effects(close=event.reason)
+        return Effects()  # a heartbeat
+
+    def _configure(self, session: Any) -> Effects:
+        if self.configured:
+            raise ProtocolError("invalid_payload", "the session is configured once, at its start", "session",
+                                error_type="client_error")
+        session = session if isinstance(session, dict) else {}
+        instructions = session.get("instructions") or session.get("system_prompt")
+        if instructions is not None:
+            if not isinstance(instructions, str):
+                raise ProtocolError("invalid_payload", "instructions must be a string", "session.instructions",
+                                    error_type="client_error")
+            self.instructions = instructions
+        voice_config = session.get("voice_config") if isinstance(session.get("voice_config"), dict) else {}
+        self.model = {**(session.get("config") if isinstance(session.get("config"), dict) else {}), **voice_config}
+        try:
+            self.options()
+            self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
+                          for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
+        except InvalidOptions as exc:
+            raise ProtocolError("invalid_payload", str(exc), "session", error_type="client_error") from exc
+        except ProtocolError as exc:
+            raise _client_error(exc) from None
+        self.configured = True
+        prompt_length = len(self.instructions.encode("utf-8"))  # bytes: the tiny model's tokens
+        return Effects([SessionCreated(self.session_id, self.mode, prompt_length)])
+
+    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+        if self.is_stale(step, ev):
+            return Effects()
+        self.kv_length = int(ev.metrics.get("kv_cache_length", self.kv_length))
+        if ev.kind == "listen":
+            return Effects([Listen(self.kv_length, ev.end_of_turn or None)])
+        audio = encode_f32_base64(ev.audio) if ev.kind == "audio" else ""
+        return Effects([OutputAudioDelta(ev.text, audio, ev.end_of_turn, self.kv_length)])
+
+    def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
+        return [closed_event(self.session_id, reason, self.usage.snapshot(), message)]

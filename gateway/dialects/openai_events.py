@@ -1,0 +1,285 @@
+"""The OpenAI Realtime dialect's events, one dataclass per `type` (pure code): server events encode
+themselves; client events decode from their JSON (field types checked here, meaning in the state).
+
+Nested payloads (a session, an item, a response) are the JSON objects OpenAI's reference describes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import EventFields
+from ..wire import ProtocolError
+from .realtime_events import RealtimeEvent
+
+Json = dict[str, Any]
+
+
+class SessionCreated(RealtimeEvent, type="session.created"):
+    session: Json
+    capabilities: Json
+
+
+class SessionUpdated(RealtimeEvent, type="session.updated"):
+    session: Json
+
+
+class SpeechStarted(RealtimeEvent, type="input_audio_buffer.speech_started"):
+    audio_start_ms: int
+    item_id: str | None
+
+
+class SpeechStopped(RealtimeEvent, type="input_audio_buffer.speech_stopped"):
+    audio_end_ms: int
+    item_id: str | None
+
+
+class BufferCommitted(RealtimeEvent, type="input_audio_buffer.committed"):
+    item_id: str | None
+    previous_item_id: str | None = None
+
+
+BufferCleared = RealtimeEvent.retyped("BufferCleared", "input_audio_buffer.cleared")
+
+
+class OverlapDecision(RealtimeEvent, type="overlap.decision"):
+    """Extension: what the overlap policy made of caller audio heard while the assistant speaks."""
+
+    policy: str
+    action: str
+    reason: str
+    speech_ms: int
+    response_id: str | None
+    epoch: int
+
+
+class ItemAdded(RealtimeEvent, type="conversation.item.added"):
+    previous_item_id: str | None
+    item: Json
+
+
+class ItemDone(RealtimeEvent, type="conversation.item.done"):
+    item: Json
+
+
+ItemRetrieved = ItemDone.retyped("ItemRetrieved", "conversation.item.retrieved")
+
+
+class ItemDeleted(RealtimeEvent, type="conversation.item.deleted"):
+    item_id: str
+
+
+class ItemTruncated(RealtimeEvent, type="conversation.item.truncated"):
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+class OutputBufferCleared(RealtimeEvent, type="output_audio_buffer.cleared"):
+    response_id: str | None
+
+
+class PlaybackAcknowledged(RealtimeEvent, type="playback.acknowledged"):
+    """Extension: the client's `playback.ack`, as the server took it."""
+
+    response_id: str
+    played_ms: int
+    history_committed: bool
+
+
+class ResponseSpeak(RealtimeEvent, type="response.speak"):
+    """Extension (duplex): the model decided to speak."""
+
+    response_id: str
+    epoch: int
+
+
+class ResponseListen(RealtimeEvent, type="response.listen"):
+    """Extension (duplex): the model listens again."""
+
+    response_id: str
+    epoch: int
+    end_of_turn: bool
+
+
+class ResponseCreated(RealtimeEvent, type="response.created"):
+    response: Json
+
+
+ResponseDone = ResponseCreated.retyped("ResponseDone", "response.done")
+
+
+class RateLimitsUpdated(RealtimeEvent, type="rate_limits.updated"):
+    rate_limits: list[Json]
+
+
+class OutputItemAdded(RealtimeEvent, type="response.output_item.added"):
+    response_id: str
+    output_index: int
+    item: Json
+
+
+OutputItemDone = OutputItemAdded.retyped("OutputItemDone", "response.output_item.done")
+
+
+class ContentEvent(RealtimeEvent):
+    """An event about the one content part of a response's one output item."""
+
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+
+
+class ContentPartAdded(ContentEvent, type="response.content_part.added"):
+    part: Json
+
+
+ContentPartDone = ContentPartAdded.retyped("ContentPartDone", "response.content_part.done")
+
+
+class OutputAudioDelta(ContentEvent, type="response.output_audio.delta"):
+    delta: str  # base64 audio/pcm at the session's output rate
+    metadata: Json
+
+
+OutputAudioDone = ContentEvent.retyped("OutputAudioDone", "response.output_audio.done")
+
+
+class TranscriptDelta(ContentEvent, type="response.output_audio_transcript.delta"):
+    delta: str
+
+
+class TranscriptDone(ContentEvent, type="response.output_audio_transcript.done"):
+    transcript: str
+
+
+TextDelta = TranscriptDelta.retyped("TextDelta", "response.output_text.delta")
+
+
+class TextDone(ContentEvent, type="response.output_text.done"):
+    text: str
+
+
+# ---- client events ----
+
+def _number(msg: Json, name: str) -> float:
+    value = msg.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ProtocolError("invalid_value", f"{name} must be a number >= 0", name)
+    return float(value)
+
+
+def _id(msg: Json, name: str) -> str | None:
+    value = msg.get(name)
+    return value if isinstance(value, str) else None
+
+
+class ClientEvent(EventFields):
+    """A client event, decoded from its JSON object (field types checked here, meaning in the state)."""
+
+    @classmethod
+    def decode(cls, msg: Json) -> ClientEvent:
+        return cls()
+
+
+class SessionUpdate(ClientEvent, type="session.update"):
+    session: Any  # checked by openai_config.apply_update
+
+    @classmethod
+    def decode(cls, msg: Json) -> SessionUpdate:
+        return cls(msg.get("session"))
+
+
+class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
+    audio: str  # base64 audio/pcm at the session's input rate
+    hint: str | None = None  # extension: what the caller said, if the client knows (a backchannel?)
+
+    @classmethod
+    def decode(cls, msg: Json) -> AudioAppend:
+        data = msg.get("audio")
+        if not isinstance(data, str) or not data:
+            raise ProtocolError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+        hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
+        hint = msg.get("transcript_hint") or hints.get("transcript")
+        return cls(data, hint if isinstance(hint, str) else None)
+
+
+BufferCommit = ClientEvent.retyped("BufferCommit", "input_audio_buffer.commit")
+
+
+BufferClear = ClientEvent.retyped("BufferClear", "input_audio_buffer.clear")
+
+
+class ItemCreate(ClientEvent, type="conversation.item.create"):
+    item: Any  # a message item, checked as its parts are read
+
+    @classmethod
+    def decode(cls, msg: Json) -> ItemCreate:
+        return cls(msg.get("item"))
+
+
+class ItemRetrieve(ClientEvent, type="conversation.item.retrieve"):
+    item_id: str | None
+
+    @classmethod
+    def decode(cls, msg: Json) -> ItemRetrieve:
+        return cls(_id(msg, "item_id"))
+
+
+ItemDelete = ItemRetrieve.retyped("ItemDelete", "conversation.item.delete")
+
+
+class ItemTruncate(ClientEvent, type="conversation.item.truncate"):
+    item_id: str | None
+    audio_end_ms: float
+    content_index: Any = 0  # echoed back
+
+    @classmethod
+    def decode(cls, msg: Json) -> ItemTruncate:
+        return cls(_id(msg, "item_id"), _number(msg, "audio_end_ms"), msg.get("content_index", 0))
+
+
+class ResponseCreate(ClientEvent, type="response.create"):
+    instructions: Any = None
+    max_output_tokens: Any = None  # checked by openai_config.max_output_tokens
+
+    @classmethod
+    def decode(cls, msg: Json) -> ResponseCreate:
+        spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
+        return cls(spec.get("instructions"), spec.get("max_output_tokens"))
+
+
+ResponseCancel = ClientEvent.retyped("ResponseCancel", "response.cancel")
+
+
+OutputClear = ClientEvent.retyped("OutputClear", "output_audio_buffer.clear")
+
+
+class PlaybackAck(ClientEvent, type="playback.ack"):
+    """Extension: how much of a response's audio the listener has heard."""
+
+    response_id: str | None
+    played_ms: float
+
+    @classmethod
+    def decode(cls, msg: Json) -> PlaybackAck:
+        return cls(_id(msg, "response_id"), _number(msg, "played_ms"))
+
+
+SessionClose = ClientEvent.retyped("SessionClose", "session.close")
+
+
+Heartbeat = ClientEvent.retyped("Heartbeat", "session.heartbeat")
+
+
+CLIENT_EVENTS: dict[str, type[ClientEvent]] = {c.type: c for c in (
+    SessionUpdate, AudioAppend, BufferCommit, BufferClear, ItemCreate, ItemRetrieve, ItemDelete, ItemTruncate,
+    ResponseCreate, ResponseCancel, OutputClear, PlaybackAck, SessionClose, Heartbeat)}
+
+
+def decode_client(msg: Json) -> ClientEvent:
+    cls = CLIENT_EVENTS.get(msg["type"])
+    if cls is None:
+        raise ProtocolError("unknown_event", f"unknown event type {msg['type']!r}", "type")
+    return cls.decode(msg)

@@ -1,0 +1,63 @@
+"""The envelope the two Realtime dialects (OpenAI's and MiniCPM-o's) share (pure code): client events
+are JSON objects with a string `type`; server events carry an `event_id` (and, when sent, a
+`server_event_seq`); errors are `{type: error, error: {type, code, message, param, event_id}}`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..engine import Closed, EventFields
+from ..wire import ProtocolError, new_id
+
+MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
+
+ClientEvent = dict[str, Any]
+T = TypeVar("T")
+
+
+def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
+    """A client event; `invalid_json` (closing with `bad_json_close`, if set) when it is not JSON at all."""
+    if len(text.encode("utf-8")) > MAX_EVENT_BYTES:
+        raise ProtocolError("event_too_large", f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
+    try:
+        msg = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # not JSON, too deep, or a number too long to convert
+        raise ProtocolError("invalid_json", f"event is not valid JSON: {exc}", close_code=bad_json_close) from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError("invalid_event", "an event is a JSON object with a string `type`", "type")
+    return msg
+
+
+def answer(msg: ClientEvent, handler: Callable[[ClientEvent], T]) -> T:
+    """`handler(msg)`; a ProtocolError it raises names the client event it answers."""
+    try:
+        return handler(msg)
+    except ProtocolError as err:
+        err.event_id = err.event_id or (msg["event_id"] if isinstance(msg.get("event_id"), str) else None)
+        raise
+
+
+class RealtimeEvent(EventFields):
+    """`type`, an `event_id`, then the fields. `server_event_seq` is added when sent."""
+
+    def encode(self) -> dict[str, Any]:
+        return {"type": self.type, "event_id": new_id("event"), **self.fields()}
+
+
+class Error(RealtimeEvent, type="error"):
+    error: dict[str, Any]
+
+
+class SessionClosed(RealtimeEvent, Closed):
+    pass
+
+
+def error_event(err: ProtocolError) -> Error:
+    return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
+                  "event_id": err.event_id})
+
+
+def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:
+    return SessionClosed(session_id, reason, usage, {"message": message} if message else None)

@@ -1,0 +1,129 @@
+"""Caller input that more than one dialect takes in the same shape (pure code): a second of audio with its
+video frames (`/backend`'s `input.append`, MiniCPM-o's `input_audio_buffer.append`), images, voice references.
+
+Accepts the field aliases the reference server accepts (`audio` / `audio_base64` / `audio_data`,
+`frames` / `video_frames` / `frame_base64_list`, `voice.*`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64
+from .wire import ProtocolError
+
+MAX_APPEND_SECONDS = 5
+MAX_FRAMES = 4  # images seen with one second of audio
+MAX_IMAGE_BYTES = 8 << 20
+VOICE_SECONDS = (0.5, 30.0)  # a voice reference's allowed duration
+
+
+@dataclass(frozen=True)
+class InputAppend:
+    input_id: str | None
+    audio: np.ndarray | None
+    frames: list[bytes] = field(default_factory=list)  # encoded images, base64-decoded
+    max_slice_nums: list[int] = field(default_factory=list)
+    force_listen: bool = False
+    hints: dict[str, Any] = field(default_factory=dict)
+
+
+def as_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_payload", f"{what} must be a JSON object")
+    return value
+
+
+def first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def voice_ref(name: str, data: Any, close_code: int | None) -> np.ndarray:
+    """One voice reference (base64 float32 16 kHz), within VOICE_SECONDS, else `invalid_voice`."""
+    if not isinstance(data, str):
+        raise ProtocolError("invalid_voice", f"{name} must be base64 float32 16 kHz audio", close_code=close_code)
+    try:
+        audio = decode_f32_base64(data, int(VOICE_SECONDS[1] * INPUT_RATE))
+    except AudioDecodeError as exc:
+        raise ProtocolError("invalid_voice", f"{name}: {exc}", close_code=close_code) from exc
+    if len(audio) < VOICE_SECONDS[0] * INPUT_RATE:
+        raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", close_code=close_code)
+    return audio
+
+
+def _audio_field(payload: dict[str, Any]) -> str | None:
+    for key in ("audio_base64", "audio_data"):
+        if isinstance(payload.get(key), str) and payload[key]:
+            return payload[key]
+    audio = payload.get("audio")
+    if isinstance(audio, dict):
+        audio = first(audio.get("data"), audio.get("base64"), audio.get("audio_base64"))
+    return audio if isinstance(audio, str) and audio else None
+
+
+def image_bytes(data: str) -> bytes:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError("bad_image", f"an image is not valid base64: {exc}") from exc
+    if not raw or len(raw) > MAX_IMAGE_BYTES:
+        raise ProtocolError("bad_image", f"an image must be 1 byte to {MAX_IMAGE_BYTES // (1 << 20)} MiB")
+    return raw
+
+
+def _frames(payload: dict[str, Any]) -> list[bytes]:
+    frames = first(payload.get("frame_base64_list"), payload.get("video_frames"), payload.get("frames")) or []
+    if not isinstance(frames, list):
+        raise ProtocolError("invalid_payload", "frames must be a list")
+    out = []
+    for frame in frames:
+        data = first(frame.get("data"), frame.get("base64")) if isinstance(frame, dict) else frame
+        if not isinstance(data, str) or not data:
+            raise ProtocolError("invalid_payload", "each frame must be a base64 JPEG string or {data}")
+        out.append(image_bytes(data))
+    if len(out) > MAX_FRAMES:
+        raise ProtocolError("invalid_payload", f"at most {MAX_FRAMES} frames per input")
+    return out
+
+
+def slices(value: Any, n_frames: int) -> list[int]:
+    if value is None:
+        return [1] * n_frames
+    values = value if isinstance(value, list) else [value] * max(n_frames, 1)
+    if isinstance(value, list) and n_frames and len(values) != n_frames:
+        raise ProtocolError("invalid_payload", "max_slice_nums as a list needs one entry per frame")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 9 for v in values):
+        raise ProtocolError("invalid_payload", "max_slice_nums must be an integer 1..9 or a list of them")
+    return values
+
+
+def parse_append(payload: dict[str, Any]) -> InputAppend:
+    """One second (at most MAX_APPEND_SECONDS) of base64 float32 16 kHz audio, with its frames and hints."""
+    hints = payload.get("hints") or {}
+    if not isinstance(hints, dict):
+        raise ProtocolError("invalid_payload", "hints must be an object")
+    encoded = _audio_field(payload)
+    audio = None
+    if encoded is not None:
+        try:
+            audio = decode_f32_base64(encoded, MAX_APPEND_SECONDS * INPUT_RATE)
+        except AudioDecodeError as exc:
+            raise ProtocolError("bad_audio", str(exc)) from exc
+    frames = _frames(payload)
+    if audio is None or len(audio) == 0:
+        raise ProtocolError("missing_field", "full_duplex input.append requires audio (base64 float32 16 kHz)")
+    force = first(payload.get("force_listen"), hints.get("force_listen"), False)
+    input_id = payload.get("input_id")
+    return InputAppend(
+        input_id=str(input_id) if input_id is not None else None,
+        audio=audio,
+        frames=frames,
+        max_slice_nums=slices(first(payload.get("max_slice_nums"), hints.get("max_slice_nums")), len(frames)),
+        force_listen=bool(force),
+        hints=hints,
+    )

@@ -1,0 +1,421 @@
+"""The one I/O shell every dialect runs in: admission, the session (its Triton stream, the socket it is
+attached to, its journal), the receive loop, the send path and the close.
+
+- `admitted(...)`: a session slot for the caller, or a refusal; MiniCPM-o's dialect waits in the FIFO.
+  The slot is given back when the block ends, whatever ends it: that is the only place it is released.
+- `running(...)`: a `Session` for a dialect's state, ended when the block ends, whatever ends it (the
+  Triton sequence is ended in `Session.close`, once). A resumable session outlives its first socket:
+  the block waits out its disconnect grace.
+- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state, and
+  what it decides comes back as `Effects`, carried out here.
+
+With `resumable` (the Realtime dialects), each server event gets the next `server_event_seq` and goes
+into the journal before it is sent, so a client that reconnects with `session.resume` is replayed what it
+missed; a dropped socket leaves the session alive for the disconnect grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS
+
+from .engine import Effects, EngineState, PlannedStep, ServerEvent
+from .journal import Journal
+from .registry import Gateway, QueueFull, SessionLimitReached
+from .settings import Settings
+from .triton.client import TritonSession
+from .wire import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_SERVER_ERROR,
+    CLOSE_TRY_AGAIN,
+    ProtocolError,
+    new_id,
+)
+
+log = logging.getLogger("gateway")
+
+QUEUE_UPDATE_S = 3.0
+
+
+# Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
+# exception anywhere in a session's handling still ends its Triton sequence and frees its slot.
+FAULT_FRAME = "\x00minicpmo-test-fault\x00"
+
+
+class Disconnected(Exception):
+    pass
+
+
+class InjectedFault(Exception):
+    pass
+
+
+async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool = False) -> str:
+    """The next text (or UTF-8 binary) frame; Disconnected when the socket is gone."""
+    try:
+        message = await asyncio.wait_for(ws.receive(), timeout_s)
+    except RuntimeError as exc:  # receiving on a socket that was closed
+        raise Disconnected from exc
+    if message["type"] == "websocket.disconnect":
+        raise Disconnected
+    text = message["text"] if message.get("text") is not None else \
+        (message.get("bytes") or b"").decode("utf-8", errors="replace")
+    if test_faults and text == FAULT_FRAME:
+        raise InjectedFault("a test's fault frame")
+    return text
+
+
+# ---- admission ----
+
+QueueEvent = Callable[[bool, int, int, str, float], ServerEvent]  # (first, position, length, ticket, wait s)
+
+
+@contextlib.asynccontextmanager
+async def admitted(gw: Gateway, ws: WebSocket, queue_event: QueueEvent | None = None) -> AsyncIterator[str | None]:
+    """A slot for this caller, held for the block. With `queue_event` (MiniCPM-o's dialect) the caller waits
+    in the FIFO and is told where it stands; the block gets an event the caller sent before its turn (kept,
+    not lost). Refusals raise ProtocolError; a caller who hangs up while waiting raises Disconnected."""
+    ticket: asyncio.Future[None] | None = None
+    try:
+        gw.reserve()
+    except SessionLimitReached:
+        if queue_event is None:
+            raise ProtocolError("too_many_sessions", f"all {gw.settings.max_sessions} session slots are taken; "
+                                "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+        try:
+            ticket = gw.enqueue()
+        except QueueFull:
+            raise ProtocolError("queue_full", "the queue for a session is full; retry later",
+                                close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+    try:
+        yield None if ticket is None else await _wait_in_queue(gw, ws, ticket, queue_event)
+    finally:
+        if ticket is not None and not ticket.done():
+            gw.leave_queue(ticket)  # it never got a slot
+        else:
+            gw.release()  # the one place a slot is given back
+
+
+async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None],
+                         queue_event: QueueEvent) -> str | None:
+    ticket_id = new_id("ticket")
+    early: str | None = None
+    watcher: asyncio.Task[str] | None = asyncio.create_task(  # a caller who hangs up
+        receive_text(ws, None, gw.settings.test_faults))
+    try:
+        first = True
+        while not ticket.done():
+            position = gw.position(ticket)
+            wait_s = round(position * gw.mean_session_s / max(1, gw.settings.max_sessions), 1)
+            await ws.send_text(json.dumps(queue_event(first, position, gw.queue_length, ticket_id, wait_s).encode()))
+            first = False
+            waiting = {ticket} if watcher is None else {ticket, watcher}
+            await asyncio.wait(waiting, timeout=QUEUE_UPDATE_S, return_when=asyncio.FIRST_COMPLETED)
+            if watcher is not None and watcher.done():
+                early, watcher = watcher.result(), None  # raises Disconnected for a caller who left
+        return early
+    except (WebSocketDisconnect, RuntimeError) as exc:
+        raise Disconnected from exc
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+# ---- the session ----
+
+class Session:
+    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool) -> None:
+        self.state = state
+        self.session_id = state.session_id
+        self.triton = triton
+        self.settings = settings
+        self.started_at = time.monotonic()
+        self.ws: WebSocket | None = None
+        self.seq = 0
+        self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
+        self.resume_token = secrets.token_urlsafe(24)
+        self._send_lock = asyncio.Lock()
+        self._grace: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
+        self._worker = asyncio.create_task(self._run_steps())
+        self._closing: asyncio.Future[None] | None = None
+        self._ended = asyncio.Event()
+
+    @property
+    def resumable(self) -> bool:
+        return self.journal is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closing is not None
+
+    # ---- out: the one send path ----
+    async def emit(self, events: list[ServerEvent]) -> None:
+        async with self._send_lock:
+            for event in events:
+                ev = event.encode()
+                if self.journal is not None:
+                    if ev["type"] == "session.created":
+                        ev["resume_token"] = self.resume_token
+                    self.seq += 1
+                    ev["server_event_seq"] = self.seq
+                text = json.dumps(ev)
+                if self.journal is not None:
+                    self.journal.add(self.seq, text)
+                await self._send_text(text)
+
+    async def _send_text(self, text: str) -> None:
+        ws = self.ws
+        if ws is None or ws.application_state != WebSocketState.CONNECTED:
+            return
+        try:
+            await ws.send_text(text)
+        except Exception:  # noqa: BLE001 (a send to a closed socket is a disconnect)
+            self.detach(ws)
+
+    def _control(self, event_type: str, **fields: Any) -> str:
+        """A per-attachment event: it carries the current seq but is not journaled (replays do not repeat it)."""
+        return json.dumps({"type": event_type, "event_id": new_id("event"), **fields, "server_event_seq": self.seq})
+
+    async def apply(self, fx: Effects) -> None:
+        if fx.cancel:
+            self._spawn(self.triton.cancel())  # beside the step in flight, not behind it
+        await self.emit(fx.events)
+        for step in fx.steps:
+            try:
+                self._queue.put_nowait(step)
+            except asyncio.QueueFull:
+                await self.emit([self.state.error_event(self.state.backpressure(self.settings.max_pending_steps))])
+        if fx.close:
+            self._spawn(self.close(fx.close))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
+            log.info("session %s: background task failed: %s", self.session_id, task.exception())
+
+    # ---- in ----
+    async def handle(self, text: str) -> None:
+        """One client frame: answered, applied, or refused with a coded error."""
+        try:
+            fx = self.state.on_text(text)
+        except ProtocolError as err:
+            await self.emit([self.state.error_event(err)])
+            if err.close_code is not None:
+                await self.close("protocol_error", message=err.message, ws_code=err.close_code)
+            return
+        except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
+            log.exception("session %s: a client event failed", self.session_id)
+            await self.emit([self.state.error_event(ProtocolError(
+                "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))])
+            return
+        await self.apply(fx)
+
+    # ---- steps: one at a time, in order ----
+    @property
+    def pending_steps(self) -> int:
+        return self._queue.qsize()
+
+    async def _run_steps(self) -> None:
+        while self._closing is None:
+            step = await self._queue.get()
+            try:
+                await asyncio.wait_for(self._run_step(step), self.settings.step_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except asyncio.TimeoutError:
+                self.fail("step_timeout", f"a step took over {self.settings.step_timeout_s:.0f} s")
+                return
+            except Exception as exc:  # noqa: BLE001 (Triton failed: the session ends, the server goes on)
+                log.exception("session %s: step failed", self.session_id)
+                self.fail("backend_error", str(exc))
+                return
+
+    async def _run_step(self, step: PlannedStep) -> None:
+        if not self.state.wanted(step):
+            return
+        async for ev in self.triton.step(self.state.prepare(step)):
+            if ev.kind == "error":
+                if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
+                    await self.apply(self.state.on_step_error(step, ev.code, ev.message))
+                else:
+                    self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+                return
+            await self.apply(self.state.on_step_event(step, ev))
+        await self.apply(self.state.on_step_end(step))
+
+    def fail(self, reason: str, message: str) -> None:
+        code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
+        self._spawn(self.close(reason, message=message, ws_code=code))
+
+    # ---- attachment ----
+    async def attach(self, ws: WebSocket, after_seq: int | None = None) -> None:
+        """Attach a socket; with `after_seq` (a resume), first replay what came after it, or ask for a resync."""
+        old = self.ws
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        async with self._send_lock:
+            self.ws = ws
+            if old is not None and old is not ws:
+                with contextlib.suppress(Exception):
+                    await old.send_text(self._control("session.replaced", session_id=self.session_id))
+                    await old.close(code=CLOSE_NORMAL, reason="replaced")
+            if after_seq is None or self.journal is None:
+                return
+            self.resume_token = secrets.token_urlsafe(24)
+            missed = self.journal.since(after_seq)
+            if missed is None:
+                await ws.send_text(self._control("session.resync_required", session_id=self.session_id,
+                                                 reason="journal_gap", resume_token=self.resume_token))
+                return
+            await ws.send_text(self._control("session.resumed", session_id=self.session_id,
+                                             resume_token=self.resume_token, replayed=len(missed)))
+            for text in missed:
+                await ws.send_text(text)
+
+    def detach(self, ws: WebSocket) -> None:
+        """The socket went away: a resumable session waits `disconnect_grace_s` for a resume, then ends;
+        any other ends now."""
+        if self.ws is not ws or self.closed:
+            return
+        self.ws = None
+        if self.resumable:
+            self._grace = asyncio.get_running_loop().create_task(self._expire())
+        else:
+            self._spawn(self.close("client_disconnected", emit=False))
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(self.settings.disconnect_grace_s)
+        if self.ws is None:
+            await self.close("disconnect_grace_expired")
+
+    def check_token(self, token: Any) -> None:
+        if not isinstance(token, str) or not secrets.compare_digest(token, self.resume_token):
+            raise ProtocolError("invalid_resume_token", "the resume token does not match", "resume_token",
+                                close_code=CLOSE_POLICY)
+
+    # ---- close: the one way a session ends ----
+    async def wait_closed(self) -> None:
+        await self._ended.wait()
+
+    async def close(self, reason: str, *, message: str | None = None, emit: bool = True,
+                    ws_code: int = CLOSE_NORMAL) -> None:
+        """Idempotent: the first caller does the work, later callers wait for it."""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()
+        log.info("session %s: closing (%s)", self.session_id, reason)
+        try:
+            if self._grace is not None and self._grace is not asyncio.current_task():
+                self._grace.cancel()
+            if asyncio.current_task() is not self._worker:
+                await self._stop_worker()
+            try:
+                await self.triton.close()  # ends the Triton sequence: state is freed before we answer
+            except Exception:  # noqa: BLE001
+                log.exception("session %s: ending the Triton sequence failed", self.session_id)
+            if emit:
+                try:
+                    await self.emit(self.state.on_close(reason, message))
+                except Exception:  # noqa: BLE001 (the client may be gone)
+                    log.debug("session %s: closed event not delivered", self.session_id)
+            ws, self.ws = self.ws, None
+            if ws is not None and ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):  # the socket may be closed already
+                    await ws.close(code=ws_code, reason=reason[:120])
+        finally:
+            self._closing.set_result(None)
+            self._ended.set()
+            log.info("session %s: closed (%s); Triton sequence %d ended", self.session_id, reason, self.triton.corr_id)
+
+    async def _stop_worker(self) -> None:
+        # Python 3.10/3.11's wait_for can swallow a cancel that lands as the step completes; cancel again.
+        for _ in range(5):
+            self._worker.cancel()
+            done, _ = await asyncio.wait({self._worker}, timeout=1.0)
+            if done:
+                return
+        log.error("session %s: the step worker would not stop", self.session_id)
+
+
+@contextlib.asynccontextmanager
+async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool) -> AsyncIterator[Session]:
+    """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
+    exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
+    ends normally first waits for the session to end (a resumable one may outlive this socket)."""
+    triton = TritonSession(gw.settings.triton_url)
+    try:
+        await triton.open()
+    except Exception as exc:  # noqa: BLE001
+        raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
+                            error_type="server_error") from exc
+    session = Session(state, triton, gw.settings, resumable)
+    gw.add(session)
+    try:
+        await session.attach(ws)
+        await session.emit(state.created())
+        yield session
+        await session.wait_closed()
+    except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
+        log.exception("session %s: failed", session.session_id)
+        await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
+    finally:
+        await session.close("closed")  # a no-op unless the block was cancelled
+        gw.forget(session)
+
+
+async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> None:
+    """The receive loop: frames go to the session until the socket goes, idles out or is taken over."""
+    try:
+        if pending is not None:
+            await session.handle(pending)
+        while not session.closed and session.ws is ws:
+            try:
+                text = await receive_text(ws, session.settings.idle_timeout_s, session.settings.test_faults)
+            except asyncio.TimeoutError:
+                await session.close("timeout")
+                return
+            except Disconnected:
+                session.detach(ws)
+                return
+            if session.ws is not ws:
+                return  # another socket took the session over
+            await session.handle(text)
+    except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
+        log.exception("session %s: the receive loop failed", session.session_id)
+        await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
+
+
+async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any]) -> None:
+    """`session.resume`: attach this socket to a resumable session within its grace, replay, serve."""
+    session_id = msg.get("session_id")
+    session = gw.sessions.get(session_id) if isinstance(session_id, str) else None
+    if not isinstance(session, Session) or session.closed or not session.resumable:
+        raise ProtocolError("session_resume_expired", "no such session, or its disconnect grace is over",
+                            "session_id", close_code=CLOSE_POLICY)
+    session.check_token(msg.get("resume_token"))
+    last = msg.get("last_received_server_event_seq", 0)
+    if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+        raise ProtocolError("invalid_value", "last_received_server_event_seq must be an integer >= 0",
+                            "last_received_server_event_seq", close_code=CLOSE_POLICY)
+    await session.attach(ws, after_seq=last)
+    await serve(session, ws)

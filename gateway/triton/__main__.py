@@ -1,0 +1,7 @@
+"""`python -m gateway.triton`: run tritonserver in the foreground."""
+
+import sys
+
+from .launcher import main
+
+sys.exit(main())

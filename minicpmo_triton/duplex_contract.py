@@ -1,0 +1,277 @@
+"""The one contract between the gateway and the `duplex` Triton model, used by both sides (numpy only).
+
+A request is one duplex step (`StepInput`), one turn-based turn (`ChatInput`) or a `Cancel` of the step
+in flight; a step answers with `StepEvent`s, the last of which may be a coded `error`. Each side encodes
+and decodes here, so the tensors (names in model_repository/duplex/config.pbtxt) are written down once:
+
+    audio, ref_audio, tts_ref_audio, replay_audio  FP32 [n]   16 kHz float32
+    force_listen, cancel                           BOOL [1]
+    rollback_to                                    INT64 [1]
+    context, options, chat                         BYTES [1]  JSON of Context, DuplexOptions, ChatInput
+    frames                                         BYTES [n]  encoded images;  max_slice_nums INT64 [n]
+    -> event BYTES [1] (JSON of StepEvent without its audio), audio FP32 [n] (24 kHz float32)
+
+Tensors here carry no batch dimension: each side adds or strips it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .duplex_options import DuplexOptions, InvalidOptions
+from .errors import Code, StepError
+from .model_config import DuplexDefaults
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class VoiceRefs:
+    """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
+
+    ref_audio: np.ndarray | None = None
+    tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
+
+
+@dataclass(frozen=True)
+class Context:
+    """Text put into a duplex session's context (a tool result, an instruction), answered or not."""
+
+    text: str
+    kind: str = "tool_result"
+    respond: bool = True
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    text: str = ""
+    audio: np.ndarray | None = None  # 16 kHz float32
+    images: tuple[bytes, ...] = ()  # encoded images
+    max_slice_nums: int = 1
+
+    def key(self) -> tuple[str, str, bytes]:
+        """What identifies a message already in the context (audio and images by their bytes)."""
+        media = (b"" if self.audio is None else self.audio.tobytes()) + b"".join(self.images)
+        return (self.role, self.text, media)
+
+
+@dataclass
+class ChatInput:
+    """One turn-based turn: the whole conversation so far; the prefix already in context is reused."""
+
+    messages: list[ChatMessage]
+    max_new_tokens: int = 256
+    generate_audio: bool = False
+    options: DuplexOptions | None = None  # at START
+    voice: VoiceRefs | None = None  # at START
+    tts_ref_audio: np.ndarray | None = None  # this turn's voice (16 kHz), else the session's
+
+
+@dataclass
+class StepInput:
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 16 kHz float32
+    force_listen: bool = False
+    context_text: str = ""
+    context_kind: str = "tool_result"
+    respond: bool = True
+    options: DuplexOptions | None = None  # at START
+    frames: list[bytes] = field(default_factory=list)  # JPEG, seen with this second of audio
+    max_slice_nums: list[int] = field(default_factory=list)  # one per frame
+    voice: VoiceRefs | None = None  # at START
+    # Barge-in: cut the LLM's context back to what the listener heard (a kv length from an earlier step),
+    # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
+    rollback_to: int = -1
+    replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @classmethod
+    def of_context(cls, context: Context) -> StepInput:
+        return cls(context_text=context.text, context_kind=context.kind, respond=context.respond)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop the step in flight (sent beside it; answers nothing)."""
+
+
+Request = StepInput | ChatInput | Cancel
+
+
+@dataclass
+class StepEvent:
+    kind: str  # listen | text | audio | done (turn-based) | error
+    text: str = ""
+    audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
+    end_of_turn: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    chunk_usage: dict[str, int] | None = None  # on the last event of a step only
+    reason: str = ""  # done: turn_end | length
+    code: str = ""  # error
+    message: str = ""  # error
+
+    @classmethod
+    def error(cls, err: StepError) -> StepEvent:
+        return cls("error", code=err.code, message=err.message)
+
+
+# ---- request: gateway -> duplex ----
+
+def _json(value: Any) -> np.ndarray:
+    return np.array([json.dumps(value).encode("utf-8")], dtype=np.object_)
+
+
+def _f32(audio: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(audio, np.float32).reshape(-1)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _voice(out: Tensors, voice: VoiceRefs | None) -> None:
+    for name in ("ref_audio", "tts_ref_audio"):
+        ref = getattr(voice, name) if voice is not None else None
+        if ref is not None:
+            out[name] = _f32(ref)
+
+
+def _chat_json(chat: ChatInput) -> dict[str, Any]:
+    def audio(a: np.ndarray | None) -> str | None:
+        return None if a is None else _b64(_f32(a).astype("<f4").tobytes())
+
+    return {"messages": [{"role": m.role, "text": m.text, "audio": audio(m.audio),
+                          "images": [_b64(i) for i in m.images], "max_slice_nums": m.max_slice_nums}
+                         for m in chat.messages],
+            "max_new_tokens": chat.max_new_tokens, "generate_audio": chat.generate_audio,
+            "tts_ref_audio": audio(chat.tts_ref_audio)}
+
+
+def encode_request(req: Request) -> Tensors:
+    out: Tensors = {}
+    if isinstance(req, Cancel):
+        return {"cancel": np.array([True])}
+    if req.options is not None:
+        out["options"] = _json(req.options.to_dict())
+    _voice(out, req.voice)
+    if isinstance(req, ChatInput):
+        out["chat"] = _json(_chat_json(req))
+        return out
+    if len(req.audio):
+        out["audio"] = _f32(req.audio)
+    if len(req.replay_audio):
+        out["replay_audio"] = _f32(req.replay_audio)
+    if req.force_listen:
+        out["force_listen"] = np.array([True])
+    if req.rollback_to >= 0:
+        out["rollback_to"] = np.array([req.rollback_to], np.int64)
+    if req.context_text:
+        out["context"] = _json({"text": req.context_text, "kind": req.context_kind, "respond": req.respond})
+    if req.frames:
+        out["frames"] = np.array(req.frames, dtype=np.object_)
+        out["max_slice_nums"] = np.array(req.max_slice_nums or [1] * len(req.frames), np.int64)
+    if not out:  # an END-only request still needs one tensor
+        out["force_listen"] = np.array([False])
+    return out
+
+
+def _json_input(rows: Tensors, name: str) -> dict[str, Any]:
+    raw = rows.get(name)
+    if raw is None:
+        return {}
+    value = raw.reshape(-1)[0]
+    try:
+        data = json.loads(value.decode("utf-8") if isinstance(value, bytes) else str(value))
+    except (ValueError, RecursionError) as exc:
+        raise StepError(Code.INVALID_INPUT, f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise StepError(Code.INVALID_INPUT, f"{name} must be a JSON object")
+    return data
+
+
+def _audio_row(rows: Tensors, name: str) -> np.ndarray | None:
+    raw = rows.get(name)
+    return None if raw is None else raw.reshape(-1).astype(np.float32)
+
+
+def _flag(rows: Tensors, name: str) -> bool:
+    raw = rows.get(name)
+    return bool(raw is not None and raw.reshape(-1)[0])
+
+
+def _audio_b64(data: str | None) -> np.ndarray | None:
+    return np.frombuffer(base64.b64decode(data), "<f4").astype(np.float32) if data else None
+
+
+def _chat_input(chat: dict[str, Any], options: DuplexOptions | None, voice: VoiceRefs | None) -> ChatInput:
+    try:
+        messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""), _audio_b64(m.get("audio")),
+                                tuple(base64.b64decode(i) for i in m.get("images") or ()),
+                                int(m.get("max_slice_nums") or 1))
+                    for m in chat["messages"]]
+        return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
+                         options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")))
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise StepError(Code.INVALID_CHAT, f"malformed chat request: {exc}") from exc
+
+
+def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Request:
+    """A request's inputs (batch row 0, by name) as the request; options and voice are read at START only."""
+    if _flag(rows, "cancel"):
+        return Cancel()
+    options = voice = None
+    if start:
+        try:
+            options = DuplexOptions.from_config(_json_input(rows, "options"), defaults)
+        except InvalidOptions as exc:
+            raise StepError(Code.INVALID_CONFIG, str(exc)) from exc
+        voice = VoiceRefs(_audio_row(rows, "ref_audio"), _audio_row(rows, "tts_ref_audio"))
+    chat = _json_input(rows, "chat")
+    if chat:
+        return _chat_input(chat, options, voice)
+    context = _json_input(rows, "context")
+    frames, slices = rows.get("frames"), rows.get("max_slice_nums")
+    rollback = rows.get("rollback_to")
+    empty = np.zeros(0, np.float32)
+    return StepInput(
+        audio=_audio_row(rows, "audio") if "audio" in rows else empty,
+        force_listen=_flag(rows, "force_listen"),
+        context_text=str(context.get("text") or ""),
+        context_kind=str(context.get("kind") or "tool_result"),
+        respond=bool(context.get("respond", True)),
+        options=options,
+        frames=[bytes(f) for f in frames.reshape(-1)] if frames is not None else [],
+        max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
+        voice=voice,
+        rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
+        replay_audio=_audio_row(rows, "replay_audio") if "replay_audio" in rows else empty,
+    )
+
+
+# ---- events: duplex -> gateway ----
+
+def encode_event(event: StepEvent) -> Tensors:
+    out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics}
+    for name in ("reason", "text", "code", "message"):
+        if getattr(event, name):
+            out[name] = getattr(event, name)
+    if event.end_of_turn:
+        out["end_of_turn"] = True
+    if event.chunk_usage is not None:
+        out["chunk_usage"] = event.chunk_usage
+    return {"event": _json(out), "audio": _f32(event.audio)}
+
+
+def decode_event(event: np.ndarray, audio: np.ndarray | None) -> StepEvent:
+    data = json.loads(event.reshape(-1)[0])
+    return StepEvent(
+        kind=data["kind"], text=data.get("text", ""),
+        audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1),
+        end_of_turn=bool(data.get("end_of_turn")), metrics=data.get("metrics", {}),
+        chunk_usage=data.get("chunk_usage"), reason=data.get("reason", ""),
+        code=data.get("code", ""), message=data.get("message", ""))
