@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
+from . import page
 from .connection import Connection
 from .protocol import (
     CLOSE_POLICY,
@@ -154,6 +155,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
             WebSocketRoute("/backend", backend),
             WebSocketRoute("/v1/realtime", realtime_endpoint(gw)),
+            *page.routes,
         ],
         lifespan=lifespan,
     )
