@@ -122,3 +122,13 @@ def test_talk_without_a_sound_device_says_what_to_do() -> None:
     done = subprocess.run([sys.executable, "-m", "minicpmo_client", "talk", "--mic"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "use --wav FILE" in done.stdout and "sounddevice" in done.stdout
+
+
+def test_the_example_client_speaks_realtime_through_talk(gateway, tmp_path) -> None:
+    wav, out = espeak(tmp_path, "Hello, how are you today?"), tmp_path / "reply.wav"
+    done = subprocess.run([sys.executable, "-m", "gateway.client", str(wav), "--out", str(out), "--url", gateway.ws,
+                           "--api", "realtime", "--turn-detection", "server_vad", "--greedy"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0 and lines_matching(done.stdout.splitlines(), r"final resp_\w+ \w+, with audio")
+    assert lines_matching(done.stdout.splitlines(), r"closed \(client_closed\)") and len(read_wav(out, 24_000)) > 0
