@@ -23,21 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import devices
-from .events import (
-    AudioChunk,
-    BargeIn,
-    ClientError,
-    ClientEvent,
-    Closed,
-    Error,
-    Listening,
-    ReplyStarted,
-    Resumed,
-    TranscriptDelta,
-    TurnFinal,
-    UserTurn,
-)
+from . import devices, events
 from .session import Session, connect
 from .wav import read_wav, write_wav
 
@@ -47,30 +33,30 @@ DOUBLE_CTRL_C_S = 2.0
 GIVE_UP_QUIET_S = 30.0  # waiting for an answer to typed input
 
 
-def describe(ev: ClientEvent) -> str | None:
+def describe(ev: events.ClientEvent) -> str | None:
     """One line for an event (None: not worth a line)."""
-    if isinstance(ev, AudioChunk):
+    if isinstance(ev, events.AudioChunk):
         return None if ev.is_final else f"audio {ev.response_id} {ev.duration_s:.2f} s"
-    if isinstance(ev, ReplyStarted):
+    if isinstance(ev, events.ReplyStarted):
         return f"reply {ev.response_id} started"
-    if isinstance(ev, TranscriptDelta):
+    if isinstance(ev, events.TranscriptDelta):
         return f"text {ev.response_id} {ev.text!r}"
-    if isinstance(ev, TurnFinal):
+    if isinstance(ev, events.TurnFinal):
         latency = f", first audio after {ev.latency_ms:.0f} ms" if ev.latency_ms is not None else ""
         return (f"final {ev.response_id} {ev.status}, {'with' if ev.had_audio else 'no'} audio{latency}: "
                 f"{ev.transcript!r}")
-    if isinstance(ev, BargeIn):
+    if isinstance(ev, events.BargeIn):
         return f"barge-in {ev.response_id} ({ev.reason})"
-    if isinstance(ev, Listening):
+    if isinstance(ev, events.Listening):
         return "listening" + (" (end of turn)" if ev.end_of_turn else "")
-    if isinstance(ev, UserTurn):
+    if isinstance(ev, events.UserTurn):
         return f"user {ev.kind}" + (f" {ev.text!r}" if ev.text else "")
-    if isinstance(ev, Error):
+    if isinstance(ev, events.Error):
         return f"error {ev.code}: {ev.message}" + (" (retryable)" if ev.retryable else "")
-    if isinstance(ev, Resumed):
+    if isinstance(ev, events.Resumed):
         return f"resumed after {ev.attempt} attempt(s), {ev.replayed} events replayed" + (
             ", some events were lost" if ev.gap else "")
-    if isinstance(ev, Closed):
+    if isinstance(ev, events.Closed):
         return f"closed ({ev.reason})"
     return None
 
@@ -157,20 +143,20 @@ class Talk:
         feeder.cancel()
         await self.session.close()
 
-    def on_event(self, ev: ClientEvent) -> None:
+    def on_event(self, ev: events.ClientEvent) -> None:
         self.last_event_at = time.monotonic()
         line = describe(ev)
         if line:
             self.say(line)
-        if isinstance(ev, AudioChunk) and len(ev.pcm):
+        if isinstance(ev, events.AudioChunk) and len(ev.pcm):
             self.reply_audio.append(ev.pcm)
             if self.speaker is not None:
                 self.speaker.play(ev.pcm)
-        elif isinstance(ev, BargeIn) and self.speaker is not None:
+        elif isinstance(ev, events.BargeIn) and self.speaker is not None:
             self.speaker.flush()
-        elif isinstance(ev, (TurnFinal, Error)):
+        elif isinstance(ev, (events.TurnFinal, events.Error)):
             self.awaiting = max(0, self.awaiting - 1)
-            self.turns += isinstance(ev, TurnFinal)
+            self.turns += isinstance(ev, events.TurnFinal)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -184,7 +170,7 @@ class Talk:
             loop.remove_signal_handler(signal.SIGINT)
             closer.cancel()
             feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ClientError, devices.DeviceUnavailable):
+            with contextlib.suppress(asyncio.CancelledError, events.ClientError, devices.DeviceUnavailable):
                 await feeder
 
 
@@ -211,14 +197,14 @@ async def talk(args: argparse.Namespace) -> int:
                                 turn_detection=None if args.turn_detection == "manual" else args.turn_detection,
                                 input_rate=RATE, output_rate=RATE,
                                 session=session_settings(args))
-    except ClientError as exc:
+    except events.ClientError as exc:
         print(f"talk: {exc}", flush=True)
         return 1
     t = Talk(args, session, speaker)
     t.say(f"session {session.session_id} on {args.url} ({args.turn_detection} turns)")
     try:
         await t.run()
-    except ClientError as exc:
+    except events.ClientError as exc:
         t.say(f"talk: {exc}")
         return 1
     finally:

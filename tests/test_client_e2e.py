@@ -130,37 +130,30 @@ async def test_an_unreachable_server_is_retried_then_refused() -> None:
     assert err.value.code == "connection_failed" and err.value.retryable and "3 attempts" in err.value.message
 
 
-@pytest.mark.parametrize("turn_detection", ["server_vad", None])
+async def first_answer(s: mc.Session) -> tuple[mc.ClientEvent, list]:
+    """The conversation's events until a reply ends or the server refuses; then the session is closed."""
+    seen: list = []
+    final = await until(s.converse(), lambda e: isinstance(e, (mc.TurnFinal, mc.Error)), seen, timeout_s=60)
+    await s.close()
+    assert isinstance(final, mc.TurnFinal), final
+    return final, seen
+
+
+@pytest.mark.parametrize("turn_detection", ["server_vad", None, pytest.param("duplex", marks=SERVER_SUPPORT)])
 async def test_a_typed_question_is_answered_in_voice(gateway, turn_detection) -> None:
     s = await open_session(gateway.realtime, turn_detection=turn_detection, session={"max_output_tokens": 24})
     await s.send_text("What will the weather be like tomorrow?")
-    seen: list = []
-    final = await until(s.converse(), lambda e: isinstance(e, (mc.TurnFinal, mc.Error)), seen, timeout_s=60)
-    assert isinstance(final, mc.TurnFinal), final
+    final, seen = await first_answer(s)
     assert of(seen, mc.UserTurn)[0].text == "What will the weather be like tomorrow?"
     assert final.had_audio and final.status in ("completed", "incomplete") and final.latency_ms > 0
-    await s.close()
-
-
-@SERVER_SUPPORT
-async def test_a_typed_question_in_a_duplex_session(gateway) -> None:
-    s = await open_session(gateway.realtime)
-    await s.send_text("What will the weather be like tomorrow?")
-    seen: list = []
-    final = await until(s.converse(), lambda e: isinstance(e, (mc.TurnFinal, mc.Error)), seen, timeout_s=60)
-    await s.close()
-    assert isinstance(final, mc.TurnFinal) and final.had_audio, final
 
 
 @SERVER_SUPPORT
 async def test_say_hello_voices_the_welcome_line_first(gateway) -> None:
     s = await open_session(gateway.realtime)
     await s.say_hello("Hello! How can I help you today?")
-    seen: list = []
-    final = await until(s.converse(), lambda e: isinstance(e, (mc.TurnFinal, mc.Error)), seen, timeout_s=60)
-    await s.close()
-    assert isinstance(final, mc.TurnFinal) and final.had_audio, final
-    assert final.transcript == "Hello! How can I help you today?"
+    final, _ = await first_answer(s)
+    assert final.had_audio and final.transcript == "Hello! How can I help you today?"
 
 
 @SERVER_SUPPORT

@@ -8,20 +8,9 @@ import json
 import numpy as np
 import pytest
 
+import minicpmo_client as mc
 from minicpmo_client import wire
 from minicpmo_client.backoff import Backoff
-from minicpmo_client.events import (
-    AudioChunk,
-    BargeIn,
-    Closed,
-    Error,
-    Listening,
-    ReplyStarted,
-    TranscriptDelta,
-    TurnFinal,
-    UserTurn,
-)
-from minicpmo_client.state import ConversationState
 
 
 class Server:
@@ -50,7 +39,7 @@ def reply_events(s: Server, rid: str, words: list[str], seconds: int, status: st
     return out
 
 
-def feed(state: ConversationState, events: list[dict], t0: float = 0.0, step: float = 0.1) -> list:
+def feed(state: mc.ConversationState, events: list[dict], t0: float = 0.0, step: float = 0.1) -> list:
     out = []
     for i, ev in enumerate(events):
         out += state.on_server(ev, t0 + i * step)
@@ -58,44 +47,44 @@ def feed(state: ConversationState, events: list[dict], t0: float = 0.0, step: fl
 
 
 def test_a_reply_becomes_started_deltas_audio_final_marker_and_turn_final() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     feed(state, [s("session.created", session={"id": "sess_1"}, resume_token="tok")])
     assert (state.session_id, state.resume_token, state.last_seq) == ("sess_1", "tok", 1)
     state.note_input(10.0)  # the caller's last input before the reply
     out = feed(state, reply_events(s, "resp_1", ["Hel", "lo"], 2), t0=10.2)
     kinds = [type(e) for e in out]
-    assert kinds == [ReplyStarted, TranscriptDelta, TranscriptDelta, AudioChunk, AudioChunk, AudioChunk, TurnFinal,
-                     Listening]
-    audio = [e for e in out if isinstance(e, AudioChunk)]
+    assert kinds == [mc.ReplyStarted, mc.TranscriptDelta, mc.TranscriptDelta, mc.AudioChunk, mc.AudioChunk,
+                     mc.AudioChunk, mc.TurnFinal, mc.Listening]
+    audio = [e for e in out if isinstance(e, mc.AudioChunk)]
     assert [len(a.pcm) for a in audio] == [24_000, 24_000, 0] and [a.is_final for a in audio] == [False, False, True]
     assert audio[0].sample_rate == 24_000 and abs(audio[0].pcm.max() - 0.25) < 1e-4
     final = out[-2]
-    assert final == TurnFinal("resp_1", "Hello", True, "completed", pytest.approx(final.latency_ms))
+    assert final == mc.TurnFinal("resp_1", "Hello", True, "completed", pytest.approx(final.latency_ms))
     # first audio is the 5th event of the reply (t0 + 4 * 0.1), the input was at 10.0
     assert final.latency_ms == pytest.approx((10.2 + 0.4 - 10.0) * 1000)
-    assert out[-1] == Listening("resp_1", True) and not state.replying
+    assert out[-1] == mc.Listening("resp_1", True) and not state.replying
 
 
 def test_a_cancelled_reply_reports_the_barge_in_and_what_was_heard() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     out = feed(state, reply_events(s, "resp_2", ["one ", "two ", "three"], 1, status="cancelled",
                                    reason="barge_in", kept="one "))
-    i = next(i for i, e in enumerate(out) if isinstance(e, BargeIn))
-    assert out[i] == BargeIn("resp_2", "barge_in")
+    i = next(i for i, e in enumerate(out) if isinstance(e, mc.BargeIn))
+    assert out[i] == mc.BargeIn("resp_2", "barge_in")
     assert out[i + 1].is_final and out[i + 2].transcript == "one " and out[i + 2].status == "cancelled"
-    assert out[-1] == Listening("resp_2", False)
+    assert out[-1] == mc.Listening("resp_2", False)
 
 
 def test_a_reply_without_audio_has_no_final_chunk_and_no_latency() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     out = feed(state, reply_events(s, "resp_3", ["text only"], 0))
-    assert not any(isinstance(e, AudioChunk) for e in out)
-    final = next(e for e in out if isinstance(e, TurnFinal))
+    assert not any(isinstance(e, mc.AudioChunk) for e in out)
+    final = next(e for e in out if isinstance(e, mc.TurnFinal))
     assert (final.had_audio, final.latency_ms, final.transcript) == (False, None, "text only")
 
 
 def test_replayed_events_are_dropped_and_gaps_counted() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     events = reply_events(s, "resp_4", ["a", "b"], 1)
     first = feed(state, events[:4])
     again = feed(state, events[:4])  # a replay of what we already have
@@ -106,16 +95,16 @@ def test_replayed_events_are_dropped_and_gaps_counted() -> None:
 
 
 def test_control_events_rotate_the_token_without_moving_the_seq() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     feed(state, [s("session.created", session={"id": "sess_9"}, resume_token="old")])
     out = state.on_server({"type": "session.resumed", "server_event_seq": 1, "resume_token": "new", "replayed": 0}, 1)
     assert out == [] and (state.resume_token, state.last_seq, state.missed) == ("new", 1, 0)
     out = state.on_server({"type": "session.replaced", "server_event_seq": 1}, 2)
-    assert out == [Closed("replaced")] and state.closed == "replaced"
+    assert out == [mc.Closed("replaced")] and state.closed == "replaced"
 
 
 def test_user_turns_errors_and_close() -> None:
-    s, state = Server(), ConversationState()
+    s, state = Server(), mc.ConversationState()
     out = feed(state, [
         s("input_audio_buffer.speech_started", audio_start_ms=300, item_id="item_1"),
         s("input_audio_buffer.speech_stopped", audio_end_ms=1800, item_id="item_1"),
@@ -126,10 +115,10 @@ def test_user_turns_errors_and_close() -> None:
         s("error", error={"code": "bad_audio", "message": "odd bytes"}),
         s("session.closed", reason="client_closed"),
     ])
-    assert out == [UserTurn("speech_started", "item_1", 300), UserTurn("speech_stopped", "item_1", 1800),
-                   UserTurn("committed", "item_2", text="What time is it?"),
-                   Error("input_backpressure", "dropped", True), Error("bad_audio", "odd bytes", False),
-                   Closed("client_closed")]
+    assert out == [mc.UserTurn("speech_started", "item_1", 300), mc.UserTurn("speech_stopped", "item_1", 1800),
+                   mc.UserTurn("committed", "item_2", text="What time is it?"),
+                   mc.Error("input_backpressure", "dropped", True), mc.Error("bad_audio", "odd bytes", False),
+                   mc.Closed("client_closed")]
 
 
 def test_the_events_the_client_sends() -> None:
