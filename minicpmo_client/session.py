@@ -60,6 +60,11 @@ class Session:
     def session_id(self) -> str | None:
         return self.state.session_id
 
+    @property
+    def backlog(self) -> int:
+        """Events waiting for the consumer (at most `max_queue`)."""
+        return self._queue.qsize()
+
     # ---- opening ----
     async def _open(self, resume: bool) -> ClientConnection:
         url = wire.with_query(self.url, resume="1") if resume else self.url

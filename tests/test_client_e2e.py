@@ -109,6 +109,23 @@ async def test_a_socket_cut_mid_reply_resumes_the_session_and_loses_no_event(gat
     await s.close()
 
 
+async def test_a_slow_consumer_holds_the_socket_back_and_loses_nothing(gateway, speech) -> None:
+    trace: list[dict] = []
+    s = await open_session(gateway.realtime, turn_detection="server_vad", session={"max_output_tokens": 32},
+                           max_queue=4, on_server_event=trace.append)
+    audio = np.concatenate([speech("Good morning. What will the weather be like tomorrow?"), np.zeros(SECOND)])
+    async for chunk in seconds_of(audio, len(audio) // SECOND + 1):
+        await s.send_audio(chunk)
+    await asyncio.sleep(6)  # nobody reads: the queue fills, then the reader stops taking from the socket
+    assert s.backlog == 4
+    seen: list = []
+    final = await until(s.events(), lambda e: isinstance(e, mc.TurnFinal), seen)
+    assert final.had_audio and of(seen, mc.ReplyStarted)[0].response_id == final.response_id
+    seqs = [e["server_event_seq"] for e in trace]
+    assert seqs == list(range(1, len(seqs) + 1)) and s.state.missed == 0
+    await s.close()
+
+
 async def test_resume_gives_up_with_a_clear_error_once_the_session_is_gone(gateway_factory, speech) -> None:
     gw = gateway_factory(disconnect_grace_s="0.5")
     s = await open_session(gw.realtime, backoff=mc.Backoff(base_s=1.5, attempts=2, jitter=0))
