@@ -83,6 +83,7 @@ class Session:
         last: ClientError | None = None
         for delay in (0.0, *self._backoff.delays()):
             await asyncio.sleep(delay)
+            ws: ClientConnection | None = None
             try:
                 ws = await self._open(resume=False)
                 await self._expect(ws, "session.created")
@@ -94,6 +95,8 @@ class Session:
                 last = exc
                 continue
             except (OSError, InvalidHandshake, ConnectionClosed, asyncio.TimeoutError) as exc:
+                if ws is not None:
+                    await ws.close()
                 last = ClientError("connection_failed", f"{type(exc).__name__}: {exc}", retryable=True)
                 continue
             self._ws = ws
