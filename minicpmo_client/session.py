@@ -1,8 +1,9 @@
 """A conversation with the server over `/v1/realtime` (the I/O shell around `ConversationState`).
 
 One reader task owns the socket's receive side: it turns server events into client events through the
-state machine and puts them on a bounded queue. When the socket drops without a close frame it reconnects
-with backoff and resumes the same session (`session.resume` with the last seq); the sends wait meanwhile.
+state machine and puts them on a bounded queue. When the socket goes while the session lives (no
+`session.closed` came, and we did not close it) it reconnects with backoff and resumes the same session
+(`session.resume` with the last seq); the sends wait meanwhile.
 
 Slow consumer policy: the queue holds `max_queue` events. When it is full the reader stops reading the
 socket until the consumer takes one, so the server's sends wait in TCP (nothing is dropped, the reply
@@ -122,10 +123,10 @@ class Session:
         while True:
             try:
                 raw = await self._ws.recv()
-            except ConnectionClosed as exc:
-                if self._closing or self.state.closed or exc.rcvd is not None:
+            except ConnectionClosed:
+                if self._closing or self.state.closed:  # we, or the server (`session.closed`), ended it
                     await self._put(Closed(self.state.closed or "socket_closed"))
-                    return  # a close frame: the server ended it on purpose (no resume)
+                    return
                 try:
                     resumed = await self._resume()
                 except ClientError as err:
