@@ -63,15 +63,22 @@ def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
             shot = tmp_path / "page.png"
             page.screenshot(path=str(shot), full_page=True)
             print(f"screenshot: {shot}")
-            # Interrupt: the queued audio stops at once, the server cancels the reply, the page listens again.
+            # Interrupt: the queued audio stops at once, the server cuts the reply to what was heard (and stops
+            # it if it is still going), the page listens again.
             before = page.evaluate("({played: window.talk.played, queued: window.talk.queued, "
                                    "states: window.talk.states.length, reply: window.talk.replies.at(-1).id})")
             page.get_by_role("button", name="Interrupt (Esc)").click()
             page.wait_for_timeout(400)
             after = page.evaluate("window.talk")
             assert after["played"] - before["played"] < 6000, "playback went on after the interrupt"
-            page.wait_for_function(f"window.talk.replies.some(r => r.id === '{before['reply']}' && "
-                                   "r.status === 'cancelled' && r.reason === 'client_cancelled')", timeout=10_000)
+            find = f"window.talk.replies.find(r => r.id === '{before['reply']}')"
+            page.wait_for_function(f"{find}.truncatedMs !== undefined", timeout=10_000)
+            reply = page.evaluate(find)
+            print(f"the interrupted reply: {reply}")
+            # cut where playback stopped: before the audio still queued at the click (at least 0.5 s of it)
+            assert 0 <= reply["truncatedMs"] <= reply["receivedMs"] - 400, reply
+            # still being made at the click: the server stopped it; already done: only its history was cut
+            assert (reply["status"], reply.get("reason")) in (("cancelled", "client_cancelled"), ("completed", None))
             assert "listening" in page.evaluate("window.talk.states")[before["states"]:]
             expect(page.locator("#transcript li.assistant").first).to_contain_text("[cut]")
             assert not page.evaluate("window.talk.errors"), console

@@ -1,7 +1,7 @@
 // The page: Start opens a session (microphone + playback), Interrupt (or Esc) cuts the reply and silences
 // it at once, the text box asks typed questions. `window.talk` exposes counters for tests and curious people.
 
-import { openAudio, startMicrophone, Player } from "./audio.js";
+import { RATE, openAudio, startMicrophone, Player } from "./audio.js";
 import { Realtime, realtimeUrl } from "./realtime.js";
 
 const $ = (id) => document.getElementById(id);
@@ -13,6 +13,7 @@ let player = null;
 let stopMicrophone = null;
 let context = null;
 let currentLine = null;
+const replyStart = new Map(); // reply id -> where its audio starts in the player's timeline (samples)
 
 function indicate(state) {
   const el = $("indicator");
@@ -52,8 +53,9 @@ async function start(event) {
   talk.url = realtimeUrl(key);
   session = new Realtime(talk.url, { voice: $("voice").value, turns: $("turns").value }, {
     replyStarted(id) {
-      talk.replies.push({ id, status: null });
+      talk.replies.push({ id, status: null, receivedMs: 0 });
       currentLine = line("Assistant: ", "assistant");
+      currentLine.dataset.reply = id;
       refreshIndicator();
     },
     words(id, text) {
@@ -62,6 +64,8 @@ async function start(event) {
     },
     audio(id, pcm) {
       talk.chunks += 1;
+      talk.replies.find((r) => r.id === id).receivedMs += (pcm.length / RATE) * 1000;
+      if (!replyStart.has(id)) replyStart.set(id, player.played + player.queued);
       player.push(pcm);
       refreshIndicator();
     },
@@ -71,9 +75,14 @@ async function start(event) {
     replyDone(id, status, reason) {
       const reply = talk.replies.find((r) => r.id === id);
       if (reply) Object.assign(reply, { status, reason });
-      if (status === "cancelled" && currentLine) currentLine.textContent += " [cut]";
       currentLine = null;
       refreshIndicator();
+    },
+    truncated(id, audioEndMs) {
+      const reply = talk.replies.find((r) => r.id === id);
+      if (reply) reply.truncatedMs = audioEndMs;
+      const li = document.querySelector(`#transcript li[data-reply="${id}"]`);
+      if (li && !li.textContent.endsWith("[cut]")) li.textContent += " [cut]";
     },
     listening: refreshIndicator,
     userTurn(text) {
@@ -96,10 +105,14 @@ async function start(event) {
   $("interrupt").focus();
 }
 
+// Barge in: silence now (not when the server confirms), and cut the reply at what was heard of it.
 function interrupt() {
   if (!session) return;
-  player.flush(); // silence now, not when the server confirms
-  session.interrupt();
+  const latest = session.lastReply;
+  const playing = session.reply || player.busy;
+  const heard = latest && replyStart.has(latest.id) ? Math.max(0, player.played - replyStart.get(latest.id)) : 0;
+  player.flush();
+  if (playing) session.interrupt((heard / RATE) * 1000);
   refreshIndicator();
 }
 

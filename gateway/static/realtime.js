@@ -13,7 +13,9 @@ export function realtimeUrl(key) {
 export class Realtime {
   constructor(url, settings, on) {
     this.on = on;
-    this.reply = null; // {id, firstAudioAt, inputAt}
+    this.reply = null; // the reply in progress: {id, itemId, firstAudioAt, inputAt}
+    this.lastReply = null; // the latest reply, in progress or done (its audio may still be playing)
+    this.replyOfItem = new Map();
     this.cut = new Set(); // replies interrupted here: their late audio is not played
     this.lastInputAt = null;
     this.ws = new WebSocket(url);
@@ -44,12 +46,15 @@ export class Realtime {
     this.lastInputAt = performance.now();
   }
 
-  // Cut the reply in progress; returns its id (null when none is).
-  interrupt() {
-    if (!this.reply) return null;
-    this.cut.add(this.reply.id);
-    this.send("response.cancel");
-    return this.reply.id;
+  // Cut the latest reply where the listener stopped hearing it (`heardMs` of its audio were played): the
+  // server stops it if it is still going, and keeps only what was heard in the conversation.
+  interrupt(heardMs) {
+    const r = this.lastReply;
+    if (!r || !r.itemId) return null;
+    if (this.reply) this.cut.add(r.id);
+    this.send("conversation.item.truncate", { item_id: r.itemId, content_index: 0,
+                                              audio_end_ms: Math.round(heardMs) });
+    return r.id;
   }
 
   close() {
@@ -60,8 +65,18 @@ export class Realtime {
     const on = this.on;
     switch (ev.type) {
       case "response.created":
-        this.reply = { id: ev.response.id, firstAudioAt: null, inputAt: this.lastInputAt };
+        this.reply = this.lastReply = { id: ev.response.id, itemId: null, firstAudioAt: null,
+                                        inputAt: this.lastInputAt };
         on.replyStarted(ev.response.id);
+        break;
+      case "response.output_item.added":
+        if (this.reply && this.reply.id === ev.response_id) {
+          this.reply.itemId = ev.item.id;
+          this.replyOfItem.set(ev.item.id, ev.response_id);
+        }
+        break;
+      case "conversation.item.truncated":
+        if (this.replyOfItem.has(ev.item_id)) on.truncated(this.replyOfItem.get(ev.item_id), ev.audio_end_ms);
         break;
       case "response.output_audio_transcript.delta":
       case "response.output_text.delta":
