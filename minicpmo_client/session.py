@@ -228,14 +228,19 @@ class Session:
         async for chunk in input_audio:
             await self.send_audio(chunk)
 
-    async def interrupt(self) -> str | None:
-        """Cut the reply in progress (the server cancels it: `BargeIn` then `TurnFinal(cancelled)`);
-        its audio still queued here is dropped. Returns the cut reply's id (None if none was playing)."""
-        reply = self.state.reply
-        if reply is None:
+    async def interrupt(self, played_ms: float | None = None) -> str | None:
+        """Cut the reply in progress (the server cancels it: `BargeIn` then `TurnFinal(cancelled)`); its
+        audio still queued here is dropped. Without `played_ms` the server takes the reply as heard up to
+        real-time playback from its first audio (`response.cancel`); a player that knows better says how
+        much of the latest reply it played, and that reply, in progress or done, is cut there
+        (`conversation.item.truncate`). Returns the cut reply's id (None if there was nothing to cut)."""
+        reply = self.state.reply if played_ms is None else self.state.last_reply
+        if reply is None or (played_ms is not None and reply.item_id is None):
             return None
-        self._cut.add(reply.id)
-        await self._send(wire.event("response.cancel"), is_input=False)
+        if self.state.reply is reply:
+            self._cut.add(reply.id)
+        message = wire.event("response.cancel") if played_ms is None else wire.truncate(reply.item_id, played_ms)
+        await self._send(message, is_input=False)
         return reply.id
 
     async def say_hello(self, text: str) -> None:

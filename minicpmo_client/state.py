@@ -37,6 +37,7 @@ class Reply:
     input_at: float | None  # the caller's last input when the reply opened
     transcript: str = ""
     first_audio_at: float | None = None
+    item_id: str | None = None  # its conversation item (what a truncate names)
 
 
 @dataclass
@@ -46,7 +47,8 @@ class ConversationState:
     resume_token: str | None = None
     last_seq: int = 0
     missed: int = 0  # seqs that never arrived (a journal gap)
-    reply: Reply | None = None
+    reply: Reply | None = None  # in progress
+    last_reply: Reply | None = None  # in progress or done (its audio may still be playing)
     closed: str | None = None  # the reason, once the session ended
     _last_input_at: float | None = None
 
@@ -97,8 +99,13 @@ class ConversationState:
 
     def _created_response(self, ev: dict[str, Any], now: float) -> list[ClientEvent]:
         rid = ev["response"]["id"]
-        self.reply = Reply(rid, self._last_input_at)
+        self.reply = self.last_reply = Reply(rid, self._last_input_at)
         return [ReplyStarted(rid)]
+
+    def _output_item(self, ev: dict[str, Any], now: float) -> list[ClientEvent]:
+        if self.reply is not None and ev.get("response_id") == self.reply.id:
+            self.reply.item_id = (ev.get("item") or {}).get("id")
+        return []
 
     def _transcript(self, ev: dict[str, Any], now: float) -> list[ClientEvent]:
         if self.reply is None or ev.get("response_id") != self.reply.id:
@@ -161,6 +168,7 @@ _HANDLERS = {
     "input_audio_buffer.speech_stopped": ConversationState._user,
     "conversation.item.added": ConversationState._item_added,
     "response.created": ConversationState._created_response,
+    "response.output_item.added": ConversationState._output_item,
     "response.output_audio_transcript.delta": ConversationState._transcript,
     "response.output_text.delta": ConversationState._transcript,
     "response.output_audio.delta": ConversationState._audio,

@@ -63,6 +63,11 @@ def assistant_text(text: str) -> list[str]:
             event("response.create")]
 
 
+def truncate(item_id: str, played_ms: float) -> str:
+    """The reply was heard up to `played_ms`: the server stops it if it is still going and keeps only that."""
+    return event("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=max(0, round(played_ms)))
+
+
 def resume(session_id: str, token: str, last_seq: int) -> str:
     return event("session.resume", session_id=session_id, resume_token=token, last_received_server_event_seq=last_seq)
 

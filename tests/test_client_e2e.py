@@ -68,16 +68,19 @@ async def test_a_turn_yields_typed_events_in_order(gateway, speech) -> None:
     assert s.state.closed == "client_closed" and s.state.missed == 0
 
 
-async def test_interrupt_cuts_the_reply_and_flushes_its_audio(gateway, speech) -> None:
+@pytest.mark.parametrize("played_ms", [None, 250])  # the server's estimate, or what the player says it played
+async def test_interrupt_cuts_the_reply_and_flushes_its_audio(gateway, speech, played_ms) -> None:
     s = await open_session(gateway.realtime)
     seen: list = []
     events = s.converse(seconds_of(speech(SPEAKING_TEXT), 10))
     first = await until(events, lambda e: isinstance(e, mc.AudioChunk), seen)
-    assert await s.interrupt() == first.response_id
+    assert await s.interrupt(played_ms) == first.response_id
     final = await until(events, lambda e: isinstance(e, mc.TurnFinal), seen)
     cut = seen.index(of(seen, mc.BargeIn)[0])
     assert of(seen, mc.BargeIn)[0] == mc.BargeIn(first.response_id, "client_cancelled")
     assert (final.response_id, final.status, final.had_audio) == (first.response_id, "cancelled", True)
+    said = "".join(d.text for d in of(seen, mc.TranscriptDelta) if d.response_id == first.response_id)
+    assert said.startswith(final.transcript) and (not said or len(final.transcript) < len(said)), "not cut"
     assert not [e for e in seen[cut:] if isinstance(e, mc.AudioChunk) and not e.is_final]
     listen = await until(events, lambda e: isinstance(e, mc.Listening), seen)
     assert listen == mc.Listening(first.response_id, False)

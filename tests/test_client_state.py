@@ -26,7 +26,8 @@ class Server:
 
 def reply_events(s: Server, rid: str, words: list[str], seconds: int, status: str = "completed",
                  reason: str | None = None, kept: str | None = None) -> list[dict]:
-    out = [s("response.speak", response_id=rid), s("response.created", response={"id": rid})]
+    out = [s("response.speak", response_id=rid), s("response.created", response={"id": rid}),
+           s("response.output_item.added", response_id=rid, item={"id": f"item_{rid}"})]
     for w in words:
         out.append(s("response.output_audio_transcript.delta", response_id=rid, delta=w))
     for _ in range(seconds):
@@ -60,9 +61,10 @@ def test_a_reply_becomes_started_deltas_audio_final_marker_and_turn_final() -> N
     assert audio[0].sample_rate == 24_000 and abs(audio[0].pcm.max() - 0.25) < 1e-4
     final = out[-2]
     assert final == mc.TurnFinal("resp_1", "Hello", True, "completed", pytest.approx(final.latency_ms))
-    # first audio is the 5th event of the reply (t0 + 4 * 0.1), the input was at 10.0
-    assert final.latency_ms == pytest.approx((10.2 + 0.4 - 10.0) * 1000)
+    # first audio is the 6th event of the reply (t0 + 5 * 0.1), the input was at 10.0
+    assert final.latency_ms == pytest.approx((10.2 + 0.5 - 10.0) * 1000)
     assert out[-1] == mc.Listening("resp_1", True) and not state.replying
+    assert (state.last_reply.id, state.last_reply.item_id) == ("resp_1", "item_resp_1")  # what a late cut names
 
 
 def test_a_cancelled_reply_reports_the_barge_in_and_what_was_heard() -> None:
@@ -86,10 +88,10 @@ def test_a_reply_without_audio_has_no_final_chunk_and_no_latency() -> None:
 def test_replayed_events_are_dropped_and_gaps_counted() -> None:
     s, state = Server(), mc.ConversationState()
     events = reply_events(s, "resp_4", ["a", "b"], 1)
-    first = feed(state, events[:4])
-    again = feed(state, events[:4])  # a replay of what we already have
-    assert again == [] and state.last_seq == 4
-    feed(state, events[6:])  # two events never came
+    first = feed(state, events[:5])
+    again = feed(state, events[:5])  # a replay of what we already have
+    assert again == [] and state.last_seq == 5
+    feed(state, events[7:])  # two events never came
     assert state.missed == 2 and state.last_seq == events[-1]["server_event_seq"]
     assert len(first) == 3
 
@@ -134,6 +136,8 @@ def test_the_events_the_client_sends() -> None:
                                             input_rate=16_000, output_rate=24_000))["session"]
     assert update["audio"]["input"] == {"format": {"type": "audio/pcm", "rate": 16_000}, "turn_detection": None}
     assert update["audio"]["output"]["voice"] == "default" and update["instructions"] == "Be brief."
+    assert json.loads(wire.truncate("item_1", 1234.6)) == {"type": "conversation.item.truncate", "item_id": "item_1",
+                                                           "content_index": 0, "audio_end_ms": 1235}
     resume = json.loads(wire.resume("sess_1", "tok", 41))
     assert resume == {"type": "session.resume", "session_id": "sess_1", "resume_token": "tok",
                       "last_received_server_event_seq": 41}
