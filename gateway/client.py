@@ -1,8 +1,9 @@
 """`python -m gateway.client speech.wav --out reply.wav`: talk to the gateway like a caller would.
 
-Streams the WAV in real time (1 s chunks), prints each event with its latency, writes the reply audio.
-`--api realtime` talks the OpenAI Realtime dialect on /v1/realtime instead (100 ms appends of 24 kHz
-audio/pcm, model-native duplex turns, or `--turn-detection server_vad`).
+Streams the WAV in real time (1 s chunks) on `/backend` (the MiniCPM-o backend protocol), prints each event
+with its latency, writes the reply audio. `--api realtime` is `minicpmo-triton talk` (the client library,
+`minicpmo_client`, on /v1/realtime: 100 ms appends of 24 kHz audio/pcm, model-native duplex turns, or
+`--turn-detection server_vad`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import httpx
 import numpy as np
 import websockets
 
+import minicpmo_client as mc
+from minicpmo_client.cli import main as talk_main
+from minicpmo_client.talk import paced
+
 from .audio import (
     INPUT_RATE,
     OUTPUT_RATE,
     decode_f32_base64,
-    decode_pcm16_base64,
     encode_f32_base64,
-    encode_pcm16_base64,
     read_wav,
     write_wav,
 )
@@ -137,60 +140,35 @@ async def converse(
 
 async def converse_realtime(url: str, audio: np.ndarray, *, turn_detection: str = "duplex", greedy: bool = False,
                             on_event: Any = None, quiet_s: float = 2.0) -> tuple[list[dict[str, Any]], np.ndarray]:
-    """One /v1/realtime session (OpenAI dialect): stream `audio` (24 kHz) in real time, 100 ms per append,
-    then a second of silence; return the server's events and the reply audio (24 kHz)."""
-    step = OUTPUT_RATE // 10
-    audio = np.concatenate([audio, np.zeros(OUTPUT_RATE, np.float32)])
+    """One /v1/realtime session through the client library: stream `audio` (24 kHz) in real time, 100 ms per
+    append, then a second of silence; return the server's events and the reply audio (24 kHz)."""
     events: list[dict[str, Any]] = []
+
+    def trace(ev: dict[str, Any]) -> None:
+        events.append(ev)
+        if on_event is not None:
+            on_event(ev, time.perf_counter())
+
+    session = await mc.connect(url, turn_detection=turn_detection, session={"do_sample": False} if greedy else None,
+                               on_server_event=trace)
     reply: list[np.ndarray] = []
-    async with websockets.connect(url, max_size=32 * 1024 * 1024) as ws:
-        session: dict[str, Any] = {"audio": {"input": {"turn_detection": {"type": turn_detection}}}}
-        if greedy:
-            session["do_sample"] = False
-        await ws.send(json.dumps({"type": "session.update", "session": session}))
 
-        async def receive() -> None:
-            async for raw in ws:
-                ev = json.loads(raw)
-                events.append(ev)
-                if ev["type"] == "response.output_audio.delta":
-                    reply.append(decode_pcm16_base64(ev["delta"], 1 << 30))
-                if on_event is not None:
-                    on_event(ev, time.perf_counter())
+    async def consume() -> None:
+        async for ev in session.events():
+            if isinstance(ev, mc.AudioChunk):
+                reply.append(ev.pcm)
 
-        reader = asyncio.create_task(receive())
-        start = time.perf_counter()
-        for i in range(0, len(audio), step):
-            await asyncio.sleep(max(0.0, start + i / OUTPUT_RATE - time.perf_counter()))
-            await ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                      "audio": encode_pcm16_base64(audio[i:i + step])}))
-        while True:  # until the server has been quiet for a while (the reply may still be streaming)
-            seen = len(events)
-            await asyncio.sleep(quiet_s)
-            if len(events) == seen:
-                break
-        await ws.send(json.dumps({"type": "session.close"}))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(reader, 10)
-        reader.cancel()
+    consumer = asyncio.create_task(consume())
+    async for chunk in paced(audio, tail_s=1.0, max_tail_s=1.0, more=lambda: False):
+        await session.send_audio(chunk)
+    while True:  # until the server has been quiet for a while (the reply may still be streaming)
+        seen = len(events)
+        await asyncio.sleep(quiet_s)
+        if len(events) == seen:
+            break
+    await session.close()
+    await consumer
     return events, np.concatenate(reply) if reply else np.zeros(0, np.float32)
-
-
-def _print_realtime_event(t0: float) -> Any:
-    def show(ev: dict[str, Any], now: float) -> None:
-        kind = ev["type"]
-        if kind == "response.output_audio.delta":
-            extra = f"{ev['metadata']['audio_ms'] / 1000:.2f} s of audio (epoch {ev['metadata']['epoch']})"
-        elif kind.endswith("transcript.delta") or kind == "response.output_text.delta":
-            extra = repr(ev["delta"])
-        elif kind == "response.done":
-            extra = f"{ev['response']['status']} {ev['response']['usage']['total_tokens']} tokens"
-        elif kind == "error":
-            extra = f"{ev['error']['code']}: {ev['error']['message']}"
-        else:
-            extra = ""
-        print(f"{now - t0:7.2f}s {kind} {extra}".rstrip())
-    return show
 
 
 def http_base(ws_url: str) -> str:
@@ -224,20 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-detection", choices=("duplex", "server_vad"), default="duplex",
                         help="with --api realtime: the model decides when to speak, or server VAD turns")
     args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    if args.api == "realtime":
+    if args.api == "realtime":  # the `minicpmo-triton talk` command
         url = args.url.replace("/backend", "/v1/realtime")
-        events, reply = asyncio.run(converse_realtime(url, read_wav(args.wav, OUTPUT_RATE),
-                                                      turn_detection=args.turn_detection, greedy=args.greedy,
-                                                      on_event=_print_realtime_event(t0)))
-        write_wav(args.out, reply, OUTPUT_RATE)
-        responses = [e for e in events if e["type"] == "response.done"]
-        print(f"{len(responses)} responses; wrote {len(reply) / OUTPUT_RATE:.2f} s to {args.out}")
-        return 0
+        return talk_main(["talk", "--wav", str(args.wav), "--out", str(args.out), "--url", url,
+                          "--turn-detection", args.turn_detection, *(["--greedy"] if args.greedy else [])])
     audio = read_wav(args.wav, INPUT_RATE)
     result = asyncio.run(converse(args.url, audio, realtime=not args.fast,
                                   config={"do_sample": False} if args.greedy else None,
-                                  on_event=_print_event(t0)))
+                                  on_event=_print_event(time.perf_counter())))
     lat = result.chunk_latencies_ms()
     write_wav(args.out, result.reply, OUTPUT_RATE)
     print(f"session {result.session_id}: {len(lat)} chunks, chunk latency p50 {np.percentile(lat, 50):.1f} ms "

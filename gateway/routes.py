@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from . import page
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
@@ -196,6 +197,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
             WebSocketRoute("/backend", backend_socket),
             WebSocketRoute("/v1/realtime", realtime_socket),
+            *page.routes,
         ],
         lifespan=lifespan,
     )

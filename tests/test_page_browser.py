@@ -1,0 +1,88 @@
+"""The page at `/` in headless Chromium (Debian's `chromium` package, driven by Playwright; nothing is
+downloaded), its microphone faked from an espeak-ng WAV: audio goes up, the reply comes down and plays,
+the indicator follows, the interrupt button cuts the reply. A screenshot is kept in the test's tmp dir."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minicpmo_client.wav import read_wav, write_wav
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists() and not shutil.which("chromium"),
+                                reason="Debian's chromium package is not installed (scripts/setup.sh installs it)")
+
+
+def fake_microphone(tmp_path: Path) -> Path:
+    """A few seconds of speech, then half a minute of quiet (Chromium loops the file): the model hears a
+    question, then answers into silence, so only the button can cut its reply."""
+    spoken = tmp_path / "spoken.wav"
+    subprocess.run(["espeak-ng", "-w", str(spoken), "Good morning. Could you tell me the weather for tomorrow?"],
+                   check=True, capture_output=True)
+    audio = read_wav(spoken, 48_000)
+    path = tmp_path / "microphone.wav"
+    write_wav(path, np.concatenate([audio, np.zeros(30 * 48_000, np.float32)]), 48_000)
+    return path
+
+
+def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={fake_microphone(tmp_path)}"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=str(CHROMIUM),
+                                                       headless=True, args=args)
+        try:
+            page = browser.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(m.text))
+            page.goto(f"{gateway.http}/?key=test-key")
+            expect(page.get_by_role("status")).to_have_text("idle")
+            page.get_by_label("Voice").select_option("verse")  # every control is reachable by its label
+            page.get_by_role("button", name="Start").focus()
+            page.keyboard.press("Enter")  # the keyboard starts it, as a click would
+            page.wait_for_function("window.talk.appends > 10", timeout=30_000)
+            assert page.evaluate("window.talk.url").endswith("/v1/realtime?key=test-key")
+            expect(page.get_by_role("status")).to_have_text("listening")
+            # the reply: words, then audio chunks that play (the worklet reports samples played)
+            page.wait_for_function("window.talk.chunks > 0 && window.talk.queued > 12000", timeout=90_000)
+            talk = page.evaluate("window.talk")
+            assert talk["deltas"] > 0 and talk["states"][:2] == ["listening", "speaking"]
+            expect(page.get_by_role("status")).to_have_text("speaking")
+            expect(page.locator("#latency")).to_have_text(re.compile(r"first audio after: \d+ ms"))
+            page.wait_for_function("window.talk.played > 0", timeout=10_000)
+            shot = tmp_path / "page.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+            # Interrupt: the queued audio stops at once, the server cuts the reply to what was heard (and stops
+            # it if it is still going), the page listens again.
+            before = page.evaluate("({played: window.talk.played, queued: window.talk.queued, "
+                                   "states: window.talk.states.length, reply: window.talk.replies.at(-1).id})")
+            page.get_by_role("button", name="Interrupt (Esc)").click()
+            page.wait_for_timeout(400)
+            after = page.evaluate("window.talk")
+            assert after["played"] - before["played"] < 6000, "playback went on after the interrupt"
+            find = f"window.talk.replies.find(r => r.id === '{before['reply']}')"
+            page.wait_for_function(f"{find}.truncatedMs !== undefined", timeout=10_000)
+            reply = page.evaluate(find)
+            print(f"the interrupted reply: {reply}")
+            # cut where playback stopped: before the audio still queued at the click (at least 0.5 s of it)
+            assert 0 <= reply["truncatedMs"] <= reply["receivedMs"] - 400, reply
+            # still being made at the click: the server stopped it; already done: only its history was cut
+            assert (reply["status"], reply.get("reason")) in (("cancelled", "client_cancelled"), ("completed", None))
+            assert "listening" in page.evaluate("window.talk.states")[before["states"]:]
+            expect(page.locator("#transcript li.assistant").first).to_contain_text("[cut]")
+            assert not page.evaluate("window.talk.errors"), console
+            page.get_by_role("button", name="Stop").click()
+            expect(page.get_by_role("status")).to_have_text("idle")
+        finally:
+            browser.close()
