@@ -33,7 +33,7 @@ class StageGraph:
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
 AUDIO_GAIN = 10.0  # random audio embeddings as loud as token embeddings, so what is heard matters
-SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random TTS and vocoder make
+SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random vocoder makes
 
 
 def init_random_weights(modules: dict[str, nn.Module]) -> None:
@@ -52,7 +52,6 @@ def init_random_weights(modules: dict[str, nn.Module]) -> None:
     with torch.no_grad():
         modules["audio_encoder"].audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
         # a zero speaker (the default voice) still adds nothing
-        modules["tts"].projector_spk.weight.mul_(SPEAKER_GAIN)
         modules["token2wav"].speaker_proj.weight.mul_(SPEAKER_GAIN)
 
 
@@ -106,13 +105,15 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     def tts_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         is_code = torch.zeros(b, t, dtype=torch.bool)
         is_code[:, 3:] = True
+        has_hidden = torch.zeros(b, t, dtype=torch.bool)
+        has_hidden[:, :2] = True  # text, text, audio_bos, code, code
         return {
             "text_ids": torch.randint(0, preset.tts.num_text_tokens, (b, t), generator=g),
             "llm_hidden": torch.randn(b, t, llm.hidden, generator=g),
+            "has_hidden": has_hidden,
             "code_ids": torch.randint(0, preset.tts.num_audio_tokens, (b, t), generator=g),
             "is_code": is_code,
             **_decoder_inputs(g, tts.layers, tts.kv_heads, tts.head_dim, b, t, p),
-            "speaker": torch.randn(b, preset.speaker.dim, generator=g),
         }
 
     def vision_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -139,7 +140,8 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],
-                   {"text_ids": bt, "llm_hidden": bt, "code_ids": bt, "is_code": bt, **decoder_axes, **speaker}),
+                   {"text_ids": bt, "llm_hidden": bt, "has_hidden": bt, "code_ids": bt, "is_code": bt,
+                    **decoder_axes}),
         StageGraph("token2wav", modules["token2wav"], t2w_inputs, ["waveform"],
                    {"tokens": {0: batch, 1: Dim("window", min=8, max=4096)}, **speaker}),
         StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],

@@ -89,7 +89,7 @@ class StepInput:
 
 @dataclass(frozen=True)
 class VoiceRefs:
-    """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
+    """A session's voice references (16 kHz): the LLM's in its system prompt, token2wav's as a speaker."""
 
     ref_audio: np.ndarray | None = None
     tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
@@ -310,7 +310,6 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
-            speaker=state.speaker,
         )))
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
@@ -451,7 +450,7 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed, speaker=speaker)))
+            seed=state.options.seed)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
         return wav.waveform, len(tts.speech_tokens)

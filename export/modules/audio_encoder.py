@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 from torch import nn
 
-from minicpmo_triton.model_config import AudioEncoderDims
+from minicpmo_triton.model_config import AudioEncoderDims, PresetConfig
+
+from ..tensor_names import Tensors, fuse_qkv
+
+PREFIXES = ("apm.", "audio_projection_layer.")
+
+
+def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
+    """`audio_config` (a Whisper config) + top-level `audio_pool_step`."""
+    a, d = config.get("audio_config", {}), preset.audio
+    audio = dataclasses.replace(
+        d,
+        n_mels=a.get("num_mel_bins", d.n_mels),
+        d_model=a.get("d_model", d.d_model),
+        layers=a.get("encoder_layers", d.layers),
+        heads=a.get("encoder_attention_heads", d.heads),
+        ffn=a.get("encoder_ffn_dim", d.ffn),
+        max_positions=a.get("max_source_positions", d.max_positions),
+        pool=config.get("audio_pool_step", d.pool),
+    )
+    return dataclasses.replace(preset, audio=audio)
+
+
+def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
+    return fuse_qkv(tensors)  # checkpoint names are the module's but for Whisper's separate q/k/v
 
 N_FFT = 400
 HOP = 160

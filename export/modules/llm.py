@@ -1,13 +1,48 @@
-"""The LLM stage: Qwen3 decoder + lm_head over a prefill of text ids with audio embeddings spliced in."""
+"""The LLM stage: Qwen3 decoder + lm_head over a prefill of text ids with audio embeddings spliced in.
+
+Checkpoint: `llm.*` = transformers' `Qwen3ForCausalLM` state dict under `llm.`; config: config.json's
+top level (a Qwen3 config).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
-from minicpmo_triton.model_config import DecoderDims
+from minicpmo_triton.model_config import DecoderDims, PresetConfig
 
+from ..tensor_names import Tensors, strip_prefix
 from .decoder import DecoderModel
+
+PREFIXES = ("llm.",)
+
+
+def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
+    d = preset.llm
+    llm = DecoderDims(
+        hidden=config.get("hidden_size", d.hidden),
+        layers=config.get("num_hidden_layers", d.layers),
+        heads=config.get("num_attention_heads", d.heads),
+        kv_heads=config.get("num_key_value_heads", d.kv_heads),
+        head_dim=config.get("head_dim", d.head_dim),
+        intermediate=config.get("intermediate_size", d.intermediate),
+        vocab=config.get("vocab_size", d.vocab),
+        # transformers >= 5 writes rope_theta inside rope_parameters
+        rope_theta=float(config.get("rope_theta", config.get("rope_parameters", {}).get("rope_theta", d.rope_theta))),
+        rms_eps=float(config.get("rms_norm_eps", d.rms_eps)),
+        qk_norm=True,  # Qwen3
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", d.tie_word_embeddings)),
+    )
+    return dataclasses.replace(preset, llm=llm)
+
+
+def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
+    state = strip_prefix(tensors, "llm.")
+    if preset.llm.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
 
 
 class DuplexLLM(nn.Module):

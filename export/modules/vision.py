@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from minicpmo_triton.model_config import VisionDims
+from minicpmo_triton.model_config import PresetConfig, VisionDims
+
+from ..tensor_names import Tensors, fuse_qkv
+
+PREFIXES = ("vpm.", "resampler.")
+
+
+def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
+    """`vision_config` (SigLIP) + top-level `query_num`."""
+    v, d = config.get("vision_config", {}), preset.vision
+    vision = dataclasses.replace(
+        d,
+        image_size=v.get("image_size", d.image_size),
+        patch=v.get("patch_size", d.patch),
+        d_model=v.get("hidden_size", d.d_model),
+        layers=v.get("num_hidden_layers", d.layers),
+        heads=v.get("num_attention_heads", d.heads),
+        ffn=v.get("intermediate_size", d.ffn),
+        queries=config.get("query_num", d.queries),
+        resampler_heads=max(1, preset.llm.hidden // 128),  # MiniCPM-o's resampler: LLM width / 128 heads
+    )
+    return dataclasses.replace(preset, vision=vision)
+
+
+def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
+    return fuse_qkv(tensors)  # SigLIP's separate q/k/v; the resampler's attention keeps torch's names
 
 
 class SiglipMLP(nn.Module):
