@@ -6,7 +6,6 @@ Artefacts land in the model repository's version folders (`model_repository/<sta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
