@@ -250,7 +250,8 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3, seed: int = SEED) -> ReferenceCheckpoint:
+def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
+                     seed: int = SEED) -> ReferenceCheckpoint:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
