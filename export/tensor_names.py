@@ -1,11 +1,15 @@
-"""Renames a stage's checkpoint tensors to its module's state-dict names: the helpers each stage's
-`state_from_checkpoint` (beside its module) composes."""
+"""What each stage's `read_config` / `state_from_checkpoint` (beside its module) composes: config keys
+to dims, and checkpoint tensor names to the module's state-dict names."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
 
 import torch
 
 Tensors = dict[str, torch.Tensor]
+D = TypeVar("D")
 
 
 class CheckpointError(ValueError):
@@ -51,3 +55,8 @@ def fuse_qkv(tensors: Tensors) -> Tensors:
         out[f"{base}in_proj_bias"] = torch.cat([b if b is not None else torch.zeros(w.shape[0])
                                                 for b, w in zip(bs, ws, strict=True)])
     return out
+
+
+def read_dims(dims: D, section: dict, keys: dict[str, str]) -> D:
+    """`dims` with each field named in `keys` taken from `section[keys[field]]` where the config has it."""
+    return dataclasses.replace(dims, **{f: section[k] for f, k in keys.items() if k in section})

@@ -11,24 +11,17 @@ from torch import nn
 
 from minicpmo_triton.model_config import AudioEncoderDims, PresetConfig
 
-from ..tensor_names import Tensors, fuse_qkv
+from ..tensor_names import Tensors, fuse_qkv, read_dims
 
 PREFIXES = ("apm.", "audio_projection_layer.")
 
 
 def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
     """`audio_config` (a Whisper config) + top-level `audio_pool_step`."""
-    a, d = config.get("audio_config", {}), preset.audio
-    audio = dataclasses.replace(
-        d,
-        n_mels=a.get("num_mel_bins", d.n_mels),
-        d_model=a.get("d_model", d.d_model),
-        layers=a.get("encoder_layers", d.layers),
-        heads=a.get("encoder_attention_heads", d.heads),
-        ffn=a.get("encoder_ffn_dim", d.ffn),
-        max_positions=a.get("max_source_positions", d.max_positions),
-        pool=config.get("audio_pool_step", d.pool),
-    )
+    audio = read_dims(preset.audio, config.get("audio_config", {}), {
+        "n_mels": "num_mel_bins", "d_model": "d_model", "layers": "encoder_layers",
+        "heads": "encoder_attention_heads", "ffn": "encoder_ffn_dim", "max_positions": "max_source_positions"})
+    audio = read_dims(audio, config, {"pool": "audio_pool_step"})
     return dataclasses.replace(preset, audio=audio)
 
 

@@ -13,28 +13,20 @@ from torch import nn
 
 from minicpmo_triton.model_config import DecoderDims, PresetConfig
 
-from ..tensor_names import Tensors, strip_prefix
+from ..tensor_names import Tensors, read_dims, strip_prefix
 from .decoder import DecoderModel
 
 PREFIXES = ("llm.",)
 
 
 def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
-    d = preset.llm
-    llm = DecoderDims(
-        hidden=config.get("hidden_size", d.hidden),
-        layers=config.get("num_hidden_layers", d.layers),
-        heads=config.get("num_attention_heads", d.heads),
-        kv_heads=config.get("num_key_value_heads", d.kv_heads),
-        head_dim=config.get("head_dim", d.head_dim),
-        intermediate=config.get("intermediate_size", d.intermediate),
-        vocab=config.get("vocab_size", d.vocab),
-        # transformers >= 5 writes rope_theta inside rope_parameters
-        rope_theta=float(config.get("rope_theta", config.get("rope_parameters", {}).get("rope_theta", d.rope_theta))),
-        rms_eps=float(config.get("rms_norm_eps", d.rms_eps)),
-        qk_norm=True,  # Qwen3
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", d.tie_word_embeddings)),
-    )
+    llm = read_dims(preset.llm, config, {
+        "hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+        "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate": "intermediate_size",
+        "vocab": "vocab_size", "rope_theta": "rope_theta", "rms_eps": "rms_norm_eps",
+        "tie_word_embeddings": "tie_word_embeddings"})
+    llm = read_dims(llm, config.get("rope_parameters", {}), {"rope_theta": "rope_theta"})  # transformers >= 5
+    llm = dataclasses.replace(llm, qk_norm=True)  # Qwen3
     return dataclasses.replace(preset, llm=llm)
 
 

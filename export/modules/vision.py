@@ -9,25 +9,19 @@ from torch import nn
 
 from minicpmo_triton.model_config import PresetConfig, VisionDims
 
-from ..tensor_names import Tensors, fuse_qkv
+from ..tensor_names import Tensors, fuse_qkv, read_dims
 
 PREFIXES = ("vpm.", "resampler.")
 
 
 def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
     """`vision_config` (SigLIP) + top-level `query_num`."""
-    v, d = config.get("vision_config", {}), preset.vision
-    vision = dataclasses.replace(
-        d,
-        image_size=v.get("image_size", d.image_size),
-        patch=v.get("patch_size", d.patch),
-        d_model=v.get("hidden_size", d.d_model),
-        layers=v.get("num_hidden_layers", d.layers),
-        heads=v.get("num_attention_heads", d.heads),
-        ffn=v.get("intermediate_size", d.ffn),
-        queries=config.get("query_num", d.queries),
-        resampler_heads=max(1, preset.llm.hidden // 128),  # MiniCPM-o's resampler: LLM width / 128 heads
-    )
+    vision = read_dims(preset.vision, config.get("vision_config", {}), {
+        "image_size": "image_size", "patch": "patch_size", "d_model": "hidden_size", "layers": "num_hidden_layers",
+        "heads": "num_attention_heads", "ffn": "intermediate_size"})
+    # MiniCPM-o's resampler: LLM width / 128 heads
+    vision = dataclasses.replace(read_dims(vision, config, {"queries": "query_num"}),
+                                 resampler_heads=max(1, preset.llm.hidden // 128))
     return dataclasses.replace(preset, vision=vision)
 
 
