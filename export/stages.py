@@ -36,38 +36,49 @@ AUDIO_GAIN = 10.0  # random audio embeddings as loud as token embeddings, so wha
 SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random vocoder makes
 
 
-def init_random_weights(modules: dict[str, nn.Module]) -> None:
+def init_random_weights(stage: str, module: nn.Module, preset: PresetConfig) -> None:
     """A trained model's scale: N(0, 0.02) weights, zero biases, audio embeddings not drowned out."""
-    for module in modules.values():
-        for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=INIT_STD)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-    for m in modules["token2wav"].modules():  # variance-keeping, so the waveform follows its tokens
-        if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
-            fan_in = m.in_channels * (m.kernel_size[0] if isinstance(m, nn.Conv1d) else 1)
-            nn.init.normal_(m.weight, std=(2.0 / fan_in) ** 0.5)
-            nn.init.zeros_(m.bias)
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=INIT_STD)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
     with torch.no_grad():
-        modules["audio_encoder"].audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
-        # a zero speaker (the default voice) still adds nothing
-        modules["token2wav"].speaker_proj.weight.mul_(SPEAKER_GAIN)
+        if stage == "audio_encoder":
+            module.audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
+        # Random weights have no sense of an end: the logits of the ends a model stops by itself (the speech
+        # EOS, a chat reply's <|im_end|>) sit at 0, mid-rank, never among the top-k, so a random TTS speaks
+        # its text out and a random chat reply runs to max_new_tokens, whatever the seed.
+        if stage == "tts":
+            module.head_code[0].weight[-1].zero_()
+        if stage == "llm":
+            module.lm_head.weight[preset.tokens.im_end].zero_()
+        if stage == "token2wav":
+            for m in module.modules():  # variance-keeping, so the waveform follows its tokens
+                if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+                    fan_in = m.in_channels * (m.kernel_size[0] if isinstance(m, nn.Conv1d) else 1)
+                    nn.init.normal_(m.weight, std=(2.0 / fan_in) ** 0.5)
+                    nn.init.zeros_(m.bias)
+            module.speaker_proj.weight.mul_(SPEAKER_GAIN)  # a zero speaker (the default voice) still adds nothing
 
 
 def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
-    torch.manual_seed(seed)
+    """Each stage from a seed of its own (`seed` + its index in STAGE_NAMES), so changing one stage's
+    module leaves the other stages' random weights as they were."""
     h = preset.llm.hidden
-    modules: dict[str, nn.Module] = {
-        "audio_encoder": AudioEncoder(preset.audio, h),
-        "llm": DuplexLLM(preset.llm),
-        "tts": DuplexTTS(preset.tts, h),
-        "token2wav": Token2Wav(preset.token2wav, preset.tts.num_audio_tokens),
+    makers: dict[str, Callable[[], nn.Module]] = {
+        "audio_encoder": lambda: AudioEncoder(preset.audio, h),
+        "vision_encoder": lambda: VisionEncoder(preset.vision, h),
+        "speaker_encoder": lambda: SpeakerEncoder(preset.speaker),
+        "llm": lambda: DuplexLLM(preset.llm),
+        "tts": lambda: DuplexTTS(preset.tts, h),
+        "token2wav": lambda: Token2Wav(preset.token2wav, preset.tts.num_audio_tokens),
     }
-    # Built last, so adding it left the other stages' random weights as they were.
-    modules["vision_encoder"] = VisionEncoder(preset.vision, h)
-    modules["speaker_encoder"] = SpeakerEncoder(preset.speaker)
-    init_random_weights(modules)
+    modules: dict[str, nn.Module] = {}
+    for i, stage in enumerate(STAGE_NAMES):
+        torch.manual_seed(seed + i)
+        modules[stage] = makers[stage]()
+        init_random_weights(stage, modules[stage], preset)
     return modules
 
 
