@@ -6,7 +6,6 @@ Artefacts land in the model repository's version folders (`model_repository/<sta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 
+from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
 
@@ -63,20 +63,24 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.checkpoint is not None:
-        from .checkpoint import copy_tokenizer, load_checkpoint, preset_from_config
+        from .checkpoint import CheckpointError, copy_tokenizer, load_checkpoint, read_config
+        from .config import preset_from_config
 
-        config_path = args.checkpoint / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        preset = preset_from_config(preset, config)
-        modules = build_modules(preset, modules_seed)
-        loaded = load_checkpoint(args.checkpoint, modules, require=("audio_encoder", "llm", "tts"))
+        try:
+            preset = preset_from_config(preset, read_config(args.checkpoint))
+            modules = build_modules(preset, modules_seed)
+            loaded = load_checkpoint(args.checkpoint, modules, preset)
+            if preset.tokenizer == "huggingface":
+                copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")
+        except CheckpointError as exc:  # a report for a person, not a traceback
+            print(f"error: cannot export {preset.name} from {args.checkpoint}:\n{exc}", file=sys.stderr)
+            return 1
         missing = sorted(set(STAGE_NAMES) - set(loaded))
         print(f"loaded {', '.join(loaded)} from {args.checkpoint}"
               + (f"; random weights for {', '.join(missing)}" if missing else ""))
-        if preset.tokenizer == "huggingface":
-            copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")
     else:
         modules = build_modules(preset, modules_seed)
+    print(memory_report(preset))
 
     write_stage_configs(args.model_repository, preset)
     graphs = [g for g in stage_graphs(preset, modules) if g.folder in args.stages]

@@ -1,155 +1,184 @@
-"""Read (and, for tests, write) a MiniCPM-o-style checkpoint folder: config.json + *.safetensors.
+"""Read a MiniCPM-o checkpoint folder as published: config.json, sharded *.safetensors named by
+model.safetensors.index.json, and the tokenizer's files.
 
-Tensor names are the checkpoint's (`llm.*`, `apm.*`, `audio_projection_layer.*`, `tts.*`); the audio encoder's
-modules carry them as they are (see export/modules/audio_encoder.py), the vision tower's separate q/k/v
-projections are fused into torch's `in_proj`, and weight-normed heads are folded.
+Each stage claims its tensors by prefix and renames them to its module's state-dict names with the
+`state_from_checkpoint` beside its module (`export/modules/<stage>.py`); `STAGE_CHECKPOINTS` is the one
+table a stage is registered in. Every problem is collected first and raised as one `CheckpointError`
+whose text says, per stage, which tensors are missing, unexpected or mis-shaped.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from minicpmo_triton.model_config import PresetConfig
 
-from .modules.vision import dims_from_config as vision_dims_from_config
+from .modules import audio_encoder, llm, tts, vision
+from .tensor_names import CheckpointError, Tensors, strip_prefix
 
-STAGE_PREFIXES = {
-    "audio_encoder": ("apm.", "audio_projection_layer."),
-    "vision_encoder": ("vpm.", "resampler."),
-    "llm": ("llm.",),
-    "tts": ("tts.",),
-    "token2wav": ("token2wav.",),
-    "speaker_encoder": ("speaker_encoder.",),
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json")
+SHOWN = 5  # names listed per kind of problem; the counts are always whole
+
+
+@dataclass(frozen=True)
+class StageCheckpoint:
+    """How one stage finds its tensors: the name prefixes it owns, the renaming to its module's names."""
+
+    prefixes: tuple[str, ...]
+    state_from_checkpoint: Callable[[Tensors, PresetConfig], Tensors]
+
+
+def _strip(prefix: str) -> Callable[[Tensors, PresetConfig], Tensors]:
+    return lambda tensors, preset: strip_prefix(tensors, prefix)
+
+
+STAGE_CHECKPOINTS: dict[str, StageCheckpoint] = {
+    "audio_encoder": StageCheckpoint(audio_encoder.PREFIXES, audio_encoder.state_from_checkpoint),
+    "vision_encoder": StageCheckpoint(vision.PREFIXES, vision.state_from_checkpoint),
+    "llm": StageCheckpoint(llm.PREFIXES, llm.state_from_checkpoint),
+    "tts": StageCheckpoint(tts.PREFIXES, tts.state_from_checkpoint),
+    # Not in the published file (their weights ship as separate assets); loaded when a folder has them.
+    "token2wav": StageCheckpoint(("token2wav.",), _strip("token2wav.")),
+    "speaker_encoder": StageCheckpoint(("speaker_encoder.",), _strip("speaker_encoder.")),
 }
-_QKV = ("q_proj", "k_proj", "v_proj")
+REQUIRED_STAGES = ("audio_encoder", "vision_encoder", "llm", "tts")  # what the published file holds
 
 
-class CheckpointError(ValueError):
-    pass
+@dataclass
+class StageProblems:
+    """One stage's mismatches: (name, shape) missing or unexpected, (name, expected, found) mis-shaped."""
+
+    stage: str
+    missing: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    unexpected: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    misshaped: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.misshaped)
+
+    def lines(self) -> list[str]:
+        out = [f"stage {self.stage}: {len(self.missing)} missing, {len(self.unexpected)} unexpected, "
+               f"{len(self.misshaped)} mis-shaped (module names; see docs/checkpoint.md for the mapping)"]
+        out += [f"  missing     {n}  expected {list(s)}" for n, s in self.missing[:SHOWN]]
+        out += [f"  unexpected  {n}  found {list(s)}" for n, s in self.unexpected[:SHOWN]]
+        out += [f"  mis-shaped  {n}  expected {list(e)} found {list(f)}" for n, e, f in self.misshaped[:SHOWN]]
+        hidden = max(0, len(self.missing) - SHOWN) + max(0, len(self.unexpected) - SHOWN) + max(
+            0, len(self.misshaped) - SHOWN)
+        if hidden:
+            out.append(f"  ... and {hidden} more")
+        return out
 
 
-def preset_from_config(preset: PresetConfig, config: dict) -> PresetConfig:
-    """Override the preset's dimensions with what a Hugging Face style config.json says."""
-    llm = dataclasses.replace(
-        preset.llm,
-        hidden=config.get("hidden_size", preset.llm.hidden),
-        layers=config.get("num_hidden_layers", preset.llm.layers),
-        heads=config.get("num_attention_heads", preset.llm.heads),
-        kv_heads=config.get("num_key_value_heads", preset.llm.kv_heads),
-        head_dim=config.get("head_dim", preset.llm.head_dim),
-        intermediate=config.get("intermediate_size", preset.llm.intermediate),
-        vocab=config.get("vocab_size", preset.llm.vocab),
-        rope_theta=config.get("rope_theta", preset.llm.rope_theta),
-        rms_eps=config.get("rms_norm_eps", preset.llm.rms_eps),
+def _sorted_shapes(d: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...]]]:
+    return sorted(d.items())
+
+
+def compare_state(stage: str, module: nn.Module, state: Tensors) -> StageProblems:
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    return StageProblems(
+        stage,
+        missing=_sorted_shapes({k: s for k, s in expected.items() if k not in found}),
+        unexpected=_sorted_shapes({k: s for k, s in found.items() if k not in expected}),
+        misshaped=sorted((k, expected[k], found[k]) for k in expected.keys() & found.keys()
+                         if expected[k] != found[k]),
     )
-    a = config.get("audio_config", {})
-    audio = dataclasses.replace(
-        preset.audio,
-        n_mels=a.get("num_mel_bins", preset.audio.n_mels),
-        d_model=a.get("d_model", preset.audio.d_model),
-        layers=a.get("encoder_layers", preset.audio.layers),
-        heads=a.get("encoder_attention_heads", preset.audio.heads),
-        ffn=a.get("encoder_ffn_dim", preset.audio.ffn),
-        max_positions=a.get("max_source_positions", preset.audio.max_positions),
-        pool=config.get("audio_pool_step", preset.audio.pool),
-    )
-    t = config.get("tts_config", {})
-    td = preset.tts.decoder
-    tts = dataclasses.replace(
-        preset.tts,
-        decoder=dataclasses.replace(
-            td,
-            hidden=t.get("hidden_size", td.hidden),
-            layers=t.get("num_hidden_layers", td.layers),
-            heads=t.get("num_attention_heads", td.heads),
-            kv_heads=t.get("num_key_value_heads", t.get("num_attention_heads", td.kv_heads)),
-            head_dim=t.get("hidden_size", td.hidden) // t.get("num_attention_heads", td.heads),
-            intermediate=t.get("intermediate_size", td.intermediate),
-        ),
-        num_text_tokens=t.get("num_text_tokens", preset.tts.num_text_tokens),
-        num_audio_tokens=t.get("num_audio_tokens", preset.tts.num_audio_tokens),
-    )
-    vision = vision_dims_from_config(preset.vision, config, llm.hidden)
-    return dataclasses.replace(preset, llm=llm, audio=audio, tts=tts, vision=vision)
 
 
-def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, value in tensors.items():
-        if stage in ("llm", "tts", "token2wav", "speaker_encoder"):
-            name = name.split(".", 1)[1]
-        out[name] = value
-    for key in [k for k in out if k.endswith(".weight_v")]:  # torch weight_norm, old style
-        base = key[: -len(".weight_v")]
-        v, g = out.pop(key), out.pop(f"{base}.weight_g")
-        out[f"{base}.weight"] = g * v / v.norm(dim=tuple(range(1, v.dim())), keepdim=True)
-    return out
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The shards the index names (each must exist, none may be left out of it), or the one model.safetensors."""
+    folder = Path(folder)
+    present = sorted(p.name for p in folder.glob("*.safetensors"))
+    index = folder / INDEX_FILE
+    if not index.exists():
+        if present == [SINGLE_FILE]:
+            return [folder / SINGLE_FILE]
+        raise CheckpointError(f"{folder}: no {INDEX_FILE} (found {present or 'no *.safetensors'}); a sharded "
+                              f"checkpoint names its shards in the index, a single file is {SINGLE_FILE}")
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    named = sorted(set(weight_map.values()))
+    absent = [n for n in named if n not in present]
+    stray = [n for n in present if n not in named]
+    if absent or stray:
+        raise CheckpointError(f"{folder}: {INDEX_FILE} names {len(named)} shards; missing on disk: "
+                              f"{absent or 'none'}; on disk but not in the index: {stray or 'none'}")
+    return [folder / n for n in named]
 
 
-def _to_checkpoint_names(stage: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = {"llm": "llm.", "tts": "tts.", "token2wav": "token2wav.", "speaker_encoder": "speaker_encoder."}.get(
-        stage, "")
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        if ".self_attn.in_proj_" in name:  # the resampler's own attention keeps torch's fused names
-            base, kind = name.rsplit("in_proj_", 1)
-            for proj, part in zip(_QKV, value.chunk(3), strict=True):
-                if not (proj == "k_proj" and kind == "bias"):  # Whisper's k_proj has no bias
-                    out[f"{prefix}{base}{proj}.{kind}"] = part.contiguous()
-        else:
-            out[prefix + name] = value.contiguous()
-    return out
+def read_tensors(folder: Path) -> Tensors:
+    from safetensors import safe_open
+
+    files = checkpoint_files(folder)
+    index = Path(folder) / INDEX_FILE
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    tensors: Tensors = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if weight_map is not None and weight_map.get(name) != path.name:
+                    raise CheckpointError(f"{path.name} holds {name}, which {INDEX_FILE} puts in "
+                                          f"{weight_map.get(name, 'no shard')}")
+                tensors[name] = f.get_tensor(name)
+    if weight_map is not None and (lost := sorted(weight_map.keys() - tensors.keys())):
+        raise CheckpointError(f"{INDEX_FILE} names {len(lost)} tensors no shard holds, e.g. {lost[:SHOWN]}")
+    return tensors
 
 
-def load_checkpoint(folder: Path, modules: dict[str, nn.Module], require: tuple[str, ...]) -> list[str]:
-    """Load every stage whose tensors are present; those in `require` must be. Returns the loaded stages."""
-    from safetensors.torch import load_file
+def load_checkpoint(folder: Path, modules: dict[str, nn.Module], preset: PresetConfig,
+                    require: tuple[str, ...] = REQUIRED_STAGES) -> list[str]:
+    """Load every registered stage whose tensors are present (those in `require` must be); returns them.
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors in {folder}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    loaded = []
-    for stage, prefixes in STAGE_PREFIXES.items():
-        part = {k: v for k, v in tensors.items() if k.startswith(prefixes)}
+    Nothing is loaded unless everything fits: a mismatch anywhere raises one report for all stages.
+    """
+    tensors = read_tensors(folder)
+    claimed: set[str] = set()
+    states: dict[str, Tensors] = {}
+    problems: list[StageProblems] = []
+    for stage, spec in STAGE_CHECKPOINTS.items():
+        part = {k: v for k, v in tensors.items() if k.startswith(spec.prefixes)}
+        claimed |= part.keys()
         if not part:
             if stage in require:
-                raise CheckpointError(f"{folder} has no tensors for stage {stage} (prefixes {prefixes})")
+                problems.append(StageProblems(stage, missing=[(f"{'|'.join(spec.prefixes)}*", ())]))
             continue
-        state = _to_module_names(stage, part)
-        result = modules[stage].load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise CheckpointError(
-                f"stage {stage}: missing {result.missing_keys[:5]} unexpected {result.unexpected_keys[:5]}"
-            )
-        loaded.append(stage)
-    return loaded
+        states[stage] = spec.state_from_checkpoint(part, preset)
+        found = compare_state(stage, modules[stage], states[stage])
+        if found:
+            problems.append(found)
+    stray = {k: tuple(v.shape) for k, v in tensors.items() if k not in claimed}
+    if stray:
+        problems.append(StageProblems("(no stage)", unexpected=_sorted_shapes(stray)))
+    if problems:
+        raise CheckpointError("\n".join([f"{folder} does not fit preset {preset.name}:",
+                                         *(line for p in problems for line in p.lines())]))
+    for stage, state in states.items():
+        modules[stage].load_state_dict(state, strict=True)
+    return list(states)
 
 
-def save_checkpoint(folder: Path, modules: dict[str, nn.Module], config: dict) -> None:
-    """Write modules in the checkpoint layout (how tests make a checkpoint without downloading one)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for stage, module in modules.items():
-        tensors.update(_to_checkpoint_names(stage, module.state_dict()))
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: the model's dimensions come from it")
+    return json.loads(path.read_text())
 
 
 def copy_tokenizer(folder: Path, target: Path) -> None:
-    src = Path(folder) / "tokenizer.json"
-    if not src.exists():
-        raise CheckpointError(f"{src} is missing: the real preset uses the checkpoint's own tokenizer")
+    """The checkpoint's whole tokenizer set, beside the entry model."""
+    missing = [n for n in TOKENIZER_FILES if not (Path(folder) / n).exists()]
+    if missing:
+        raise CheckpointError(f"{folder} lacks tokenizer files {missing}: the real preset uses the checkpoint's "
+                              f"own tokenizer ({', '.join(TOKENIZER_FILES)})")
     target.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(src, target / "tokenizer.json")
+    for name in TOKENIZER_FILES:
+        shutil.copy2(Path(folder) / name, target / name)
+

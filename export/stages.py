@@ -45,39 +45,46 @@ class StageGraph:
 
 INIT_STD = 0.02  # Hugging Face's initializer_range
 AUDIO_GAIN = 10.0  # random audio embeddings as loud as token embeddings, so what is heard matters
-SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random TTS and vocoder make
 
 
-def init_random_weights(modules: dict[str, nn.Module]) -> None:
+def init_random_weights(stage: str, module: nn.Module, preset: PresetConfig) -> None:
     """A trained model's scale: N(0, 0.02) weights, zero biases, audio embeddings not drowned out."""
-    for name, module in modules.items():
-        if name == "token2wav":  # the official classes' own initialisation (Token2WavModel.random)
-            continue
-        for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=INIT_STD)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+    if stage == "token2wav":  # the official classes' own initialisation (Token2WavModel.random)
+        return
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=INIT_STD)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
     with torch.no_grad():
-        modules["audio_encoder"].audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
-        # a zero speaker (the default voice) still adds nothing
-        modules["tts"].projector_spk.weight.mul_(SPEAKER_GAIN)
+        if stage == "audio_encoder":
+            module.audio_projection_layer.linear2.weight.mul_(AUDIO_GAIN)
+        # Random weights have no sense of an end: the logits of the ends a model stops by itself (the speech
+        # EOS, a chat reply's <|im_end|>) sit at 0, mid-rank, never among the top-k, so a random TTS speaks
+        # its text out and a random chat reply runs to max_new_tokens, whatever the seed.
+        if stage == "tts":
+            module.head_code[0].weight[-1].zero_()
+        if stage == "llm":
+            module.lm_head.weight[preset.tokens.im_end].zero_()
 
 
 def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
-    torch.manual_seed(seed)
+    """Each stage from a seed of its own (`seed` + its index in STAGE_NAMES), so changing one stage's
+    module leaves the other stages' random weights as they were."""
     h = preset.llm.hidden
-    modules: dict[str, nn.Module] = {
-        "audio_encoder": AudioEncoder(preset.audio, h),
-        "llm": DuplexLLM(preset.llm),
-        "tts": DuplexTTS(preset.tts, h),
+    makers: dict[str, Callable[[], nn.Module]] = {
+        "audio_encoder": lambda: AudioEncoder(preset.audio, h),
+        "vision_encoder": lambda: VisionEncoder(preset.vision, h),
+        "speaker_encoder": lambda: SpeakerEncoder(preset.speaker),
+        "llm": lambda: DuplexLLM(preset.llm),
+        "tts": lambda: DuplexTTS(preset.tts, h),
+        "token2wav": lambda: Token2WavModel.random(preset.token2wav, seed + STAGE_NAMES.index("token2wav")),
     }
-    with torch.random.fork_rng():  # its own seed: the other stages' weights do not depend on it
-        modules["token2wav"] = Token2WavModel.random(preset.token2wav, seed)
-    # Built last, so adding it left the other stages' random weights as they were.
-    modules["vision_encoder"] = VisionEncoder(preset.vision, h)
-    modules["speaker_encoder"] = SpeakerEncoder(preset.speaker)
-    init_random_weights(modules)
+    modules: dict[str, nn.Module] = {}
+    for i, stage in enumerate(STAGE_NAMES):
+        torch.manual_seed(seed + i)
+        modules[stage] = makers[stage]()
+        init_random_weights(stage, modules[stage], preset)
     return modules
 
 
@@ -141,13 +148,15 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     def tts_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
         is_code = torch.zeros(b, t, dtype=torch.bool)
         is_code[:, 3:] = True
+        has_hidden = torch.zeros(b, t, dtype=torch.bool)
+        has_hidden[:, :2] = True  # text, text, audio_bos, code, code
         return {
             "text_ids": torch.randint(0, preset.tts.num_text_tokens, (b, t), generator=g),
             "llm_hidden": torch.randn(b, t, llm.hidden, generator=g),
+            "has_hidden": has_hidden,
             "code_ids": torch.randint(0, preset.tts.num_audio_tokens, (b, t), generator=g),
             "is_code": is_code,
             **_decoder_inputs(g, tts.layers, tts.kv_heads, tts.head_dim, b, t, p),
-            "speaker": torch.randn(b, preset.speaker.dim, generator=g),
         }
 
 
@@ -161,7 +170,6 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
     kv = {1: batch, 3: past}
     decoder_axes = {"position_ids": bt, "past_mask": {0: batch, 1: past}, "past_key": kv, "past_value": kv,
                     "last_index": {0: batch}}
-    speaker = {"speaker": {0: batch}}
     return [
         StageGraph("audio_encoder", modules["audio_encoder"], audio_inputs, ["embeds"],
                    {"audio": {0: batch, 1: Dim("samples", min=1600, max=16_000 * 30)}}),
@@ -176,7 +184,8 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("llm", modules["llm"], llm_inputs, ["logits", "hidden", "present_key", "present_value"],
                    {"input_ids": bt, "embeds": bt, "use_embeds": bt, **decoder_axes}),
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],
-                   {"text_ids": bt, "llm_hidden": bt, "code_ids": bt, "is_code": bt, **decoder_axes, **speaker}),
+                   {"text_ids": bt, "llm_hidden": bt, "has_hidden": bt, "code_ids": bt, "is_code": bt,
+                    **decoder_axes}),
         StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
                    {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
         *token2wav_stage_graphs(preset, modules["token2wav"]),

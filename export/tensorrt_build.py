@@ -39,7 +39,6 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
         return {"mel": tuple((b, a.n_mels, f) for b, f in frames), "mel_mask": frames,
                 "position_ids": tuple((b, (f - 4) // 2) for b, f in frames), "past_mask": pasts,
                 "past_key": kv, "past_value": kv}
-    spk = preset.speaker.dim
     if stage.startswith("token2wav_"):
         return token2wav_profiles(stage, preset, max_batch)
     if stage == "vision_encoder":
@@ -53,15 +52,13 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731
     seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))
     past = ((1, 0), (max_batch // 2, ctx // 2), (max_batch, ctx))
-    names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "code_ids", "is_code"]
+    names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "has_hidden", "code_ids", "is_code"]
     hidden_in = "embeds" if stage == "llm" else "llm_hidden"
     shapes = {n: seq for n in names + ["position_ids"]}
     shapes[hidden_in] = tuple((b, t, preset.llm.hidden) for b, t in seq)
     shapes["past_mask"] = past
     shapes["past_key"] = shapes["past_value"] = tuple(kv(p) for p in past)
     shapes["last_index"] = tuple((b,) for b, _ in seq)
-    if stage == "tts":
-        shapes["speaker"] = tuple((b, spk) for b, _ in seq)
     return shapes
 
 

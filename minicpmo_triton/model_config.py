@@ -72,17 +72,24 @@ class DecoderDims:
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
     qk_norm: bool = True
+    tie_word_embeddings: bool = False  # lm_head shares embed_tokens (Qwen3-8B: untied)
 
 
 @dataclass(frozen=True)
 class TtsDims:
+    """MiniCPM-o's `tts_config`: a Llama over [text + LLM-hidden condition | audio_bos | speech codes]."""
+
     decoder: DecoderDims = field(
         default_factory=lambda: DecoderDims(
-            hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=192, vocab=0, qk_norm=False
+            hidden=64, layers=2, heads=4, kv_heads=4, head_dim=16, intermediate=192, vocab=32_000,
+            rope_theta=10_000.0, qk_norm=False,
         )
-    )
+    )  # `decoder.vocab`: LlamaModel's own embed_tokens (LlamaConfig's 32000), loaded but never used
     num_text_tokens: int = 288
     num_audio_tokens: int = 6562  # the last id is the speech EOS
+    audio_bos_token_id: int = 0  # emb_text(audio_bos) ends every chunk's condition
+    text_eos_token_id: int = 0  # read for completeness; the duplex path never feeds it
+    normalize_projected_hidden: bool = True  # L2-normalise projector_semantic(h)
 
 
 @dataclass(frozen=True)
@@ -153,8 +160,12 @@ class DuplexDefaults:
     repetition_penalty: float = 1.05
     repetition_window: int = 512
     length_penalty: float = 1.1
-    tts_tokens_per_chunk: int = 25
+    tts_tokens_per_chunk: int = 25  # returned per chunk; a 26th is sampled and dropped (generate_chunk)
     tts_temperature: float = 0.8
+    tts_top_k: int = 20
+    tts_top_p: float = 0.7
+    tts_repetition_penalty: float = 1.05
+    tts_repetition_window: int = 16  # over the chunk's own speech tokens
     context_tokens: int = 8192
     chunk_ms: int = 1000
 

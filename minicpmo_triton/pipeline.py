@@ -248,7 +248,6 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
-            speaker=state.speaker,
         )))
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
@@ -389,7 +388,7 @@ class DuplexPipeline:
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed, speaker=speaker)))
+            seed=state.options.seed)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
         return wav.waveform, len(tts.speech_tokens)

@@ -66,13 +66,19 @@ def seeded_rng(seed: int, corr_id: int) -> np.random.Generator:
     return np.random.default_rng(seed or corr_id)
 
 
-def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float, window: int) -> None:
+def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float, window: int,
+                             per_occurrence: bool = False) -> None:
+    """Push the last `window` tokens' logits toward lower odds, by `penalty` once per token, or
+    `penalty ** count` per token with `per_occurrence` (MiniCPM-o's TTS:
+    `CustomRepetitionPenaltyLogitsProcessorRepeat`)."""
     if penalty == 1.0 or not history:
         return
-    ids = np.unique(np.asarray(history[-window:], np.int64))
-    ids = ids[ids < logits.shape[0]]
+    ids, counts = np.unique(np.asarray(history[-window:], np.int64), return_counts=True)
+    keep = ids < logits.shape[0]
+    ids, counts = ids[keep], counts[keep]
+    alpha = penalty ** counts if per_occurrence else penalty
     vals = logits[ids]
-    logits[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+    logits[ids] = np.where(vals < 0, vals * alpha, vals / alpha)
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -147,7 +147,6 @@ class TtsRequest:
     n_tokens: int = _D.tts_tokens_per_chunk
     temperature: float = _D.tts_temperature
     seed: int = 0
-    speaker: np.ndarray = tensor(np.float32, 1)  # the voice; empty: the default voice
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""The minicpm-o-4.5 preset built from a local checkpoint folder (one the test writes: no download)."""
+"""The minicpm-o-4.5 preset from a checkpoint folder in the published layout, built from the reference
+modules (tests/reference_checkpoint.py): what it loads, what it refuses and how it says so."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,101 +13,188 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-from export.checkpoint import CheckpointError, load_checkpoint, preset_from_config, save_checkpoint
-from export.presets import MINICPMO45_TOKENS, minicpmo45
+from export.checkpoint import TOKENIZER_FILES, CheckpointError, load_checkpoint, read_config
+from export.config import preset_from_config
+from export.presets import MINICPMO45_TOKENS, TINY_CONFIG, minicpmo45, tiny
 from export.stages import build_modules
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import REPO
+from .reference_checkpoint import ReferenceCheckpoint, write_checkpoint
 
-SMALL_CONFIG = {  # the real checkpoint's config keys, at a size a CPU test can afford
-    "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "intermediate_size": 64, "vocab_size": 151_936,
-    "audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64},
-    "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
-    "tts_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-                   "num_text_tokens": 152_064, "num_audio_tokens": 6562},
-}
-
-
-def write_tokenizer(folder: Path) -> None:
-    specials = {tok: i for tok, i in {
-        "<|im_start|>": MINICPMO45_TOKENS.im_start, "<|im_end|>": MINICPMO45_TOKENS.im_end,
-        "<|listen|>": MINICPMO45_TOKENS.listen, "<|speak|>": MINICPMO45_TOKENS.speak}.items()}
-    vocab = {chr(c): c - 32 for c in range(32, 127)} | {"[UNK]": 200} | specials
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.save(str(folder / "tokenizer.json"))
+INDEX = "model.safetensors.index.json"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    folder = tmp_path_factory.mktemp("ckpt")
-    preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
-    modules = build_modules(preset, seed=123)
-    save_checkpoint(folder, modules, SMALL_CONFIG)
-    write_tokenizer(folder)
-    return folder, modules
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceCheckpoint:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-def test_checkpoint_names_follow_minicpmo(checkpoint) -> None:
-    from safetensors import safe_open
-
-    folder, _ = checkpoint
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    for expected in ("llm.model.embed_tokens.weight", "llm.model.layers.0.self_attn.q_norm.weight",
-                     "llm.lm_head.weight", "apm.layers.0.self_attn.k_proj.weight",
-                     "apm.layers.0.self_attn.q_proj.bias", "audio_projection_layer.linear1.weight",
-                     "tts.emb_code.0.weight", "tts.head_code.0.weight", "tts.model.layers.0.mlp.gate_proj.weight",
-                     "vpm.embeddings.patch_embedding.weight", "vpm.encoder.layers.0.self_attn.q_proj.weight",
-                     "vpm.encoder.layers.0.mlp.fc1.weight", "resampler.attn.in_proj_weight", "resampler.query"):
-        assert expected in names
-    assert "apm.layers.0.self_attn.k_proj.bias" not in names  # Whisper's k_proj has no bias
+def copy_of(ref: ReferenceCheckpoint, tmp_path: Path) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ref.folder, folder)
+    return folder
 
 
-def test_loading_restores_every_tensor(checkpoint) -> None:
-    folder, original = checkpoint
-    preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
-    fresh = build_modules(preset, seed=999)
-    loaded = load_checkpoint(folder, fresh, require=("audio_encoder", "llm", "tts"))
-    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "token2wav", "speaker_encoder"}
-    for stage in loaded:
-        for (name, a), (_, b) in zip(original[stage].state_dict().items(), fresh[stage].state_dict().items(),
-                                     strict=True):
-            assert torch.equal(a, b), f"{stage}.{name}"
-
-
-def test_a_checkpoint_missing_a_stage_is_refused(checkpoint, tmp_path: Path) -> None:
+def rewrite_shard(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Apply `edit(tensors)` to every shard, keeping the index true to what the shards hold."""
     from safetensors.torch import load_file, save_file
 
-    folder, _ = checkpoint
-    tensors = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if not k.startswith("tts.")}
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
-    with pytest.raises(CheckpointError, match="no tensors for stage tts"):
-        load_checkpoint(tmp_path, build_modules(preset, 1), require=("audio_encoder", "llm", "tts"))
+    index = json.loads((folder / INDEX).read_text())
+    weight_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = edit(load_file(str(folder / shard)))
+        save_file(tensors, str(folder / shard))
+        weight_map |= {k: shard for k in tensors}
+    (folder / INDEX).write_text(json.dumps({**index, "weight_map": weight_map}))
 
 
-def test_export_cli_builds_the_real_preset_from_the_checkpoint(checkpoint, tmp_path: Path) -> None:
-    folder, _ = checkpoint
-    repo = tmp_path / "repo"
-    done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
+def export(folder: Path, repo: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
                            "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
+
+
+def load(folder: Path) -> dict[str, torch.nn.Module]:
+    preset = preset_from_config(minicpmo45(), read_config(folder))
+    modules = build_modules(preset, seed=999)
+    load_checkpoint(folder, modules, preset)
+    return modules
+
+
+def test_tiny_is_the_real_architecture_from_a_config_dict() -> None:
+    """`tiny` takes the real checkpoint's path: its config.json-shaped dict through preset_from_config."""
+    assert tiny() == preset_from_config(tiny(), TINY_CONFIG)
+    assert set(TINY_CONFIG) >= {"audio_config", "vision_config", "tts_config"}
+    assert set(TINY_CONFIG["tts_config"]) >= {"llm_dim", "normalize_projected_hidden", "audio_bos_token_id",
+                                              "text_eos_token_id"}
+    with torch.device("meta"):  # the real dimensions without their 36 GB
+        real, small = build_modules(minicpmo45(), 0), build_modules(tiny(), 0)
+    def kinds(module: torch.nn.Module) -> set[str]:
+        return {re.sub(r"\.\d+\.", ".N.", name) for name in module.state_dict()}
+
+    for stage in ("llm", "tts"):  # the same tensor names as the real preset (counts and shapes differ)
+        assert kinds(real[stage]) == kinds(small[stage])
+    d = tiny().tts.decoder
+    assert (d.rope_theta, d.rms_eps, d.vocab) == (10_000.0, 1e-6, 32_000)  # Llama defaults: tts_config has none
+
+
+def test_the_real_preset_reads_config_json(reference) -> None:
+    preset = preset_from_config(minicpmo45(), read_config(reference.folder))
+    assert preset.llm.vocab == 151_748 and preset.llm.hidden == 32 and not preset.llm.tie_word_embeddings
+    assert preset.tts.audio_bos_token_id == 151_687 and preset.tts.text_eos_token_id == 151_692
+    assert preset.tts.normalize_projected_hidden and preset.tts.decoder.rope_theta == 10_000.0
+    assert minicpmo45().llm.vocab == 151_748 and minicpmo45().tokens == MINICPMO45_TOKENS
+    bad = {**reference.config, "tts_config": {**reference.config["tts_config"], "llm_dim": 64}}
+    with pytest.raises(CheckpointError, match="llm_dim 64"):
+        preset_from_config(minicpmo45(), bad)
+
+
+def test_loading_takes_every_tensor_from_the_reference(reference) -> None:
+    modules = load(reference.folder)
+    qwen = reference.modules["llm"].state_dict()
+    for name, value in modules["llm"].state_dict().items():
+        assert torch.equal(value, qwen[name]), name
+    tts = reference.modules["tts"]
+    mine = modules["tts"].state_dict()
+    torch.testing.assert_close(mine["head_code.0.weight"], tts.head_code[0].weight.detach())  # weight norm folded
+    for name in ("model.embed_tokens.weight", "projector_spk.linear1.weight", "projector_semantic.linear2.bias",
+                 "emb_text.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert torch.equal(mine[name], tts.state_dict()[name]), name
+    assert mine["model.embed_tokens.weight"].shape == (32_000, 32)  # present in the file, never used
+
+
+def test_old_style_weight_norm_still_folds(reference, tmp_path: Path) -> None:
+    folder = copy_of(reference, tmp_path)
+    head = "tts.head_code.0.parametrizations.weight."
+
+    def old_style(t: dict) -> dict:
+        if head + "original0" in t:
+            t["tts.head_code.0.weight_g"], t["tts.head_code.0.weight_v"] = t.pop(head + "original0"), t.pop(
+                head + "original1")
+        return t
+
+    rewrite_shard(folder, old_style)
+    torch.testing.assert_close(load(folder)["tts"].head_code[0].weight.detach(),
+                               reference.modules["tts"].head_code[0].weight.detach())
+
+
+def test_a_mismatched_checkpoint_fails_with_a_report(reference, tmp_path: Path) -> None:
+    """Missing, unexpected and mis-shaped tensors: one report per stage, names and shapes, no traceback."""
+    folder = copy_of(reference, tmp_path)
+
+    def damage(t: dict) -> dict:
+        for name in [k for k in t if k.startswith("llm.model.layers.1.")]:
+            del t[name]
+        if "tts.emb_code.0.weight" in t:
+            t["tts.emb_code.0.weight"] = torch.zeros(100, 32)
+        if "tts.emb_text.weight" in t:
+            t["tts.extra.weight"] = torch.zeros(3)
+        return t
+
+    rewrite_shard(folder, damage)
+    done = export(folder, tmp_path / "repo")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    err = done.stderr
+    assert "stage llm: 11 missing, 0 unexpected, 0 mis-shaped" in err  # Qwen3 layer: 11 tensors
+    assert "missing     model.layers.1.input_layernorm.weight  expected [32]" in err
+    assert "... and 6 more" in err  # the first 5 of each kind are listed
+    assert "stage tts: 0 missing, 1 unexpected, 1 mis-shaped" in err
+    assert "mis-shaped  emb_code.0.weight  expected [6562, 32] found [100, 32]" in err
+    assert "unexpected  extra.weight  found [3]" in err
+    assert not (tmp_path / "repo" / "llm" / "1" / "model.onnx").exists()
+
+
+def test_shards_and_index_must_agree(reference, tmp_path: Path) -> None:
+    folder = copy_of(reference, tmp_path)
+    shutil.copy(folder / "model-00001-of-00003.safetensors", folder / "model-00004-of-00003.safetensors")
+    with pytest.raises(CheckpointError, match=r"not in the index: \['model-00004-of-00003.safetensors'\]"):
+        load(folder)
+    (folder / "model-00004-of-00003.safetensors").unlink()
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"missing on disk: \['model-00002-of-00003.safetensors'\]"):
+        load(folder)
+    (folder / INDEX).unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json"):
+        load(folder)
+
+
+def test_a_stage_without_tensors_or_an_unknown_prefix_is_refused(reference, tmp_path: Path) -> None:
+    folder = copy_of(reference, tmp_path)
+    rewrite_shard(folder, lambda t: {("lm." + k[4:] if k.startswith("tts.") else k): v for k, v in t.items()})
+    with pytest.raises(CheckpointError) as info:
+        load(folder)
+    assert "stage tts: 1 missing" in str(info.value) and "missing     tts.*" in str(info.value)
+    assert "stage (no stage):" in str(info.value) and "unexpected  lm.emb_code.0.weight" in str(info.value)
+
+
+def test_the_tokenizer_set_is_required(reference, tmp_path: Path) -> None:
+    folder = copy_of(reference, tmp_path)
+    (folder / "merges.txt").unlink()
+    done = export(folder, tmp_path / "repo")
+    assert done.returncode == 1 and "merges.txt" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    done = export(reference.folder, repo)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav, speaker_encoder" in done.stdout
+    assert "loaded audio_encoder, vision_encoder, llm, tts from" in done.stdout
+    assert "random weights for speaker_encoder, token2wav" in done.stdout
+    assert "KV per session" in done.stdout and "memory at minicpm-o-4.5 dimensions" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
+    assert preset.llm.vocab == 151_748
     for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts"):
         assert (repo / stage / "1" / "model.onnx").exists()
+    assert (repo / "audio_encoder" / "1" / "stream.onnx").exists()
     for graph in ("encoder", "estimator", "vocoder"):  # token2wav's three graphs
         assert (repo / "token2wav" / "1" / f"{graph}.onnx").exists()
-    assert preset.vision.d_model == 32 and preset.vision.resampler_heads == 1
+    for name in TOKENIZER_FILES:
+        assert (repo / "duplex" / "1" / "tokenizer" / name).read_bytes() == (reference.folder / name).read_bytes()
     tok = load_tokenizer(preset, repo / "duplex" / "1")
-    assert tok.encode("hi") == [ord("h") - 32, ord("i") - 32]
+    assert tok.encode("hi<|listen|>") == [71, 72, MINICPMO45_TOKENS.listen]
     assert not tok.is_text(MINICPMO45_TOKENS.listen)
 
 
@@ -118,17 +208,15 @@ def test_export_cli_errors_are_clear(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir()), "nothing is written when the request is refused"
 
 
-def test_small_real_preset_runs_a_duplex_step(checkpoint, tmp_path: Path) -> None:
-    """The exported real-preset stages serve a step in process (HF tokenizer, 151k vocab)."""
+def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None:
+    """The exported real-preset stages serve a step in process (HF tokenizer, 151748 vocab)."""
     import asyncio
 
     from minicpmo_triton.inprocess import InProcessStages
     from minicpmo_triton.pipeline import StepEvent, StepInput
 
-    folder, _ = checkpoint
     repo = tmp_path / "repo"
-    subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
-                    "--model-repository", str(repo)], cwd=REPO, check=True, capture_output=True)
+    assert export(reference.folder, repo).returncode == 0
     stages = InProcessStages(repo)
     events: list[StepEvent] = []
 
@@ -139,11 +227,18 @@ def test_small_real_preset_runs_a_duplex_step(checkpoint, tmp_path: Path) -> Non
         pipeline = stages.pipeline()
         rng = np.random.default_rng(0)
         for i in range(4):
-            noise = (rng.standard_normal(16_000) * 0.1).astype(np.float32)  # float PCM: within +-MAX_SAMPLE_ABS
-            await pipeline.step(9, i == 0, i == 3, StepInput(audio=noise), emit)
+            await pipeline.step(9, i == 0, i == 3, StepInput(audio=rng.standard_normal(16_000).astype(np.float32)),
+                                emit)
 
     asyncio.run(run())
     assert [e.kind for e in events[:3]] == ["listen"] * 3
     assert events[0].chunk_usage["input_text_tokens"] > 0  # the system prompt, through the HF tokenizer
     assert stages.llm_stage.live_sequences == 0
     assert json.loads(json.dumps(events[0].metrics))["kv_cache_length"] > 10
+
+
+def test_transformers_is_a_test_time_dependency_only() -> None:
+    for package in ("export", "minicpmo_triton", "gateway"):
+        for path in (REPO / package).rglob("*.py"):
+            text = path.read_text()
+            assert "import transformers" not in text and "from transformers" not in text, path

@@ -9,13 +9,31 @@ Names and shapes are the checkpoint's (transformers' `WhisperEncoder` under `apm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from minicpmo_triton.audio_mel import CONTEXT_FRAMES, HOP, N_FFT, mel_filterbank
-from minicpmo_triton.model_config import AudioEncoderDims
+from minicpmo_triton.model_config import AudioEncoderDims, PresetConfig
+
+from ..tensor_names import Tensors, read_dims
+
+PREFIXES = ("apm.", "audio_projection_layer.")
+
+
+def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
+    """`audio_config` (a Whisper config) + top-level `audio_pool_step`."""
+    audio = read_dims(preset.audio, config.get("audio_config", {}), {
+        "n_mels": "num_mel_bins", "d_model": "d_model", "layers": "encoder_layers",
+        "heads": "encoder_attention_heads", "ffn": "encoder_ffn_dim", "max_positions": "max_source_positions"})
+    audio = read_dims(audio, config, {"pool": "audio_pool_step"})
+    return dataclasses.replace(preset, audio=audio)
+
+
+def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
+    return tensors  # the module carries the checkpoint's names (Whisper's separate q/k/v included)
 
 
 class LogMel(nn.Module):

@@ -21,10 +21,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from minicpmo_triton.model_config import VisionDims
+from minicpmo_triton.model_config import PresetConfig, VisionDims
+
+from ..tensor_names import Tensors
 
 RESAMPLER_EPS = 1e-6  # the resampler's norm_layer: partial(nn.LayerNorm, eps=1e-6)
 SINCOS_BASE = 10_000.0
+
+
+PREFIXES = ("vpm.", "resampler.")
+
+
+def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
+    return dataclasses.replace(preset, vision=dims_from_config(preset.vision, config, preset.llm.hidden))
+
+
+def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
+    return tensors  # the module carries the checkpoint's names (SigLIP's separate q/k/v, the resampler's in_proj)
 
 
 def dims_from_config(base: VisionDims, config: dict[str, Any], llm_hidden: int) -> VisionDims:

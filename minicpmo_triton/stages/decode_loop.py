@@ -34,15 +34,11 @@ def batched_decode(
     step_feeds: StepFeeds,
     choose: Choose,
     per_row_outputs: tuple[str, ...],
-    constant_feeds: dict[str, np.ndarray] | None = None,
 ) -> tuple[list[KvCache], DecodeTiming]:
-    """`constant_feeds` are per-row inputs without a sequence axis (a speaker embedding), for the prefill;
-    `step_feeds` gives them for the rows still decoding."""
     t0 = time.perf_counter()
     new_len = np.array([len(next(iter(p.values()))) for p in prefill], np.int64)
     batch = KvBatch(caches)
     feeds = {name: right_pad([p[name] for p in prefill]) for name in prefill[0]}
-    feeds.update(constant_feeds or {})
     out = engine.run({**feeds, **batch.feeds(new_len)})
     batch.advance(out["present_key"], out["present_value"], new_len)
     prefill_ms = (time.perf_counter() - t0) * 1000

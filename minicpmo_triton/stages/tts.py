@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,11 +22,22 @@ MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a c
 class TtsSession:
     cache: KvCache
     rng: np.random.Generator
-    pending: int | None = None  # the last speech token, fed at the start of the next chunk
-    history: list[int] = field(default_factory=list)
 
 
 class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
+    """MiniCPM-o 4.5's duplex TTS, per chunk as `DuplexCapability` + `MiniCPMTTS.generate_chunk` do it
+    (OpenBMB/MiniCPM-o-Demo `MiniCPMO45/modeling_minicpmo_unified.py`):
+
+    - the condition is [emb_text(id) + L2norm(projector_semantic(h)) per text token, emb_text(audio_bos)]
+      (`_convert_results_to_tts_input`), after the turn's cache (positions continue within the turn);
+    - up to `n_tokens + 1` codes are sampled; each but the last is fed back and returned, the last
+      (the 26th, or the speech EOS) is dropped: 25 codes = 1 s per chunk;
+    - EOS is forbidden until `n_tokens + 1` codes (min_new_tokens 26) except at a turn's start or end;
+    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
+      then top-k 20 / top-p 0.7;
+    - the cache is dropped at the turn's end.
+    """
+
     def __init__(self, engine: Engine, preset: PresetConfig, ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.engine = engine
@@ -39,83 +50,66 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         return TtsSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
 
     def is_noop(self, request: TtsRequest) -> bool:
-        return len(request.text_ids) == 0 and not request.turn_start and request.n_tokens == 0
+        return request.n_tokens == 0
 
     def empty_result(self) -> TtsResult:
         return TtsResult()
 
-    def _prefill(self, req: TtsRequest, sess: TtsSession) -> dict[str, np.ndarray]:
-        h = self.preset.llm.hidden
-        n_text = len(req.text_ids)
-        text = list(req.text_ids) + ([self.preset.tokens.tts_bos] if req.turn_start else [])
-        hidden = np.zeros((len(text), h), np.float32)
-        hidden[:n_text] = req.tts_hidden
-        codes = np.zeros(len(text), np.int64)
-        is_code = np.zeros(len(text), bool)
-        if sess.pending is not None:
-            text, codes = [0, *text], np.concatenate([[sess.pending], codes])
-            hidden = np.concatenate([np.zeros((1, h), np.float32), hidden])
-            is_code = np.concatenate([[True], is_code])
-        return {"text_ids": np.asarray(text, np.int64), "llm_hidden": hidden, "code_ids": codes, "is_code": is_code}
+    def _prefill(self, req: TtsRequest) -> dict[str, np.ndarray]:
+        """[text tokens with their LLM hidden states..., audio_bos]."""
+        n = len(req.text_ids)
+        hidden = np.zeros((n + 1, self.preset.llm.hidden), np.float32)
+        hidden[:n] = req.tts_hidden
+        return {"text_ids": np.asarray([*req.text_ids, self.preset.tts.audio_bos_token_id], np.int64),
+                "llm_hidden": hidden, "has_hidden": np.arange(n + 1) < n,
+                "code_ids": np.zeros(n + 1, np.int64), "is_code": np.zeros(n + 1, bool)}
 
     def check(self, request: TtsRequest, state: TtsSession) -> None:
         if len(request.tts_hidden) != len(request.text_ids):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
-        if len(request.speaker) not in (0, self.preset.speaker.dim):
-            raise ValueError(f"tts: a speaker embedding has {self.preset.speaker.dim} values")
-        if not (request.turn_start or len(request.text_ids) or state.pending is not None):
-            raise ValueError("tts: nothing to condition on (no text, no pending token, not a turn start)")
         if ((request.text_ids < 0) | (request.text_ids >= self.preset.tts.num_text_tokens)).any():
             raise StepError("invalid_input", "tts: text token id out of the vocabulary")
-        if not (np.isfinite(request.tts_hidden).all() and np.isfinite(request.speaker).all()):
-            raise StepError("invalid_input", "tts: hidden states or speaker hold NaN or infinite values")
+        if not np.isfinite(request.tts_hidden).all():
+            raise StepError("invalid_input", "tts: hidden states hold NaN or infinite values")
         if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
             raise StepError("invalid_input", f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
         check_sampling("tts", temperature=request.temperature)
 
-    def _speaker(self, req: TtsRequest) -> np.ndarray:
-        return req.speaker if len(req.speaker) else np.zeros(self.preset.speaker.dim, np.float32)
-
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
+        dx = self.preset.duplex
         for req, sess in items:
             if req.turn_start:
-                sess.cache, sess.pending, sess.history = self._empty(), None, []
-        prefill = [self._prefill(req, sess) for req, sess in items]
-        speakers = np.stack([self._speaker(req) for req, _ in items])
+                sess.cache = self._empty()
+        prefill = [self._prefill(req) for req, _ in items]
         codes: list[list[int]] = [[] for _ in items]
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             req, sess = items[row]
-            if len(codes[row]) >= req.n_tokens:
-                return None
             logits = out["logits"].astype(np.float32)
-            if not req.turn_end:
-                logits[self.eos] = -np.inf  # a chunk mid-turn is always a full second
-            apply_repetition_penalty(logits, sess.history, 1.05, 512)
-            token = sample(logits, SamplingParams(req.temperature, 20, 1.0, 1.0), sess.rng)
-            if token == self.eos:
-                sess.pending = None
-                return None
+            if req.temperature > 0:
+                logits /= req.temperature
+            apply_repetition_penalty(logits, codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
+                                     per_occurrence=True)
+            if not (req.turn_start or req.turn_end):
+                logits[self.eos] = -np.inf  # min_new_tokens = n_tokens + 1 mid-turn: a chunk is a full second
+            token = sample(logits, SamplingParams(1.0 if req.temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p),
+                           sess.rng)
+            if token == self.eos or len(codes[row]) == req.n_tokens:
+                return None  # the EOS, or the (n_tokens + 1)-th code: sampled, never fed nor returned
             codes[row].append(token)
-            sess.history.append(token)
-            if len(codes[row]) == req.n_tokens:
-                sess.pending = token  # fed with the next chunk, not now
-                return None
             return token
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
             n = len(rows)
             return {"text_ids": np.zeros((n, 1), np.int64),
                     "llm_hidden": np.zeros((n, 1, self.preset.llm.hidden), np.float32),
-                    "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool),
-                    "speaker": speakers[rows]}
+                    "has_hidden": np.zeros((n, 1), bool),
+                    "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool)}
 
         caches, _ = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
-                                   ("logits",), constant_feeds={"speaker": speakers})
+                                   ("logits",))
         results = []
         for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
-            sess.cache = cache
-            if req.turn_end:
-                sess.pending = None
+            sess.cache = self._empty() if req.turn_end else cache
             results.append(TtsResult(speech_tokens=np.asarray(row_codes, np.int64), kv_length=cache.length))
         return results

@@ -1,0 +1,62 @@
+"""What each stage's `read_config` / `state_from_checkpoint` (beside its module) composes: config keys
+to dims, and checkpoint tensor names to the module's state-dict names."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+D = TypeVar("D")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder (or its config) that cannot become the preset's modules; the text is the report."""
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def strip_prefix(tensors: Tensors, prefix: str) -> Tensors:
+    """`llm.model.norm.weight` -> `model.norm.weight` (every name must carry the prefix)."""
+    return {name.removeprefix(prefix): value for name, value in tensors.items()}
+
+
+def fold_weight_norm(tensors: Tensors) -> Tensors:
+    """torch's weight norm folded into a plain `weight`: `w = g * v / ||v||` (norm over all but dim 0).
+
+    New style (`torch.nn.utils.parametrizations.weight_norm`): `<m>.parametrizations.weight.original0`
+    (g) and `.original1` (v). Old style (`torch.nn.utils.weight_norm`): `<m>.weight_g`, `<m>.weight_v`.
+    """
+    out = dict(tensors)
+    for g_suffix, v_suffix in ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+                               (".weight_g", ".weight_v")):
+        for key in [k for k in out if k.endswith(v_suffix)]:
+            base = key[: -len(v_suffix)]
+            if f"{base}{g_suffix}" not in out:
+                continue  # reported as missing/unexpected by the loader
+            v, g = out.pop(key), out.pop(f"{base}{g_suffix}")
+            out[f"{base}.weight"] = g * v / v.norm(dim=tuple(range(1, v.dim())), keepdim=True)
+    return out
+
+
+def fuse_qkv(tensors: Tensors) -> Tensors:
+    """Hugging Face's separate `self_attn.{q,k,v}_proj` -> torch MultiheadAttention's `in_proj_*`
+    (a missing bias, as Whisper's k_proj, is zero)."""
+    out = dict(tensors)
+    for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
+        base = key[: -len("q_proj.weight")]
+        if not all(f"{base}{p}.weight" in out for p in _QKV):
+            continue
+        ws = [out.pop(f"{base}{p}.weight") for p in _QKV]
+        bs = [out.pop(f"{base}{p}.bias", None) for p in _QKV]
+        out[f"{base}in_proj_weight"] = torch.cat(ws)
+        out[f"{base}in_proj_bias"] = torch.cat([b if b is not None else torch.zeros(w.shape[0])
+                                                for b, w in zip(bs, ws, strict=True)])
+    return out
+
+
+def read_dims(dims: D, section: dict, keys: dict[str, str]) -> D:
+    """`dims` with each field named in `keys` taken from `section[keys[field]]` where the config has it."""
+    return dataclasses.replace(dims, **{f: section[k] for f, k in keys.items() if k in section})

@@ -1,0 +1,276 @@
+"""A MiniCPM-o 4.5 checkpoint folder in the published layout, built from reference implementations.
+
+Each stage has one builder in `STAGE_BUILDERS`: it makes the stage's reference module(s) at the small
+config's dimensions with random weights (fixed seed) and returns them with their tensors under the
+checkpoint's names. `write_checkpoint` writes them the way the published folder is laid out: config.json
+with the real keys, sharded `model-0000i-of-0000n.safetensors` named by `model.safetensors.index.json`,
+and the whole tokenizer set with the real special-token ids.
+
+- `llm.*`: transformers' `Qwen3ForCausalLM` state dict.
+- `tts.*`: MiniCPMTTS as OpenBMB/MiniCPM-o-Demo `MiniCPMO45/modeling_minicpmo_unified.py` builds it:
+  transformers' `LlamaModel(LlamaConfig(...))`, `emb_text`, `emb_code`, `head_code` under
+  `torch.nn.utils.parametrizations.weight_norm`, `projector_semantic` / `projector_spk` MultiModalProjectors.
+- `apm.*`, `audio_projection_layer.*`, `vpm.*`, `resampler.*`: TEMPORARY, written from the project's own
+  modules until the audio (h10c: transformers' `WhisperEncoder`) and vision (h10b: SigLIP + the
+  resampler) builders replace `build_audio_encoder` / `build_vision_encoder` here.
+
+transformers is a test-time dependency only: nothing under export/ or minicpmo_triton/ imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from export.presets import MINICPMO45_TOKENS
+
+SEED = 1234
+# The published config.json's keys (MINICPMO45_CONFIG) at a size a CPU test affords; vocab and token ids real.
+SMALL_CONFIG = {
+    "architectures": ["MiniCPMO"], "model_type": "minicpmo",
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 64, "vocab_size": 151748, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "max_position_embeddings": 40960, "hidden_act": "silu",
+    "audio_pool_step": 5, "query_num": 64, "image_size": 448, "drop_vision_last_layer": True,
+    "audio_config": {"num_mel_bins": 80, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2,
+                     "encoder_ffn_dim": 64, "max_source_positions": 1500},
+    # vision_config.image_size is the position table (980 in the real one: 70x70); slices are 448 (top level)
+    "vision_config": {"image_size": 448, "patch_size": 14, "hidden_size": 32, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "intermediate_size": 64},
+    "tts_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                   "intermediate_size": 64, "max_position_embeddings": 4096, "num_text_tokens": 152064,
+                   "num_audio_tokens": 6562, "llm_dim": 32, "num_vq": 1, "projector_type": "mlp",
+                   "normalize_projected_hidden": True, "audio_bos_token_id": 151687, "text_eos_token_id": 151692,
+                   "backbone_model": "llama"},
+}
+Tensors = dict[str, torch.Tensor]
+
+
+def _randomize(module: nn.Module, gen: torch.Generator) -> None:
+    """Weights of a trained model's scale, and norms away from 1, so a swapped or skipped one shows."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("original0"):  # weight norm's g: a positive scale per row
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def _prefixed(prefix: str, module: nn.Module) -> Tensors:
+    return {f"{prefix}{k}": v.detach().clone().contiguous() for k, v in module.state_dict().items()}
+
+
+# --- llm.* -------------------------------------------------------------------------------------------------
+
+def build_llm(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], rope_theta=config["rope_theta"], rms_norm_eps=config["rms_norm_eps"],
+        tie_word_embeddings=config["tie_word_embeddings"], max_position_embeddings=config["max_position_embeddings"],
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    _randomize(model, gen)
+    return model, _prefixed("llm.", model)
+
+
+# --- tts.* -------------------------------------------------------------------------------------------------
+
+class MultiModalProjector(nn.Module):
+    """`MultiModalProjector` of modeling_minicpmo_unified.py: linear1, ReLU, linear2."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(in_dim, out_dim, bias=True)
+        self.relu = nn.ReLU()
+        self.linear2 = nn.Linear(out_dim, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.relu(self.linear1(x)))
+
+
+class ReferenceTTS(nn.Module):
+    """`MiniCPMTTS.__init__` for backbone_model 'llama', projector_type 'mlp', num_vq 1."""
+
+    def __init__(self, t: dict) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        h = t["hidden_size"]
+        self.config = t
+        self.model = LlamaModel(LlamaConfig(
+            hidden_size=h, intermediate_size=t["intermediate_size"], num_attention_heads=t["num_attention_heads"],
+            num_hidden_layers=t["num_hidden_layers"], num_key_value_heads=t["num_key_value_heads"],
+            max_position_embeddings=t["max_position_embeddings"]))
+        self.emb_text = nn.Embedding(t["num_text_tokens"], h)
+        self.projector_spk = MultiModalProjector(t["llm_dim"], h)
+        self.projector_semantic = MultiModalProjector(t["llm_dim"], h)
+        self.emb_code = nn.ModuleList([nn.Embedding(t["num_audio_tokens"], h)])
+        self.head_code = nn.ModuleList([torch.nn.utils.parametrizations.weight_norm(
+            nn.Linear(h, t["num_audio_tokens"], bias=False), name="weight")])
+
+    def condition(self, text_ids: torch.Tensor, llm_hidden: torch.Tensor) -> torch.Tensor:
+        """`DuplexCapability._convert_results_to_tts_input`: [emb_text(id) + L2norm(proj(h)) ..., emb_text(bos)]."""
+        semantic = self.projector_semantic(llm_hidden)
+        if self.config["normalize_projected_hidden"]:
+            semantic = nn.functional.normalize(semantic, p=2, dim=-1)
+        bos = self.emb_text(torch.tensor([self.config["audio_bos_token_id"]]))
+        return torch.cat([self.emb_text(text_ids) + semantic, bos])[None]
+
+    def logits(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """`generate_chunk`'s forward: the Llama over the embeddings, head_code over every position."""
+        positions = torch.arange(inputs_embeds.shape[1])[None]
+        hidden = self.model(inputs_embeds=inputs_embeds, position_ids=positions).last_hidden_state
+        return self.head_code[0](hidden)
+
+
+def build_tts(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
+    model = ReferenceTTS(config["tts_config"]).eval()
+    _randomize(model, gen)
+    return model, _prefixed("tts.", model)
+
+
+# --- apm.* / audio_projection_layer.*, vpm.* / resampler.*: TEMPORARY, the project's own modules -------------
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _split_qkv(state: Tensors) -> Tensors:
+    """torch's fused `in_proj_*` -> Hugging Face's q/k/v names (Whisper's k_proj without bias)."""
+    out: Tensors = {}
+    for name, value in state.items():
+        if ".self_attn.in_proj_" in name:
+            base, kind = name.rsplit("in_proj_", 1)
+            for proj, part in zip(_QKV, value.chunk(3), strict=True):
+                if not (proj == "k_proj" and kind == "bias"):
+                    out[f"{base}{proj}.{kind}"] = part.contiguous()
+        else:
+            out[name] = value.contiguous()
+    return out
+
+
+def _project_stage(stage: str, config: dict) -> nn.Module:
+    from export.config import preset_from_config
+    from export.presets import minicpmo45
+    from export.stages import build_modules
+
+    return build_modules(preset_from_config(minicpmo45(), config), SEED)[stage].eval()
+
+
+def build_audio_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
+    """TEMPORARY (h10c replaces it with transformers' WhisperEncoder + the audio projection)."""
+    module = _project_stage("audio_encoder", config)
+    return module, _split_qkv(module.state_dict())
+
+
+def build_vision_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
+    """TEMPORARY (h10b replaces it with SigLIP + MiniCPM-o's resampler)."""
+    module = _project_stage("vision_encoder", config)
+    return module, _split_qkv(module.state_dict())
+
+
+Builder = Callable[[dict, torch.Generator], tuple[nn.Module, Tensors]]
+STAGE_BUILDERS: dict[str, Builder] = {
+    "llm": build_llm,
+    "tts": build_tts,
+    "audio_encoder": build_audio_encoder,
+    "vision_encoder": build_vision_encoder,
+}
+
+
+# --- the folder ------------------------------------------------------------------------------------------
+
+# The real tokenizer's strings for the preset's special-token ids (added_tokens.json).
+SPECIAL_STRINGS = {
+    "im_start": "<|im_start|>", "im_end": "<|im_end|>", "audio_start": "<|audio_start|>",
+    "audio_end": "<|audio_end|>", "unit": "<unit>", "unit_end": "</unit>", "image": "<image>",
+    "image_end": "</image>", "slice": "<slice>", "slice_end": "</slice>", "tts_bos": "<|tts_bos|>",
+    "listen": "<|listen|>", "speak": "<|speak|>", "turn_eos": "<|turn_eos|>", "chunk_eos": "<|chunk_eos|>",
+    "chunk_tts_eos": "<|chunk_tts_eos|>", "tts_pad": "<|tts_pad|>", "audio_placeholder": "<unk>",
+}
+EXTRA_SPECIALS = {"<|endoftext|>": 151643, "<|audio|>": 151698, "<focus>": 151687}
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table: the 256 single-byte tokens a Qwen vocab starts with."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return {ch: i for i, ch in enumerate(alphabet)}
+
+
+def write_tokenizer_set(folder: Path) -> dict[str, int]:
+    """tokenizer.json, tokenizer_config.json, added_tokens.json, vocab.json, merges.txt, special_tokens_map.json:
+    a byte-level BPE (no merges) whose special tokens sit at MiniCPM-o 4.5's ids. Returns the specials."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = {SPECIAL_STRINGS[name]: getattr(MINICPMO45_TOKENS, name) for name in SPECIAL_STRINGS}
+    specials |= EXTRA_SPECIALS
+    vocab = _byte_level_vocab()
+    tok = Tokenizer(models.BPE(vocab=vocab | specials, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "added_tokens.json").write_text(json.dumps(specials, indent=2))
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "additional_special_tokens": [{"content": s, **entry} for s in specials],
+        "eos_token": {"content": "<|im_end|>", **entry}, "pad_token": {"content": "<|endoftext|>", **entry},
+        "unk_token": {"content": "<unk>", **entry}}, indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "add_prefix_space": False, "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": {str(i): {"content": s, "special": True, **entry} for s, i in specials.items()},
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
+        "model_max_length": 40960}, indent=2))
+    return specials
+
+
+@dataclass
+class ReferenceCheckpoint:
+    folder: Path
+    config: dict
+    modules: dict[str, nn.Module]  # per stage, the reference module its tensors came from
+    tensors: Tensors
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
+                     seed: int = SEED) -> ReferenceCheckpoint:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    modules: dict[str, nn.Module] = {}
+    tensors: Tensors = {}
+    for stage, build in STAGE_BUILDERS.items():
+        modules[stage], part = build(config, gen)
+        tensors |= part
+    names = sorted(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        chunk = names[i * per:(i + 1) * per]
+        save_file({k: tensors[k] for k in chunk}, str(folder / shard_name(i, shards)), metadata={"format": "pt"})
+        weight_map |= {k: shard_name(i, shards) for k in chunk}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer_set(folder)
+    return ReferenceCheckpoint(folder, config, modules, tensors)
