@@ -27,7 +27,8 @@ from transformers.audio_utils import spectrogram, window_function
 from transformers.cache_utils import DynamicCache
 from transformers.models.whisper.modeling_whisper import WhisperEncoder as HfWhisperEncoder
 
-from export.checkpoint import load_checkpoint, preset_from_config
+from export.checkpoint import load_checkpoint
+from export.config import preset_from_config
 from export.onnx_export import export_onnx
 from export.presets import tiny
 from export.stages import build_modules, stage_graphs
@@ -72,7 +73,7 @@ def loaded_audio_encoder(folder: Path) -> tuple[nn.Module, object]:
     config = json.loads((folder / "config.json").read_text())
     preset = preset_from_config(tiny(), config)
     modules = build_modules(preset, seed=5)
-    assert "audio_encoder" in load_checkpoint(folder, modules, require=("audio_encoder",))
+    assert "audio_encoder" in load_checkpoint(folder, modules, preset, require=("audio_encoder",))
     return modules, preset
 
 

@@ -227,8 +227,8 @@ def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None
         pipeline = stages.pipeline()
         rng = np.random.default_rng(0)
         for i in range(4):
-            await pipeline.step(9, i == 0, i == 3, StepInput(audio=rng.standard_normal(16_000).astype(np.float32)),
-                                emit)
+            audio = 0.1 * rng.standard_normal(16_000).astype(np.float32)  # float PCM's scale (within +-2)
+            await pipeline.step(9, i == 0, i == 3, StepInput(audio=audio), emit)
 
     asyncio.run(run())
     assert [e.kind for e in events[:3]] == ["listen"] * 3

@@ -26,7 +26,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from export.checkpoint import load_checkpoint, preset_from_config
+from export.checkpoint import load_checkpoint
+from export.config import preset_from_config
 from export.modules.vision import VisionEncoder
 from export.onnx_export import export_onnx
 from export.presets import minicpmo45
@@ -261,7 +262,8 @@ def onnx_session(reference):
     folder = reference[0]
     preset = preset_from_config(minicpmo45(), json.loads((folder / "config.json").read_text()))
     module = VisionEncoder(preset.vision, preset.llm.hidden)
-    assert load_checkpoint(folder, {"vision_encoder": module}, require=("vision_encoder",)) == ["vision_encoder"]
+    loaded = load_checkpoint(folder, {"vision_encoder": module}, preset, require=("vision_encoder",))
+    assert loaded == ["vision_encoder"]
     path = folder / "onnx" / "model.onnx"
     export_onnx(vision_graph(preset.vision, module), path)
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), preset.vision
