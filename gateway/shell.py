@@ -27,6 +27,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS
+
 from .engine import Effects, EngineState, PlannedStep, ServerEvent
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
@@ -44,10 +46,6 @@ from .wire import (
 log = logging.getLogger("gateway")
 
 QUEUE_UPDATE_S = 3.0
-# Step error codes that end the session with that reason instead of `backend_error`.
-CLOSE_REASONS = {"context_full": "context_full"}
-# Step error codes that are the client's input: refused, the session goes on (its state is untouched).
-CLIENT_ERRORS = {"invalid_chat", "bad_image"}
 
 
 # Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an

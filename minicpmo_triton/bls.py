@@ -7,7 +7,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from . import stage_io as io
-from .duplex_contract import stage_error
+from .errors import from_wire
 from .pipeline import Ready
 from .stages.base import StageCall
 
@@ -35,7 +35,7 @@ class TritonBlsStages:
             await ready()
         response = await infer.async_exec()
         if response.has_error():
-            raise stage_error(model, response.error().message())
+            raise from_wire(response.error().message(), model)  # the stage's code, or stage_error
 
         outputs_by_name = {t.name(): t.as_numpy()[0] for t in response.output_tensors()}
         return io.decode(result_cls, outputs_by_name.get)

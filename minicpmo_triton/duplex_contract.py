@@ -19,42 +19,16 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .duplex_options import DuplexOptions, InvalidOptions
+from .errors import Code, StepError
 from .model_config import DuplexDefaults
 
 Tensors = dict[str, np.ndarray]
-
-
-class Code:
-    """The error codes a step can answer with (`StepEvent.code`, `StepError.code`)."""
-
-    CONTEXT_FULL = "context_full"  # the session ends with this reason
-    BAD_IMAGE = "bad_image"  # the client's input: refused, the session goes on
-    INVALID_CHAT = "invalid_chat"  # ditto
-    INVALID_AUDIO = "invalid_audio"
-    INVALID_CONFIG = "invalid_config"
-    INVALID_INPUT = "invalid_input"
-    SEQUENCE_NOT_STARTED = "sequence_not_started"
-    STAGE_ERROR = "stage_error"
-    INTERNAL_ERROR = "internal_error"
-
-
-CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE})
-
-
-class StepError(Exception):
-    """A step failed in a way the client is told about by code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -301,20 +275,3 @@ def decode_event(event: np.ndarray, audio: np.ndarray | None) -> StepEvent:
         end_of_turn=bool(data.get("end_of_turn")), metrics=data.get("metrics", {}),
         chunk_usage=data.get("chunk_usage"), reason=data.get("reason", ""),
         code=data.get("code", ""), message=data.get("message", ""))
-
-
-# ---- stage errors: a stage model -> the entry model (BLS) ----
-# A BLS response's error is only a message: its code travels as a bracketed prefix written and read here.
-
-_CODED = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)
-
-
-def stage_error_text(code: str, message: str) -> str:
-    return f"[{code}] {message}"
-
-
-def stage_error(model: str, text: str) -> StepError:
-    """The StepError a stage's error message carries (`stage_error` when it carries no code)."""
-    m = _CODED.fullmatch(text)
-    code, message = (m.group(1), m.group(2)) if m else (Code.STAGE_ERROR, text)
-    return StepError(code, f"{model}: {message}")

@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .model_config import DuplexDefaults
+from .sampling import sampling_problems, temperature_problem
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 _D = DuplexDefaults()
+MAX_SPEAK_TOKENS = 256  # max_new_speak_tokens_per_chunk: 1..256
+MAX_FORCE_LISTEN = 3600  # force_listen_count: 0..3600 (an hour of 1 s chunks)
+MAX_SEED = 2**63 - 1  # seed: 0..2**63-1 (it travels as an int64)
 
 
 class InvalidOptions(ValueError):
@@ -51,13 +55,27 @@ class DuplexOptions:
             kind = {"str": str, "int": int, "float": float}[str(f.type)]
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
                 raise InvalidOptions(f"config.{key} must be a {kind.__name__}, got {value!r}")
-            values[key] = kind(value)
+            try:
+                values[key] = kind(value)
+            except OverflowError as exc:  # an int too large for a float
+                raise InvalidOptions(f"config.{key} is out of range") from exc
         out = dataclasses.replace(base, **values)
-        if out.temperature < 0 or out.tts_temperature < 0 or not 0 < out.top_p <= 1 or out.top_k < 0:
-            raise InvalidOptions("sampling settings out of range (temperature >= 0, 0 < top_p <= 1, top_k >= 0)")
-        if not 1 <= out.max_new_speak_tokens_per_chunk <= 256 or out.force_listen_count < 0:
-            raise InvalidOptions("max_new_speak_tokens_per_chunk must be 1..256, force_listen_count >= 0")
+        out._check_ranges()
         return out
+
+    def _check_ranges(self) -> None:
+        problems = sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                                     self.length_penalty)
+        if tts := temperature_problem(self.tts_temperature):
+            problems["tts_temperature"] = tts
+        if not 1 <= self.max_new_speak_tokens_per_chunk <= MAX_SPEAK_TOKENS:
+            problems["max_new_speak_tokens_per_chunk"] = f"must be within [1, {MAX_SPEAK_TOKENS}]"
+        if not 0 <= self.force_listen_count <= MAX_FORCE_LISTEN:
+            problems["force_listen_count"] = f"must be within [0, {MAX_FORCE_LISTEN}]"
+        if not 0 <= self.seed <= MAX_SEED:
+            problems["seed"] = "must be within [0, 2**63-1]"
+        if problems:
+            raise InvalidOptions("; ".join(f"config.{name} {why}" for name, why in problems.items()))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

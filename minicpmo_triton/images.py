@@ -12,11 +12,16 @@ import math
 
 import numpy as np
 
+from .errors import StepError
+
 MAX_PIXELS = 4096 * 4096
 
 
-class ImageError(ValueError):
-    pass
+class ImageError(StepError, ValueError):
+    """An image the client sent that cannot be used (`bad_image`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_image", message)
 
 
 def slice_grid(width: int, height: int, max_slice_nums: int, size: int) -> tuple[int, int] | None:

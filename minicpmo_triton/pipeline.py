@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .duplex_contract import ChatInput, ChatMessage, StepError, StepEvent, StepInput, VoiceRefs
+from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, VoiceRefs
 from .duplex_options import DuplexOptions
+from .errors import StepError
 from .model_config import PresetConfig
 from .rendezvous import BatchWindow, Member, Rendezvous
 from .stage_io import (
@@ -34,7 +35,6 @@ from .stage_io import (
     VisionEncoderResult,
 )
 from .stages.base import StageCall
-from .stages.llm import ContextFull
 from .state_store import SequenceStore
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -94,6 +94,16 @@ class DuplexPipeline:
         start = stage not in state.started
         state.started.add(stage)
         return StageCall(request, corr_id, start=start)
+
+    async def _llm(self, state: DuplexSession, corr_id: int, request: LlmRequest, ready: Ready | None = None
+                   ) -> LlmResult:
+        call = self._call(state, "llm", corr_id, request)
+        try:
+            return await self.stages.llm(call, ready=ready)
+        except StepError:
+            if call.start:  # a refused first call: the next one starts the LLM again, system prompt and all
+                state.started.discard("llm")
+            raise
 
     async def _speaker(self, state: DuplexSession) -> None:
         ref = state.voice.tts_ref_audio if state.voice.tts_ref_audio is not None else state.voice.ref_audio
@@ -210,11 +220,8 @@ class DuplexPipeline:
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
         )
         t = time.perf_counter()
-        try:
-            # The call waits at the door, built, for other sessions' steps to batch with.
-            llm = await self.stages.llm(self._call(state, "llm", corr_id, request), ready=member.arrive)
-        except ContextFull as exc:  # in-process; over BLS the message carries the code
-            raise StepError("context_full", str(exc)) from exc
+        # The call waits at the door, built, for other sessions' steps to batch with.
+        llm = await self._llm(state, corr_id, request, ready=member.arrive)
         metrics["llm_wait_ms"] = round(member.waited_s * 1000, 2)
         if len(inp.audio):
             state.chunk_index += 1
@@ -349,7 +356,7 @@ class DuplexPipeline:
                 temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
                 repetition_penalty=opts.repetition_penalty, seed=opts.seed)
             t = time.perf_counter()
-            llm = await self.stages.llm(self._call(state, "llm", corr_id, request))
+            llm = await self._llm(state, corr_id, request)
             metrics["cost_llm_ms"] = round(metrics.get("cost_llm_ms", 0.0) + _ms(t), 2)
             if first:
                 metrics.update(prefill_ms=round(llm.prefill_ms, 2), n_prefill=llm.n_prefill,

@@ -1,10 +1,21 @@
-"""Next-token choice: repetition penalty, temperature, top-k, top-p; greedy at temperature 0."""
+"""Next-token choice: repetition penalty, temperature, top-k, top-p; greedy at temperature 0.
+
+The ranges below are checked once per session at init (`DuplexOptions`) and again by each stage for
+its row (`check_sampling`), so a bad setting fails its own session and never its batch's others.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from .errors import StepError
+
+MAX_TEMPERATURE = 10.0  # far past any useful setting; far inside float32
+MIN_TEMPERATURE = 1e-6  # a positive temperature below it is greedy in effect: say 0
+MAX_TOP_K = 1_000_000  # over the vocabulary means no top-k (as 0 does)
+MAX_PENALTY = 10.0  # repetition_penalty and length_penalty: (0, 10]
 
 
 @dataclass(frozen=True)
@@ -20,6 +31,41 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def temperature_problem(value: float) -> str | None:
+    if not (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+        return f"must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {value!r}"
+    return None
+
+
+def sampling_problems(temperature: float, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                      length_penalty: float = 1.0) -> dict[str, str]:
+    """Each setting out of range, by name, with why (NaN fails every comparison, so it is refused too)."""
+    problems = {"temperature": temperature_problem(temperature)}
+    if not 0 <= top_k <= MAX_TOP_K:
+        problems["top_k"] = f"must be an integer within [0, {MAX_TOP_K}]"
+    if not 0 < top_p <= 1:
+        problems["top_p"] = f"must be within (0, 1], got {top_p!r}"
+    for name, value in (("repetition_penalty", repetition_penalty), ("length_penalty", length_penalty)):
+        if not 0 < value <= MAX_PENALTY:
+            problems[name] = f"must be within (0, {MAX_PENALTY:g}], got {value!r}"
+    return {k: v for k, v in problems.items() if v}
+
+
+def check_sampling(what: str, **settings: float) -> None:
+    """A stage's check of its row's settings: `invalid_config` for the first one out of range."""
+    problems = sampling_problems(**settings)  # type: ignore[arg-type]
+    if problems:
+        name, why = next(iter(problems.items()))
+        raise StepError("invalid_config", f"{what}: {name} {why}")
+
+
+def seeded_rng(seed: int, corr_id: int) -> np.random.Generator:
+    """A session's sampler: its seed, or its correlation ID when the seed is 0."""
+    if seed < 0:
+        raise StepError("invalid_config", f"a seed must be within [0, 2**63-1], got {seed}")
+    return np.random.default_rng(seed or corr_id)
+
+
 def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float, window: int) -> None:
     if penalty == 1.0 or not history:
         return
@@ -30,7 +76,12 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: fl
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """logits: [vocab] float32, already penalised and masked (-inf where forbidden)."""
+    """logits: [vocab] float32, already penalised and masked (-inf where forbidden).
+
+    NaN or +inf anywhere (or nothing but -inf) means the row's forward broke: a coded error for this
+    row, never a token picked from garbage."""
+    if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
+        raise StepError("numeric_error", "the model's logits are not finite for this row")
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

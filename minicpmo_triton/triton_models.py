@@ -20,16 +20,16 @@ import triton_python_backend_utils as pb_utils
 
 from . import duplex_contract as contract
 from .bls import TritonBlsStages
-from .duplex_contract import Code, StepError, StepEvent
+from .duplex_contract import StepEvent
 from .engines import load_engine
-from .images import ImageError
+from .errors import Code, StepError, to_wire
 from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
-from .stages.llm import ContextFull, LlmStage
+from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
@@ -105,15 +105,9 @@ def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool
     return corr_id, bool(start is not None and start.reshape(-1)[0]), bool(end is not None and end.reshape(-1)[0])
 
 
-# What a stage's exception means to the client: its code travels with the error message (see the contract).
-_STAGE_CODES: dict[type[Exception], str] = {ContextFull: Code.CONTEXT_FULL, ImageError: Code.BAD_IMAGE}
-
-
 def _response(result: Any) -> Any:
     if isinstance(result, Exception):
-        code = next((c for t, c in _STAGE_CODES.items() if isinstance(result, t)), Code.STAGE_ERROR)
-        text = contract.stage_error_text(code, f"{type(result).__name__}: {result}")
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(text))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(result)))  # its code rides along
     return pb_utils.InferenceResponse([pb_utils.Tensor(k, v[None]) for k, v in encode(result).items()])
 
 

@@ -7,7 +7,10 @@ from collections import defaultdict
 import numpy as np
 
 from ..engines import Engine
+from ..errors import StepError
+from ..pcm import pcm_problem
 from ..stage_io import AudioEncoderRequest, AudioEncoderResult
+from .base import isolated
 
 
 class AudioEncoderStage:
@@ -19,6 +22,9 @@ class AudioEncoderStage:
         audio = np.asarray(audio, np.float32).reshape(-1)
         return np.pad(audio, (0, -len(audio) % self.samples_per_token))
 
+    def _encode(self, chunks: list[np.ndarray]) -> list[AudioEncoderResult]:
+        return [AudioEncoderResult(embeds=e) for e in self.engine.run({"audio": np.stack(chunks)})["embeds"]]
+
     def run(self, requests: list[AudioEncoderRequest]) -> list[AudioEncoderResult | Exception]:
         results: list[AudioEncoderResult | Exception] = [AudioEncoderResult() for _ in requests]
         groups: dict[int, list[int]] = defaultdict(list)
@@ -27,10 +33,11 @@ class AudioEncoderStage:
             padded.append(self.pad(r.audio))
             if len(padded[-1]) == 0:
                 results[i] = ValueError("audio_encoder got an empty chunk")
+            elif problem := pcm_problem(padded[-1]):
+                results[i] = StepError("bad_audio", f"audio_encoder: {problem}")
             else:
                 groups[len(padded[-1])].append(i)
         for rows in groups.values():  # padding would change the mel normalisation: batch equal lengths
-            embeds = self.engine.run({"audio": np.stack([padded[i] for i in rows])})["embeds"]
-            for row, i in enumerate(rows):
-                results[i] = AudioEncoderResult(embeds=embeds[row])
+            for i, out in zip(rows, isolated(self._encode, [padded[i] for i in rows]), strict=True):
+                results[i] = out
         return results

@@ -1,15 +1,20 @@
-"""What every stateful stage shares: START creates state, END frees it, the rest look it up."""
+"""What every stateful stage shares: START creates state, END frees it, the rest look it up; one bad row
+fails alone."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from ..state_store import SequenceStore
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
 State = TypeVar("State")
+T = TypeVar("T")
 
 
 @dataclass
@@ -18,6 +23,58 @@ class StageCall(Generic[Req]):
     corr_id: int = 0
     start: bool = False
     end: bool = False
+
+
+def isolated(run_batch: Callable[[list[T]], list[Res]], items: list[T],
+             undo: Callable[[int], None] = lambda row: None) -> list[Res | Exception]:
+    """All items in one batch; when that fails, each item again alone (after `undo(row)` puts its state back
+    as it was before the batch), so a row that still fails fails alone and every other row gets exactly
+    what it gets alone. A row that fails alone is undone too: it leaves no trace."""
+    try:
+        return list(run_batch(items))
+    except Exception as exc:  # noqa: BLE001 (which row broke the batch is found below)
+        if len(items) == 1:
+            undo(0)
+            return [exc]
+    outs: list[Res | Exception] = []
+    for row, item in enumerate(items):
+        undo(row)
+        try:
+            outs.extend(run_batch([item]))
+        except Exception as exc:  # noqa: BLE001
+            undo(row)
+            outs.append(exc)
+    return outs
+
+
+@dataclass(frozen=True)
+class _RngAt:
+    rng: np.random.Generator
+    state: dict[str, Any]  # its bit generator's state (a deep copy of the generator costs 17x more)
+
+
+def _snapshot(state: Any) -> dict[str, Any]:
+    """What `compute` may change: it rebinds fields, changes lists and draws from the rng, and never writes
+    into an array in place (a KV cache is replaced, not grown), so the fields with lists copied and the rng's
+    position are enough to undo it."""
+    snap: dict[str, Any] = {}
+    for name, value in vars(state).items():
+        if isinstance(value, list):
+            value = list(value)
+        elif isinstance(value, np.random.Generator):
+            value = _RngAt(value, value.bit_generator.state)
+        snap[name] = value
+    return snap
+
+
+def _restore(state: Any, snap: dict[str, Any]) -> None:
+    for name, value in snap.items():
+        if isinstance(value, list):
+            value = list(value)  # the snapshot stays intact for a second undo
+        elif isinstance(value, _RngAt):
+            value.rng.bit_generator.state = value.state
+            value = value.rng
+        setattr(state, name, value)
 
 
 class SequenceStage(Generic[Req, Res, State]):
@@ -57,11 +114,13 @@ class SequenceStage(Generic[Req, Res, State]):
                 continue
             work.append((i, call.request, state))
         if work:
-            try:
-                outs = self.compute([(req, st) for _, req, st in work])
-            except Exception as exc:  # noqa: BLE001
-                outs = [exc] * len(work)
-            for (i, _, _), out in zip(work, outs, strict=True):
+            items = [(req, st) for _, req, st in work]
+            before = [_snapshot(st) for _, st in items]
+
+            def undo(row: int) -> None:
+                _restore(items[row][1], before[row])
+
+            for (i, _, _), out in zip(work, isolated(self.compute, items, undo), strict=True):
                 results[i] = out
         for call in calls:
             if call.end:

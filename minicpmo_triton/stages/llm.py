@@ -10,9 +10,11 @@ import numpy as np
 from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, allowed_token_mask
 from ..engines import Engine
+from ..errors import StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
-from ..sampling import SamplingParams, apply_repetition_penalty, sample
+from ..pcm import pcm_problem
+from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import AudioEncoderRequest, LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
 from .audio_encoder import AudioEncoderStage
@@ -20,8 +22,11 @@ from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
 
 
-class ContextFull(RuntimeError):
+class ContextFull(StepError):
     """The session's context (8192 tokens for MiniCPM-o 4.5) has no room for this step."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("context_full", message)
 
 
 @dataclass
@@ -48,7 +53,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
-        return LlmSession(self._empty(), np.random.default_rng(call.request.seed or call.corr_id))
+        return LlmSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
@@ -76,6 +81,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             raise ValueError(f"llm: embeddings of width {request.embeds.shape[1]}, not {self.preset.llm.hidden}")
         if ((request.input_ids < 0) | (request.input_ids >= self.preset.llm.vocab)).any():
             raise ValueError("llm: token id out of the vocabulary")
+        if not np.isfinite(request.embeds).all():
+            raise StepError("invalid_input", "llm: embeddings hold NaN or infinite values")
+        if problem := pcm_problem(request.audio):
+            raise StepError("bad_audio", f"llm: {problem}")
+        if request.decode:
+            check_sampling("llm", temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                           repetition_penalty=request.repetition_penalty, length_penalty=request.length_penalty)
         need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
         if need > self.preset.duplex.context_tokens - state.cache.length:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engines import Engine
+from ..errors import StepError
 from ..model_config import SAMPLES_PER_SPEECH_TOKEN, PresetConfig
 from ..stage_io import Token2WavRequest, Token2WavResult
 from .base import SequenceStage, StageCall
@@ -32,6 +33,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         self.engine = engine
         self.d = preset.token2wav
         self.speaker_dim = preset.speaker.dim
+        self.vocab = preset.tts.num_audio_tokens
 
     def new_state(self, call: StageCall[Token2WavRequest]) -> Token2WavSession:
         return Token2WavSession()
@@ -39,6 +41,10 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def check(self, request: Token2WavRequest, state: Token2WavSession) -> None:
         if len(request.speaker) not in (0, self.speaker_dim):
             raise ValueError(f"token2wav: a speaker embedding has {self.speaker_dim} values")
+        if ((request.speech_tokens < 0) | (request.speech_tokens >= self.vocab)).any():
+            raise StepError("invalid_input", "token2wav: speech token id out of the vocabulary")
+        if not np.isfinite(request.speaker).all():
+            raise StepError("invalid_input", "token2wav: the speaker embedding holds NaN or infinite values")
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engines import Engine
+from ..errors import StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
-from ..sampling import SamplingParams, apply_repetition_penalty, sample
+from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
+
+MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a chat chunk's share
 
 
 @dataclass
@@ -33,7 +36,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         self.eos = preset.tts.num_audio_tokens - 1
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
-        return TtsSession(self._empty(), np.random.default_rng(call.request.seed or call.corr_id))
+        return TtsSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
 
     def is_noop(self, request: TtsRequest) -> bool:
         return len(request.text_ids) == 0 and not request.turn_start and request.n_tokens == 0
@@ -62,6 +65,13 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             raise ValueError(f"tts: a speaker embedding has {self.preset.speaker.dim} values")
         if not (request.turn_start or len(request.text_ids) or state.pending is not None):
             raise ValueError("tts: nothing to condition on (no text, no pending token, not a turn start)")
+        if ((request.text_ids < 0) | (request.text_ids >= self.preset.tts.num_text_tokens)).any():
+            raise StepError("invalid_input", "tts: text token id out of the vocabulary")
+        if not (np.isfinite(request.tts_hidden).all() and np.isfinite(request.speaker).all()):
+            raise StepError("invalid_input", "tts: hidden states or speaker hold NaN or infinite values")
+        if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
+            raise StepError("invalid_input", f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
+        check_sampling("tts", temperature=request.temperature)
 
     def _speaker(self, req: TtsRequest) -> np.ndarray:
         return req.speaker if len(req.speaker) else np.zeros(self.preset.speaker.dim, np.float32)

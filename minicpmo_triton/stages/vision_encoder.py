@@ -8,6 +8,7 @@ import numpy as np
 from ..engines import Engine
 from ..images import image_slices
 from ..stage_io import VisionEncoderRequest, VisionEncoderResult
+from .base import isolated
 
 
 class VisionEncoderStage:
@@ -33,13 +34,17 @@ class VisionEncoderStage:
                 continue
             if pixels:
                 work.append((i, pixels))
-        if not work:
-            return results
-        batch = np.concatenate([p for _, images in work for p in images])
-        embeds = self.engine.run({"pixels": batch})["embeds"]
-        start = 0
-        for i, images in work:
-            counts = np.array([len(p) for p in images], np.int64)
-            results[i] = VisionEncoderResult(embeds=embeds[start:start + counts.sum()], slices=counts)
-            start += int(counts.sum())
+        if work:
+            for (i, _), out in zip(work, isolated(self._encode, [images for _, images in work]), strict=True):
+                results[i] = out
         return results
+
+    def _encode(self, requests: list[list[np.ndarray]]) -> list[VisionEncoderResult]:
+        """Every slice of every request in one forward."""
+        embeds = self.engine.run({"pixels": np.concatenate([p for images in requests for p in images])})["embeds"]
+        out, start = [], 0
+        for images in requests:
+            counts = np.array([len(p) for p in images], np.int64)
+            out.append(VisionEncoderResult(embeds=embeds[start:start + counts.sum()], slices=counts))
+            start += int(counts.sum())
+        return out
