@@ -32,7 +32,7 @@ from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
 from .vad import SileroVad, VadUnavailable
-from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id
+from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id, parse_json
 
 log = logging.getLogger("gateway")
 
@@ -58,8 +58,8 @@ def _vad() -> SpeechProbabilities | None:
 def _as_event(text: str) -> dict[str, Any]:
     """A first event, to see what it is ({} when it is not a JSON object; the session then answers it)."""
     try:
-        msg = json.loads(text)
-    except (ValueError, RecursionError):
+        msg = parse_json(text)
+    except ValueError:
         return {}
     return msg if isinstance(msg, dict) else {}
 
