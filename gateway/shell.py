@@ -27,13 +27,14 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, describe
 
+from .auth import ANONYMOUS
 from .engine import Effects, EngineState, PlannedStep, ServerEvent
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
-from .triton.client import TritonSession
+from .triton.client import TritonSession, TritonUnavailable
 from .wire import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -135,8 +136,10 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 # ---- the session ----
 
 class Session:
-    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool) -> None:
+    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool,
+                 owner: str = ANONYMOUS) -> None:
         self.state = state
+        self.owner = owner
         self.session_id = state.session_id
         self.triton = triton
         self.settings = settings
@@ -155,6 +158,8 @@ class Session:
         self._worker = asyncio.create_task(self._run_steps())
         self._closing: asyncio.Future[None] | None = None
         self._ended = asyncio.Event()
+        self._lost = False
+        triton.on_lost = self.lost
 
     @property
     def resumable(self) -> bool:
@@ -212,7 +217,7 @@ class Session:
     def _settled(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
-            log.info("session %s: background task failed: %s", self.session_id, task.exception())
+            log.info("session %s: background task failed: %s", self.session_id, describe(task.exception()))
 
     # ---- in ----
     async def handle(self, text: str) -> None:
@@ -226,7 +231,7 @@ class Session:
                 await self.close("protocol_error", message=err.message, ws_code=err.close_code)
             return
         except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
-            log.exception("session %s: a client event failed", self.session_id)
+            log.error("session %s: a client event failed: %s", self.session_id, describe(exc))
             await self.emit([self.state.error_event(ProtocolError(
                 "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))])
             return
@@ -247,8 +252,11 @@ class Session:
             except asyncio.TimeoutError:
                 self.fail("step_timeout", f"a step took over {self.settings.step_timeout_s:.0f} s")
                 return
+            except TritonUnavailable:
+                self.lost()
+                return
             except Exception as exc:  # noqa: BLE001 (Triton failed: the session ends, the server goes on)
-                log.exception("session %s: step failed", self.session_id)
+                log.error("session %s: step failed: %s", self.session_id, describe(exc))
                 self.fail("backend_error", str(exc))
                 return
 
@@ -271,6 +279,20 @@ class Session:
                 return
             await self._decide(self.state.on_step_event, step, ev)
         await self._decide(self.state.on_step_end, step)
+
+    def lost(self) -> None:
+        """Triton went away (its stream broke): the client is told `backend_unavailable`, retryable, and the
+        session ends (its state died with Triton); a new session works once /health is ready again."""
+        if self._lost or self.closed:
+            return
+        self._lost = True
+        err = ProtocolError("backend_unavailable", "the model server went away; open a new session when "
+                            "/health is ready", error_type="server_error", retryable=True)
+        self._spawn(self._end_unavailable(err))
+
+    async def _end_unavailable(self, err: ProtocolError) -> None:
+        await self.emit([self.state.error_event(err)])
+        await self.close("backend_unavailable", message=err.message, ws_code=CLOSE_TRY_AGAIN)
 
     def fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
@@ -342,8 +364,8 @@ class Session:
                 await self._stop_worker()
             try:
                 await self.triton.close()  # ends the Triton sequence: state is freed before we answer
-            except Exception:  # noqa: BLE001
-                log.exception("session %s: ending the Triton sequence failed", self.session_id)
+            except Exception as exc:  # noqa: BLE001
+                log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
             if emit:
                 try:
                     async with self._state_lock:
@@ -371,7 +393,8 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool) -> AsyncIterator[Session]:
+async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool,
+                  owner: str = ANONYMOUS) -> AsyncIterator[Session]:
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
@@ -381,7 +404,7 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
     except Exception as exc:  # noqa: BLE001
         raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
-    session = Session(state, triton, gw.settings, resumable)
+    session = Session(state, triton, gw.settings, resumable, owner)
     gw.add(session)
     try:
         await session.attach(ws)
@@ -389,7 +412,7 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
         yield session
         await session.wait_closed()
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
-        log.exception("session %s: failed", session.session_id)
+        log.error("session %s: failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
     finally:
         await session.close("closed")  # a no-op unless the block was cancelled
@@ -414,15 +437,16 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return  # another socket took the session over
             await session.handle(text)
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
-        log.exception("session %s: the receive loop failed", session.session_id)
+        log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
 
 
-async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any]) -> None:
-    """`session.resume`: attach this socket to a resumable session within its grace, replay, serve."""
+async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any], owner: str = ANONYMOUS) -> None:
+    """`session.resume`: attach this socket to a resumable session within its grace, replay, serve. Only the
+    principal that opened a session resumes it (another one is told it does not exist)."""
     session_id = msg.get("session_id")
     session = gw.sessions.get(session_id) if isinstance(session_id, str) else None
-    if not isinstance(session, Session) or session.closed or not session.resumable:
+    if not isinstance(session, Session) or session.closed or not session.resumable or session.owner != owner:
         raise ProtocolError("session_resume_expired", "no such session, or its disconnect grace is over",
                             "session_id", close_code=CLOSE_POLICY)
     session.check_token(msg.get("resume_token"))

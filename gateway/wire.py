@@ -23,8 +23,9 @@ class ProtocolError(Exception):
     `param` and `error_type` are what the Realtime dialects report beside the code."""
 
     def __init__(self, code: str, message: str, param: str | None = None, close_code: int | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", retryable: bool = False) -> None:
         super().__init__(message)
+        self.retryable = retryable  # the same request may succeed later (a new session, after a backoff)
         self.code = code
         self.message = message
         self.param = param

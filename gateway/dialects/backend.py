@@ -288,8 +288,8 @@ class Error(BackendEvent, type="error"):
     error: dict[str, str]
 
 
-def error_event(code: str, message: str, session_id: str | None = None) -> Error:
-    return Error(session_id, {"code": code, "message": message})
+def error_event(code: str, message: str, session_id: str | None = None, retryable: bool = False) -> Error:
+    return Error(session_id, {"code": code, "message": message, **({"retryable": True} if retryable else {})})
 
 
 @dataclass
@@ -323,7 +323,7 @@ class BackendState(EngineState):
         return Effects(steps=[PlannedStep("context", req, self.epoch, cause=msg)])
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
-        return error_event(err.code, err.message, self.session_id)
+        return error_event(err.code, err.message, self.session_id, err.retryable)
 
     def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
         self._turn_audio = []

@@ -55,7 +55,7 @@ class SessionClosed(RealtimeEvent, Closed):
 
 def error_event(err: ProtocolError) -> Error:
     return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-                  "event_id": err.event_id})
+                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {})})
 
 
 def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:
