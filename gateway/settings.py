@@ -19,6 +19,7 @@ class Settings:
     init_timeout_s: float = 30.0  # time to send session.init after connecting
     step_timeout_s: float = 60.0  # one duplex step on Triton
     ws_max_size: int = 16 * 1024 * 1024
+    send_timeout_s: float = 10.0  # a client that reads nothing this long is closed: slow_consumer
     # permessage-deflate costs a few ms per 1 s append (base64 audio hardly compresses): off unless asked
     ws_deflate: bool = False
     disconnect_grace_s: float = 30.0  # /v1/realtime: a dropped session waits this long for session.resume
@@ -47,6 +48,7 @@ class Settings:
             init_timeout_s=float(env.get("MINICPMO_INIT_TIMEOUT_S", d.init_timeout_s)),
             step_timeout_s=float(env.get("MINICPMO_STEP_TIMEOUT_S", d.step_timeout_s)),
             ws_max_size=int(env.get("MINICPMO_WS_MAX_SIZE", d.ws_max_size)),
+            send_timeout_s=float(env.get("MINICPMO_SEND_TIMEOUT_S", d.send_timeout_s)),
             ws_deflate=env.get("MINICPMO_WS_DEFLATE", "1" if d.ws_deflate else "0").lower() in ("1", "true", "yes"),
             disconnect_grace_s=float(env.get("MINICPMO_DISCONNECT_GRACE_S", d.disconnect_grace_s)),
             journal_s=float(env.get("MINICPMO_JOURNAL_S", d.journal_s)),

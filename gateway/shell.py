@@ -189,9 +189,27 @@ class Session:
         if ws is None or ws.application_state != WebSocketState.CONNECTED:
             return
         try:
-            await ws.send_text(text)
+            await asyncio.wait_for(ws.send_text(text), self.settings.send_timeout_s)
+        except asyncio.TimeoutError:
+            self._drop_slow(ws)
         except Exception:  # noqa: BLE001 (a send to a closed socket is a disconnect)
             self.detach(ws)
+
+    def _drop_slow(self, ws: WebSocket) -> None:
+        """The slow-consumer policy: what waits to go out is bounded (the transport's write buffer, then one
+        send for `send_timeout_s`); a client that reads nothing for that long is closed with `slow_consumer`
+        (1008), and the session ends: nothing is buffered for it past the bound."""
+        if self.ws is not ws:
+            return
+        self.ws = None
+        log.info("session %s: the client read nothing for %.0f s: closing (slow_consumer)", self.session_id,
+                 self.settings.send_timeout_s)
+
+        async def drop() -> None:
+            with contextlib.suppress(Exception):  # its close frame waits behind what it did not read
+                await asyncio.wait_for(ws.close(code=CLOSE_POLICY, reason="slow_consumer"), 5.0)
+            await self.close("slow_consumer", emit=False)
+        self._spawn(drop())
 
     def _control(self, event_type: str, **fields: Any) -> str:
         """A per-attachment event: it carries the current seq but is not journaled (replays do not repeat it)."""

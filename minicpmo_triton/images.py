@@ -51,6 +51,8 @@ def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448) -> np.nd
             if img.width * img.height > MAX_PIXELS:
                 raise ImageError(f"image of {img.width}x{img.height} is over {MAX_PIXELS} pixels")
             image = img.convert("RGB")
+    except Image.DecompressionBombError as exc:  # PIL's own guard, past 2x its MAX_IMAGE_PIXELS: not an OSError
+        raise ImageError(f"image is a decompression bomb: {exc}") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         if isinstance(exc, ImageError):
             raise

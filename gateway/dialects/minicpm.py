@@ -161,7 +161,8 @@ class MiniCPMRealtimeState(EngineState):
             self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
                           for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
         except InvalidOptions as exc:
-            raise ProtocolError("invalid_payload", str(exc), "session", error_type="client_error") from exc
+            # the init's ranges: refused, the session waits for a valid session.update
+            raise ProtocolError("invalid_config", str(exc), "session", error_type="client_error") from exc
         except ProtocolError as exc:
             raise _client_error(exc) from None
         self.configured = True
