@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -105,3 +107,22 @@ class RateLimit:
         seen.append(now)
         for other in [w for w, s in self._seen.items() if not s or now - s[-1] > self.window_s]:
             del self._seen[other]  # callers gone quiet: the table stays bounded
+
+
+_KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"']*")
+
+
+def redact(text: str) -> str:
+    """A logged URL without its `?key=` value."""
+    return _KEY_IN_QUERY.sub(r"\1***", text)
+
+
+class RedactKeys(logging.Filter):
+    """For uvicorn's loggers: its access and WebSocket lines carry the query string, where browsers put keys."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        return True

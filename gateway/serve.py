@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from .auth import RedactKeys
 from .registry import Gateway
 from .routes import create_app
 from .settings import Settings
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
                                 ws_per_message_deflate=settings.ws_deflate, log_level="info")
+        for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted
+            logging.getLogger(name).addFilter(RedactKeys())
         GatewayServer(config, app.state.gateway).run()
     finally:
         if supervisor is not None:

@@ -6,13 +6,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import httpx
 import pytest
 import websockets
 
-from gateway.auth import ANONYMOUS, RateLimit, SessionCounts, origin_allowed, presented_key, principal
+from gateway.auth import (
+    ANONYMOUS,
+    RateLimit,
+    RedactKeys,
+    SessionCounts,
+    origin_allowed,
+    presented_key,
+    principal,
+    redact,
+)
 from gateway.settings import api_keys
 from gateway.triton.launcher import TritonInstall, TritonPorts, server_command
 from gateway.wire import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS, ProtocolError, parse_json
@@ -47,6 +57,14 @@ def test_keys_from_the_environment_and_a_file(tmp_path: Path) -> None:
     assert api_keys({"MINICPMO_API_KEYS": "a, b,", "MINICPMO_API_KEYS_FILE": str(path)}) == \
         ("a", "b", "file-key", "other-key")
     assert api_keys({}) == ()
+
+
+def test_keys_in_urls_are_redacted_from_log_lines() -> None:
+    record = logging.LogRecord("uvicorn.error", logging.INFO, "x", 1, '%s - "WebSocket %s" [accepted]',
+                               ("127.0.0.1:5", "/v1/realtime?mode=audio&key=alpha-key"), None)
+    RedactKeys().filter(record)
+    assert record.getMessage() == '127.0.0.1:5 - "WebSocket /v1/realtime?mode=audio&key=***" [accepted]'
+    assert redact("GET /health?key=k1&x=1") == "GET /health?key=***&x=1"
 
 
 def test_origins() -> None:
@@ -139,7 +157,7 @@ async def refused(url: str, **connect: object) -> tuple[str, int]:
     return err["error"]["code"], info.value.rcvd.code
 
 
-async def test_keys_origins_and_limits(gw) -> None:
+async def test_keys_origins_and_limits(gw, tmp_path) -> None:
     for url in (gw.ws, gw.realtime, gw.realtime + "?mode=audio"):
         assert await refused(url) == ("unauthorized", 1008)
         assert await refused(url, additional_headers=bearer("alpha")) == ("unauthorized", 1008)
@@ -173,6 +191,8 @@ async def test_keys_origins_and_limits(gw) -> None:
         while True:
             await asyncio.wait_for(alpha.recv(), 10)
     await beta.close()
+    log = (tmp_path / "gateway0.log").read_text()
+    assert "?key=***" in log and not any(key in log for key in KEYS), log[-3000:]
 
 
 async def test_resume_attempts_are_rate_limited(gw) -> None:
