@@ -1,6 +1,6 @@
 """A bounded soak: many sessions over a few minutes, mixed dialects, some hostile; then nothing may be left.
 
-    .venv/bin/python -m bench.soak --sessions 200 --concurrency 8
+    .venv/bin/python bench/soak.py --sessions 200 --concurrency 8
 
 Each session is one of: /backend full_duplex (two 1 s appends, then close), OpenAI Realtime (one append,
 session.close), MiniCPM-o ?mode=audio (session.update, one append, session.close), or hostile (binary and
@@ -25,36 +25,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import websockets
+from common import ROOT, make_speech, serving_stack  # noqa: E402 (bench/ scripts run as files)
+from load import tree_rss_mib  # noqa: E402
 
-from bench.common import ROOT, make_speech, serving_stack
-from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample
+from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample  # noqa: E402
 
 STAGES = ("duplex", "llm", "tts", "token2wav")
-
-
-def rss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
-
-
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
-                out.append(int(entry.name))
-    return out
 
 
 def live(metrics_url: str) -> dict[str, float]:
@@ -183,13 +159,13 @@ def main() -> None:
             assert stack.gateway is not None
             base = stack.ws_url.removesuffix("/backend")
             http = base.replace("ws://", "http://")
-            triton_pgid = stack.triton.pid or 0
+            triton_pid = stack.triton.pid or 0
 
             async def run() -> tuple[Counter[str], dict[str, float]]:
                 warm = asyncio.Event()
                 task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, args.seed, warm))
                 await warm.wait()
-                rss = {"gateway_warm": rss_mb([stack.gateway.pid]), "triton_warm": rss_mb(group_pids(triton_pgid))}
+                rss = {"gateway_warm": tree_rss_mib(stack.gateway.pid), "triton_warm": tree_rss_mib(triton_pid)}
                 return await task, rss
 
             started = time.monotonic()
@@ -200,8 +176,8 @@ def main() -> None:
                     time.monotonic() < deadline:
                 time.sleep(0.5)
             health = httpx.get(f"{http}/health", timeout=5).json()
-            rss["gateway_end"] = rss_mb([stack.gateway.pid])
-            rss["triton_end"] = rss_mb(group_pids(triton_pgid))
+            rss["gateway_end"] = tree_rss_mib(stack.gateway.pid)
+            rss["triton_end"] = tree_rss_mib(triton_pid)
     print(f"{args.sessions} sessions in {elapsed:.0f} s, concurrency {args.concurrency}")
     for key, count in sorted(outcomes.items()):
         print(f"  {key}: {count}")

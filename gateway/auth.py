@@ -68,7 +68,7 @@ class SessionCounts:
         held = self._counts.get(who, 0)
         if self.limit and held >= self.limit:
             raise ProtocolError("key_session_limit", f"this key holds {held} sessions, its limit; close one first",
-                                close_code=CLOSE_TRY_AGAIN, error_type="server_error")
+                                close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True)
         self._counts[who] = held + 1
 
     @contextlib.contextmanager

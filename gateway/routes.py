@@ -133,7 +133,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
     def check_ready() -> None:
         if not gw.ready:
             raise ProtocolError("not_ready", "the model is still loading", close_code=CLOSE_TRY_AGAIN,
-                                error_type="server_error")
+                                error_type="server_error", retryable=True)
 
     async def backend_socket(ws: WebSocket) -> None:
         await ws.accept()

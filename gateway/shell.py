@@ -93,12 +93,13 @@ async def admitted(gw: Gateway, ws: WebSocket, queue_event: QueueEvent | None = 
     except SessionLimitReached:
         if queue_event is None:
             raise ProtocolError("too_many_sessions", f"all {gw.settings.max_sessions} session slots are taken; "
-                                "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+                                "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error",
+                                retryable=True) from None
         try:
             ticket = gw.enqueue()
         except QueueFull:
             raise ProtocolError("queue_full", "the queue for a session is full; retry later",
-                                close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+                                close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True) from None
     try:
         yield None if ticket is None else await _wait_in_queue(gw, ws, ticket, queue_event)
     finally:
@@ -205,11 +206,13 @@ class Session:
         log.info("session %s: the client read nothing for %.0f s: closing (slow_consumer)", self.session_id,
                  self.settings.send_timeout_s)
 
-        async def drop() -> None:
-            with contextlib.suppress(Exception):  # its close frame waits behind what it did not read
-                await asyncio.wait_for(ws.close(code=CLOSE_POLICY, reason="slow_consumer"), 5.0)
-            await self.close("slow_consumer", emit=False)
-        self._spawn(drop())
+        async def close_socket() -> None:
+            # Its close frame waits behind what it did not read; the WebSocket library drops the connection
+            # if the close handshake does not finish in its close timeout. Not cancelled (that would keep it).
+            with contextlib.suppress(Exception):
+                await ws.close(code=CLOSE_POLICY, reason="slow_consumer")
+        self._spawn(close_socket())
+        self._spawn(self.close("slow_consumer", emit=False))
 
     def _control(self, event_type: str, **fields: Any) -> str:
         """A per-attachment event: it carries the current seq but is not journaled (replays do not repeat it)."""

@@ -30,6 +30,7 @@ from gateway.wire import JSON_MAX_NUMBER_CHARS
 
 from .helpers import GREEDY, OTHER_TEXT, append_message, init_message
 from .test_isolation_e2e import HOSTILE_CONFIGS
+from .test_session_exits import settled
 
 STAYS = None  # the session stays open: the probe after the error is answered
 PROBE = json.dumps({"type": "probe.nothing"})  # every dialect answers it with unknown_event, no model work
@@ -294,7 +295,8 @@ async def run_case(base: str, case: Case) -> None:
         with contextlib.suppress(Exception):
             if case.path.startswith("/v1/realtime"):  # end the session, not only the socket (no resume grace)
                 await ws.send(json.dumps({"type": "session.close"}))
-            await ws.close()
+                await _until(ws, lambda e: e["type"] == "session.closed")
+        await ws.close()
 
 
 # ---- the clean session beside them ----
@@ -337,12 +339,6 @@ async def test_hostile_corpus_beside_a_clean_session(gateway, triton, speech) ->
         assert beside == solo, f"the clean session beside cases {start}..{start + len(chunk)} changed"
         failures += [f"{c.name}: {r!r}" for c, r in zip(chunk, outcomes, strict=True) if isinstance(r, BaseException)]
     assert not failures, "\n".join(failures)
-    live = await asyncio.to_thread(triton.wait_live, lambda lv: not any(lv.values()))
-    assert not any(live.values()), live
-    for _ in range(100):
-        if gateway.health()["active_sessions"] == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert gateway.health()["active_sessions"] == 0
+    await settled(gateway, triton)
     print(f"{len(CASES)} hostile cases in {len(range(0, len(CASES), CHUNK))} chunks, each beside a clean session")
 
