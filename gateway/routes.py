@@ -151,7 +151,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 async with admitted(gw, ws), running(gw, state, ws, resumable=False, owner=who) as session:
                     await serve(session, ws)
         except ProtocolError as err:
-            await _refuse(ws, backend.error_event(err.code, err.message).encode(), err.close_code or CLOSE_POLICY)
+            await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),
+                          err.close_code or CLOSE_POLICY)
         except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
             log.error("/backend: the opening failed: %s", describe(exc))
             await _close(ws, CLOSE_SERVER_ERROR)
@@ -160,10 +161,10 @@ def create_app(settings: Settings | None = None) -> Starlette:
         mode = ws.query_params.get("mode")
         await ws.accept()
         try:
+            who = admit(ws)
             if mode is not None and mode not in minicpm.MODES:
                 raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
                                     close_code=CLOSE_POLICY)
-            who = admit(ws)
             check_ready()
             if ws.query_params.get("resume") in ("1", "true"):
                 msg = _as_event(await receive_text(ws, settings.init_timeout_s, settings.test_faults))
