@@ -113,7 +113,7 @@ async def test_serve_restarts_a_triton_that_died(served) -> None:
     assert events[-1]["type"] == "session.closed" and events[-1]["reason"] == "backend_unavailable", events
     assert info.value.rcvd.code == 1013
 
-    assert (await asyncio.to_thread(health, port))["status"] == "loading"
+    await asyncio.to_thread(wait_status, port, "loading", 10)  # polled each second while ready
     await asyncio.to_thread(wait_status, port, "ready", 300)
     assert group(first) == [], group(first)  # no stub, no zombie of the dead server
     second = triton_pid_from_log(log)
