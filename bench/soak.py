@@ -175,13 +175,19 @@ def main() -> None:
             while (left := live(stack.triton.ports.metrics_url)) and any(left.values()) and \
                     time.monotonic() < deadline:
                 time.sleep(0.5)
-            health = httpx.get(f"{http}/health", timeout=5).json()
+            # Realtime sessions whose socket went without session.close wait out their resume grace (30 s)
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(f"{http}/health", timeout=5).json())["active_sessions"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.5)
+            settled_s = time.monotonic() - started - elapsed
             rss["gateway_end"] = tree_rss_mib(stack.gateway.pid)
             rss["triton_end"] = tree_rss_mib(triton_pid)
     print(f"{args.sessions} sessions in {elapsed:.0f} s, concurrency {args.concurrency}")
     for key, count in sorted(outcomes.items()):
         print(f"  {key}: {count}")
-    print(f"live sequences after: {left}; gateway active sessions: {health['active_sessions']}")
+    print(f"live sequences after: {left}; gateway active sessions: {health['active_sessions']} "
+          f"({settled_s:.0f} s after the last session: resume graces expire)")
     print(f"RSS gateway: {rss['gateway_warm']:.0f} MB after 20 sessions -> {rss['gateway_end']:.0f} MB at the end "
           f"(x{rss['gateway_end'] / rss['gateway_warm']:.2f})")
     print(f"RSS triton + stubs: {rss['triton_warm']:.0f} MB -> {rss['triton_end']:.0f} MB "

@@ -47,6 +47,7 @@ from .wire import (
 log = logging.getLogger("gateway")
 
 QUEUE_UPDATE_S = 3.0
+SOCKET_CLOSE_S = 30.0  # a slow consumer's close handshake: the library gives up on it well before
 
 
 # Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
@@ -160,6 +161,7 @@ class Session:
         self._closing: asyncio.Future[None] | None = None
         self._ended = asyncio.Event()
         self._lost = False
+        self._socket_closing: asyncio.Task[None] | None = None  # a slow consumer's close handshake
         triton.on_lost = self.lost
 
     @property
@@ -207,11 +209,12 @@ class Session:
                  self.settings.send_timeout_s)
 
         async def close_socket() -> None:
-            # Its close frame waits behind what it did not read; the WebSocket library drops the connection
-            # if the close handshake does not finish in its close timeout. Not cancelled (that would keep it).
+            # Its close frame waits behind what it did not read; the WebSocket library keeps reading (and
+            # dropping) what the client sends, and drops the connection if the close handshake does not finish
+            # within its close timeout. Not cancelled: that would leave the connection to linger.
             with contextlib.suppress(Exception):
                 await ws.close(code=CLOSE_POLICY, reason="slow_consumer")
-        self._spawn(close_socket())
+        self._socket_closing = asyncio.get_running_loop().create_task(close_socket())
         self._spawn(self.close("slow_consumer", emit=False))
 
     def _control(self, event_type: str, **fields: Any) -> str:
@@ -398,6 +401,8 @@ class Session:
             if ws is not None and ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):  # the socket may be closed already
                     await ws.close(code=ws_code, reason=reason[:120])
+            if self._socket_closing is not None:  # the handler (and the connection) stays until it is done
+                await asyncio.wait({self._socket_closing}, timeout=SOCKET_CLOSE_S)
         finally:
             self._closing.set_result(None)
             self._ended.set()

@@ -127,7 +127,7 @@ class MiniCPMRealtimeState(EngineState):
         return error_event(err)
 
     def on_client(self, msg: dict[str, Any]) -> Effects:
-        if msg["type"] != "session.update" and not self.configured:
+        if msg["type"] not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
             raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
         event = decode_client(msg)
         if isinstance(event, SessionUpdate):
