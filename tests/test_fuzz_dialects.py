@@ -166,7 +166,8 @@ def drive(state: EngineState, frames: list[str], plan: list[tuple[str, Any]]) ->
                 fx = state.on_step_error(step, value, "refused")
             else:
                 fx = Effects()
-                for ev in value:
+                # the contract: `done` ends chat (turn-based) steps only, `listen` is a duplex step's
+                for ev in (e for e in value if e.kind != ("listen" if step.kind == "chat" else "done")):
                     fx.extend(state.on_step_event(step, ev))
                 fx.extend(state.on_step_end(step))
         else:
