@@ -47,6 +47,7 @@ def pct(values: list[float], q: float) -> float:
 class Stack:
     triton: TritonServer
     ws_url: str
+    gateway: subprocess.Popen[bytes] | None = None  # the gateway process (its pid for RSS figures)
 
 
 @contextlib.contextmanager
@@ -69,7 +70,7 @@ def serving_stack(model_repository: Path, work: Path, max_sessions: int) -> Iter
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        yield Stack(server, f"ws://127.0.0.1:{port}/backend")
+        yield Stack(server, f"ws://127.0.0.1:{port}/backend", gateway)
     finally:
         if gateway is not None:
             gateway.terminate()

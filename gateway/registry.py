@@ -29,6 +29,7 @@ class _State(Protocol):
 
 class LiveSession(Protocol):
     session_id: str
+    owner: str  # the principal (gateway.auth) that opened it
     state: _State
     started_at: float
 

@@ -20,12 +20,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from minicpmo_triton.errors import describe
+
 from . import page
+from .auth import RateLimit, SessionCounts, origin_allowed, presented_key, principal, unauthorized
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
@@ -33,7 +36,7 @@ from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
 from .vad import SileroVad, VadUnavailable
-from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id
+from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id, parse_json
 
 log = logging.getLogger("gateway")
 
@@ -59,8 +62,8 @@ def _vad() -> SpeechProbabilities | None:
 def _as_event(text: str) -> dict[str, Any]:
     """A first event, to see what it is ({} when it is not a JSON object; the session then answers it)."""
     try:
-        msg = json.loads(text)
-    except (ValueError, RecursionError):
+        msg = parse_json(text)
+    except ValueError:
         return {}
     return msg if isinstance(msg, dict) else {}
 
@@ -69,21 +72,51 @@ def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings.from_env()
     gw = Gateway(settings)
 
+    counts = SessionCounts(settings.max_sessions_per_key)
+    resumes = RateLimit(settings.resume_attempts, settings.resume_window_s)
+
+    def caller(conn: HTTPConnection) -> str | None:
+        """The caller's principal; None when keys are configured and it presented none of them."""
+        return principal(settings.api_keys, presented_key(conn.headers, conn.query_params))
+
+    def admit(conn: HTTPConnection) -> str:
+        """Before any model work: a browser from an allowed Origin, with a valid key (when keys are set)."""
+        if not origin_allowed(settings.allowed_origins, conn.headers.get("origin")):
+            raise ProtocolError("origin_not_allowed", "this Origin is not allowed", close_code=CLOSE_POLICY)
+        who = caller(conn)
+        if who is None:
+            raise unauthorized()
+        return who
+
+    def http_refusal(err: ProtocolError) -> JSONResponse:
+        status = 401 if err.code == "unauthorized" else 403
+        return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, status)
+
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({
+        """Counts for anyone; the ids of the caller's own sessions to a caller with a key (with no keys
+        configured, every caller is the one anonymous principal)."""
+        body: dict[str, Any] = {
             "status": "ready" if gw.ready else "loading",
             "backend": "triton",
             "active_sessions": gw.active_sessions,
             "max_sessions": settings.max_sessions,
-            "active_session_ids": sorted(gw.sessions),
             "queue_length": gw.queue_length,
             "stale_deltas_dropped": gw.stale_dropped,
-        })
+        }
+        who = caller(request)
+        if who is not None:
+            body["active_session_ids"] = sorted(sid for sid, s in gw.sessions.items() if s.owner == who)
+        return JSONResponse(body)
 
     async def close_session(request: Request) -> JSONResponse:
+        """Only by the principal that opened the session; another one is told it does not exist."""
+        try:
+            who = admit(request)
+        except ProtocolError as err:
+            return http_refusal(err)
         session_id = request.path_params["session_id"]
         session = gw.sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != who:
             return JSONResponse({"ok": False, "error": "session not found", "session_id": session_id}, 404)
         reason = "client_closed"
         with contextlib.suppress(Exception):
@@ -93,14 +126,20 @@ def create_app(settings: Settings | None = None) -> Starlette:
         await session.close(reason)
         return JSONResponse({"ok": True, "session_id": session_id, "closed": True})
 
+    async def resume_as(ws: WebSocket, msg: dict[str, Any], who: str) -> None:
+        host = ws.client.host if ws.client else "?"
+        resumes.check(f"{who}@{host}")
+        await resume(gw, ws, msg, who)
+
     def check_ready() -> None:
         if not gw.ready:
             raise ProtocolError("not_ready", "the model is still loading", close_code=CLOSE_TRY_AGAIN,
-                                error_type="server_error")
+                                error_type="server_error", retryable=True)
 
     async def backend_socket(ws: WebSocket) -> None:
         await ws.accept()
         try:
+            who = admit(ws)
             check_ready()
             try:
                 text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
@@ -109,18 +148,21 @@ def create_app(settings: Settings | None = None) -> Starlette:
             init = backend.parse_init(backend.loads(text))
             state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
                                          voice=backend.voice_refs(init))
-            async with admitted(gw, ws), running(gw, state, ws, resumable=False) as session:
-                await serve(session, ws)
+            with counts.held(who):
+                async with admitted(gw, ws), running(gw, state, ws, resumable=False, owner=who) as session:
+                    await serve(session, ws)
         except ProtocolError as err:
-            await _refuse(ws, backend.error_event(err.code, err.message).encode(), err.close_code or CLOSE_POLICY)
-        except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
-            log.exception("/backend: the opening failed")
+            await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),
+                          err.close_code or CLOSE_POLICY)
+        except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
+            log.error("/backend: the opening failed: %s", describe(exc))
             await _close(ws, CLOSE_SERVER_ERROR)
 
     async def realtime_socket(ws: WebSocket) -> None:
         mode = ws.query_params.get("mode")
         await ws.accept()
         try:
+            who = admit(ws)
             if mode is not None and mode not in minicpm.MODES:
                 raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
                                     close_code=CLOSE_POLICY)
@@ -130,24 +172,23 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 if msg.get("type") != "session.resume":
                     raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
                                         "type", close_code=CLOSE_POLICY)
-            elif mode is None:
-                msg = await openai_session(ws)
             else:
-                msg = await minicpm_session(ws, mode)
+                with counts.held(who):
+                    msg = await (openai_session(ws, who) if mode is None else minicpm_session(ws, mode, who))
             if msg is not None:  # the first event resumed another session: this socket goes on with it
-                await resume(gw, ws, msg)
+                await resume_as(ws, msg, who)
         except ProtocolError as err:
             await _refuse(ws, {**realtime_error(err).encode(), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
         except (Disconnected, asyncio.TimeoutError):
             await _close(ws, CLOSE_POLICY)
-        except Exception:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
-            log.exception("/v1/realtime: the opening failed")
+        except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
+            log.error("/v1/realtime: the opening failed: %s", describe(exc))
             await _close(ws, CLOSE_SERVER_ERROR)
 
-    async def openai_session(ws: WebSocket) -> dict[str, Any] | None:
+    async def openai_session(ws: WebSocket, who: str) -> dict[str, Any] | None:
         """Returns the first event when it is `session.resume` (this fresh session is then dropped)."""
         state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad())
-        async with admitted(gw, ws), running(gw, state, ws, resumable=True) as session:
+        async with admitted(gw, ws), running(gw, state, ws, resumable=True, owner=who) as session:
             try:
                 text = await receive_text(ws, settings.idle_timeout_s, settings.test_faults)
             except asyncio.TimeoutError:
@@ -164,7 +205,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             await serve(session, ws, text)
         return None
 
-    async def minicpm_session(ws: WebSocket, mode: str) -> dict[str, Any] | None:
+    async def minicpm_session(ws: WebSocket, mode: str, who: str) -> dict[str, Any] | None:
         """Returns the first event when it is `session.resume` (the slot is given back first)."""
         async with admitted(gw, ws, queue_event=minicpm.queue_position) as early:
             session_id = new_session_id()
@@ -176,7 +217,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             if msg.get("type") == "session.resume":
                 return msg
             state = minicpm.MiniCPMRealtimeState(session_id, mode=mode)
-            async with running(gw, state, ws, resumable=True) as session:
+            async with running(gw, state, ws, resumable=True, owner=who) as session:
                 await serve(session, ws, text)
         return None
 

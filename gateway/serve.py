@@ -12,10 +12,13 @@ from pathlib import Path
 
 import uvicorn
 
+from .auth import RedactKeys
 from .registry import Gateway
 from .routes import create_app
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
+from .triton.launcher import LOOPBACK
+from .triton.supervisor import Supervisor
 
 
 class GatewayServer(uvicorn.Server):
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-url", help="use a running Triton (host:grpc_port) instead of starting one")
     parser.add_argument("--triton-ports", default="8000,8001,8002", help="http,grpc,metrics for the started Triton")
     parser.add_argument("--triton-log", type=Path, default=Path(".triton_work/tritonserver.log"))
+    parser.add_argument("--triton-address", default=LOOPBACK,
+                        help="interface the started Triton binds to (default loopback: only the gateway reaches it)")
     parser.add_argument("--max-sessions", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -51,18 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     if args.max_sessions is not None:
         settings = replace(settings, max_sessions=args.max_sessions)
-    server = None
+    supervisor = None
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)
     else:
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)
-        server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log)
+        server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log,
+                              address=args.triton_address)
         print(f"starting tritonserver (log: {args.triton_log}) ...", flush=True)
-        server.start()
-        server.wait_ready()
+        supervisor = Supervisor(server)
+        try:
+            server.start()
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+        supervisor.start()  # from here on, a Triton that dies is reaped and started again
         settings = replace(settings, triton_url=server.ports.grpc_url)
-        print(f"tritonserver ready: grpc {server.ports.grpc_url}, metrics {server.ports.metrics_url}", flush=True)
+        print(f"tritonserver ready (pid {server.pid}): grpc {server.ports.grpc_url}, "
+              f"metrics {server.ports.metrics_url}", flush=True)
     try:
         print(f"gateway on ws://{args.host}:{args.port}/backend and /v1/realtime "
               f"(health: http://{args.host}:{args.port}/health)",
@@ -70,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
                                 ws_per_message_deflate=settings.ws_deflate, log_level="info")
+        for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted
+            logging.getLogger(name).addFilter(RedactKeys())
         GatewayServer(config, app.state.gateway).run()
     finally:
-        if server is not None:
-            server.stop()
+        if supervisor is not None:
+            supervisor.stop()
     return 0
 
 

@@ -27,13 +27,14 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, describe
 
+from .auth import ANONYMOUS
 from .engine import Effects, EngineState, PlannedStep, ServerEvent
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
-from .triton.client import TritonSession
+from .triton.client import TritonSession, TritonUnavailable
 from .wire import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -46,6 +47,7 @@ from .wire import (
 log = logging.getLogger("gateway")
 
 QUEUE_UPDATE_S = 3.0
+SOCKET_CLOSE_S = 30.0  # a slow consumer's close handshake: the library gives up on it well before
 
 
 # Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
@@ -92,12 +94,13 @@ async def admitted(gw: Gateway, ws: WebSocket, queue_event: QueueEvent | None = 
     except SessionLimitReached:
         if queue_event is None:
             raise ProtocolError("too_many_sessions", f"all {gw.settings.max_sessions} session slots are taken; "
-                                "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+                                "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error",
+                                retryable=True) from None
         try:
             ticket = gw.enqueue()
         except QueueFull:
             raise ProtocolError("queue_full", "the queue for a session is full; retry later",
-                                close_code=CLOSE_TRY_AGAIN, error_type="server_error") from None
+                                close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True) from None
     try:
         yield None if ticket is None else await _wait_in_queue(gw, ws, ticket, queue_event)
     finally:
@@ -135,8 +138,10 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 # ---- the session ----
 
 class Session:
-    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool) -> None:
+    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool,
+                 owner: str = ANONYMOUS) -> None:
         self.state = state
+        self.owner = owner
         self.session_id = state.session_id
         self.triton = triton
         self.settings = settings
@@ -152,6 +157,9 @@ class Session:
         self._worker = asyncio.create_task(self._run_steps())
         self._closing: asyncio.Future[None] | None = None
         self._ended = asyncio.Event()
+        self._lost = False
+        self._socket_closing: asyncio.Task[None] | None = None  # a slow consumer's close handshake
+        triton.on_lost = self.lost
 
     @property
     def resumable(self) -> bool:
@@ -181,9 +189,30 @@ class Session:
         if ws is None or ws.application_state != WebSocketState.CONNECTED:
             return
         try:
-            await ws.send_text(text)
+            await asyncio.wait_for(ws.send_text(text), self.settings.send_timeout_s)
+        except asyncio.TimeoutError:
+            self._drop_slow(ws)
         except Exception:  # noqa: BLE001 (a send to a closed socket is a disconnect)
             self.detach(ws)
+
+    def _drop_slow(self, ws: WebSocket) -> None:
+        """The slow-consumer policy: what waits to go out is bounded (the transport's write buffer, then one
+        send for `send_timeout_s`); a client that reads nothing for that long is closed with `slow_consumer`
+        (1008), and the session ends: nothing is buffered for it past the bound."""
+        if self.ws is not ws:
+            return
+        self.ws = None
+        log.info("session %s: the client read nothing for %.0f s: closing (slow_consumer)", self.session_id,
+                 self.settings.send_timeout_s)
+
+        async def close_socket() -> None:
+            # Its close frame waits behind what it did not read; the WebSocket library keeps reading (and
+            # dropping) what the client sends, and drops the connection if the close handshake does not finish
+            # within its close timeout. Not cancelled: that would leave the connection to linger.
+            with contextlib.suppress(Exception):
+                await ws.close(code=CLOSE_POLICY, reason="slow_consumer")
+        self._socket_closing = asyncio.get_running_loop().create_task(close_socket())
+        self._spawn(self.close("slow_consumer", emit=False))
 
     def _control(self, event_type: str, **fields: Any) -> str:
         """A per-attachment event: it carries the current seq but is not journaled (replays do not repeat it)."""
@@ -209,7 +238,7 @@ class Session:
     def _settled(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
-            log.info("session %s: background task failed: %s", self.session_id, task.exception())
+            log.info("session %s: background task failed: %s", self.session_id, describe(task.exception()))
 
     # ---- in ----
     async def handle(self, text: str) -> None:
@@ -222,7 +251,7 @@ class Session:
                 await self.close("protocol_error", message=err.message, ws_code=err.close_code)
             return
         except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
-            log.exception("session %s: a client event failed", self.session_id)
+            log.error("session %s: a client event failed: %s", self.session_id, describe(exc))
             await self.emit([self.state.error_event(ProtocolError(
                 "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))])
             return
@@ -243,8 +272,11 @@ class Session:
             except asyncio.TimeoutError:
                 self.fail("step_timeout", f"a step took over {self.settings.step_timeout_s:.0f} s")
                 return
+            except TritonUnavailable:
+                self.lost()
+                return
             except Exception as exc:  # noqa: BLE001 (Triton failed: the session ends, the server goes on)
-                log.exception("session %s: step failed", self.session_id)
+                log.error("session %s: step failed: %s", self.session_id, describe(exc))
                 self.fail("backend_error", str(exc))
                 return
 
@@ -260,6 +292,20 @@ class Session:
                 return
             await self.apply(self.state.on_step_event(step, ev))
         await self.apply(self.state.on_step_end(step))
+
+    def lost(self) -> None:
+        """Triton went away (its stream broke): the client is told `backend_unavailable`, retryable, and the
+        session ends (its state died with Triton); a new session works once /health is ready again."""
+        if self._lost or self.closed:
+            return
+        self._lost = True
+        err = ProtocolError("backend_unavailable", "the model server went away; open a new session when "
+                            "/health is ready", error_type="server_error", retryable=True)
+        self._spawn(self._end_unavailable(err))
+
+    async def _end_unavailable(self, err: ProtocolError) -> None:
+        await self.emit([self.state.error_event(err)])
+        await self.close("backend_unavailable", message=err.message, ws_code=CLOSE_TRY_AGAIN)
 
     def fail(self, reason: str, message: str) -> None:
         code = CLOSE_SERVER_ERROR if reason in ("backend_error", "step_timeout") else CLOSE_NORMAL
@@ -331,8 +377,8 @@ class Session:
                 await self._stop_worker()
             try:
                 await self.triton.close()  # ends the Triton sequence: state is freed before we answer
-            except Exception:  # noqa: BLE001
-                log.exception("session %s: ending the Triton sequence failed", self.session_id)
+            except Exception as exc:  # noqa: BLE001
+                log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
             if emit:
                 try:
                     await self.emit(self.state.on_close(reason, message))
@@ -342,6 +388,8 @@ class Session:
             if ws is not None and ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):  # the socket may be closed already
                     await ws.close(code=ws_code, reason=reason[:120])
+            if self._socket_closing is not None:  # the handler (and the connection) stays until it is done
+                await asyncio.wait({self._socket_closing}, timeout=SOCKET_CLOSE_S)
         finally:
             self._closing.set_result(None)
             self._ended.set()
@@ -358,7 +406,8 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool) -> AsyncIterator[Session]:
+async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool,
+                  owner: str = ANONYMOUS) -> AsyncIterator[Session]:
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
@@ -368,7 +417,7 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
     except Exception as exc:  # noqa: BLE001
         raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
-    session = Session(state, triton, gw.settings, resumable)
+    session = Session(state, triton, gw.settings, resumable, owner)
     gw.add(session)
     try:
         await session.attach(ws)
@@ -376,7 +425,7 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
         yield session
         await session.wait_closed()
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
-        log.exception("session %s: failed", session.session_id)
+        log.error("session %s: failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
     finally:
         await session.close("closed")  # a no-op unless the block was cancelled
@@ -401,15 +450,16 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return  # another socket took the session over
             await session.handle(text)
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
-        log.exception("session %s: the receive loop failed", session.session_id)
+        log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)
 
 
-async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any]) -> None:
-    """`session.resume`: attach this socket to a resumable session within its grace, replay, serve."""
+async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any], owner: str = ANONYMOUS) -> None:
+    """`session.resume`: attach this socket to a resumable session within its grace, replay, serve. Only the
+    principal that opened a session resumes it (another one is told it does not exist)."""
     session_id = msg.get("session_id")
     session = gw.sessions.get(session_id) if isinstance(session_id, str) else None
-    if not isinstance(session, Session) or session.closed or not session.resumable:
+    if not isinstance(session, Session) or session.closed or not session.resumable or session.owner != owner:
         raise ProtocolError("session_resume_expired", "no such session, or its disconnect grace is over",
                             "session_id", close_code=CLOSE_POLICY)
     session.check_token(msg.get("resume_token"))

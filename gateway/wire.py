@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
@@ -19,8 +23,9 @@ class ProtocolError(Exception):
     `param` and `error_type` are what the Realtime dialects report beside the code."""
 
     def __init__(self, code: str, message: str, param: str | None = None, close_code: int | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", retryable: bool = False) -> None:
         super().__init__(message)
+        self.retryable = retryable  # the same request may succeed later (a new session, after a backoff)
         self.code = code
         self.message = message
         self.param = param
@@ -60,3 +65,53 @@ class Usage:
         snap = dict(self.counts)
         snap["total_tokens"] = sum(self.counts.values())
         return snap
+
+
+# ---- JSON limits: every client frame is parsed here, by every dialect ----
+JSON_MAX_DEPTH = 32  # arrays/objects inside one another; no event of any dialect needs more than 6
+JSON_MAX_NUMBER_CHARS = 100  # characters of one number literal (a float64 needs under 25)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _number(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(literal: str) -> Any:
+        if len(literal) > JSON_MAX_NUMBER_CHARS:
+            raise ValueError(f"a number of {len(literal)} characters (at most {JSON_MAX_NUMBER_CHARS})")
+        return kind(literal)
+    return parse
+
+
+def _check_tree(value: Any) -> None:
+    """Depth and text: no deeper than JSON_MAX_DEPTH, no lone UTF-16 surrogate in a string (`"\\ud800"` is
+    accepted by Python's parser but is not Unicode text: it would fail later, where it is encoded)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise ValueError("a string holds a lone UTF-16 surrogate (not Unicode text)")
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= JSON_MAX_DEPTH:
+            raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children)
+
+
+def parse_json(text: str | bytes) -> Any:
+    """A client frame's JSON within the limits above; ValueError (its message for the client) otherwise.
+    The parser's own recursion guard stops very deep input early (RecursionError, reported as too deep);
+    a frame's size is bounded before it gets here (the server's `ws_max_size`)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        # NaN and Infinity pass (Python's reading of them): the settings' range checks refuse them by name.
+        value = json.loads(text, parse_int=_number(int), parse_float=_number(float))
+    except RecursionError:
+        raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels") from None
+    _check_tree(value)
+    return value

@@ -7,6 +7,8 @@ the code travels as a `[code] ` prefix (`to_wire`), which the caller turns back 
 from __future__ import annotations
 
 import re
+import traceback
+from pathlib import Path
 
 
 class Code:
@@ -54,3 +56,12 @@ def from_wire(message: str, source: str) -> StepError:
     match = _WIRE.fullmatch(message)
     code, text = (match[1], match[2]) if match else (STAGE_ERROR, message)
     return StepError(code, f"{source}: {text}")
+
+
+def describe(exc: BaseException) -> str:
+    """An exception for a log line: its type, its message's length and where it was raised, never the message
+    itself (it may quote the caller's text, audio or tokens)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)) or "?"
+    code = f" [{exc.code}]" if isinstance(exc, StepError) else ""
+    return f"{type(exc).__name__}{code} (message of {len(str(exc))} characters) at {where}"

@@ -22,7 +22,7 @@ from . import duplex_contract as contract
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
 from .engines import load_engine
-from .errors import Code, StepError, to_wire
+from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
@@ -252,7 +252,7 @@ class DuplexModel:
             try:
                 sender.send(response, flags=flags)
             except Exception as exc:  # noqa: BLE001
-                pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {exc}")
+                pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {describe(exc)}")
 
         try:
             inp = contract.decode_request(rows, start, self.pipeline.preset.duplex)
@@ -271,8 +271,8 @@ class DuplexModel:
         except SequenceNotStarted as exc:
             send(_event_response(StepEvent.error(StepError(Code.SEQUENCE_NOT_STARTED, f"no sequence {exc}"))))
         except Exception as exc:  # noqa: BLE001 (the client is told; the server keeps serving)
-            pb_utils.Logger.log_error(f"duplex step failed for sequence {corr_id}: {exc!r}")
-            send(_event_response(StepEvent.error(StepError(Code.INTERNAL_ERROR, str(exc)))))
+            pb_utils.Logger.log_error(f"duplex step failed for sequence {corr_id}: {describe(exc)}")
+            send(_event_response(StepEvent.error(StepError(Code.INTERNAL_ERROR, f"{type(exc).__name__}"))))
         finally:
             self.gauge.update()
             send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

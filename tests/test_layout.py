@@ -10,7 +10,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
     {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
-    {"engine", "inputs", "registry", "triton"},
+    {"engine", "inputs", "registry", "triton", "auth", "triton.supervisor"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
     {"dialects.openai_events"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},

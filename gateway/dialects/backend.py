@@ -8,7 +8,6 @@ steps and the steps' events into `response.output.delta` / `response.done` event
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
 from ..engine import Closed, Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
-from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id
+from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -64,8 +63,8 @@ ClientMessage = InputAppend | InputContext | ChatTurn
 
 def loads(text: str | bytes) -> dict[str, Any]:
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # not JSON, too deep, or a number too long to convert
+        data = parse_json(text)
+    except ValueError as exc:  # not JSON, or past a limit (wire.JSON_MAX_*)
         raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}",
                             close_code=CLOSE_UNSUPPORTED_DATA) from exc
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
@@ -289,8 +288,8 @@ class Error(BackendEvent, type="error"):
     error: dict[str, str]
 
 
-def error_event(code: str, message: str, session_id: str | None = None) -> Error:
-    return Error(session_id, {"code": code, "message": message})
+def error_event(code: str, message: str, session_id: str | None = None, retryable: bool = False) -> Error:
+    return Error(session_id, {"code": code, "message": message, **({"retryable": True} if retryable else {})})
 
 
 @dataclass
@@ -324,7 +323,7 @@ class BackendState(EngineState):
         return Effects(steps=[PlannedStep("context", req, self.epoch, cause=msg)])
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
-        return error_event(err.code, err.message, self.session_id)
+        return error_event(err.code, err.message, self.session_id, err.retryable)
 
     def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
         self._turn_audio = []

@@ -126,7 +126,7 @@ class MiniCPMRealtimeState(EngineState):
         return error_event(err)
 
     def on_client(self, msg: dict[str, Any]) -> Effects:
-        if msg["type"] != "session.update" and not self.configured:
+        if msg["type"] not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
             raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
         event = decode_client(msg)
         if isinstance(event, SessionUpdate):
@@ -160,7 +160,8 @@ class MiniCPMRealtimeState(EngineState):
             self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
                           for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
         except InvalidOptions as exc:
-            raise ProtocolError("invalid_payload", str(exc), "session", error_type="client_error") from exc
+            # the init's ranges: refused, the session waits for a valid session.update
+            raise ProtocolError("invalid_config", str(exc), "session", error_type="client_error") from exc
         except ProtocolError as exc:
             raise _client_error(exc) from None
         self.configured = True

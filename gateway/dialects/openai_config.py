@@ -193,6 +193,6 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
     out = dataclasses.replace(config, **changes, **fixed)
     try:
         out.options()
-    except InvalidOptions as exc:
-        raise ProtocolError("invalid_value", str(exc), "session") from exc
+    except InvalidOptions as exc:  # the init's ranges: the update is refused, the session keeps its settings
+        raise ProtocolError("invalid_config", str(exc), "session") from exc
     return out

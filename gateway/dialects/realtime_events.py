@@ -4,12 +4,11 @@ are JSON objects with a string `type`; server events carry an `event_id` (and, w
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..engine import Closed, EventFields
-from ..wire import ProtocolError, new_id
+from ..wire import ProtocolError, new_id, parse_json
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
 
@@ -22,8 +21,8 @@ def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
     if len(text.encode("utf-8")) > MAX_EVENT_BYTES:
         raise ProtocolError("event_too_large", f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
     try:
-        msg = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # not JSON, too deep, or a number too long to convert
+        msg = parse_json(text)
+    except ValueError as exc:  # not JSON, or past a limit (wire.JSON_MAX_*)
         raise ProtocolError("invalid_json", f"event is not valid JSON: {exc}", close_code=bad_json_close) from exc
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise ProtocolError("invalid_event", "an event is a JSON object with a string `type`", "type")
@@ -56,7 +55,7 @@ class SessionClosed(RealtimeEvent, Closed):
 
 def error_event(err: ProtocolError) -> Error:
     return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-                  "event_id": err.event_id})
+                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {})})
 
 
 def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,10 @@ def next_correlation_id() -> int:
 
 class TritonStreamError(RuntimeError):
     """The stream to Triton broke, or Triton rejected a step."""
+
+
+class TritonUnavailable(TritonStreamError):
+    """The stream to Triton is gone (Triton died or restarted): the sequence's state went with it."""
 
 
 _DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
@@ -56,8 +60,10 @@ def parse_result(result: grpcclient.InferResult) -> StepEvent | None:
 
 
 class TritonSession:
-    def __init__(self, url: str, corr_id: int | None = None, model: str = ENTRY_MODEL) -> None:
+    def __init__(self, url: str, corr_id: int | None = None, model: str = ENTRY_MODEL,
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.url = url
+        self.on_lost = on_lost  # told once when the stream breaks before the sequence ended
         self.model = model
         self.corr_id = corr_id or next_correlation_id()
         self._client: grpcaio.InferenceServerClient | None = None
@@ -103,12 +109,14 @@ class TritonSession:
         finally:
             self._broken = self._broken or TritonStreamError("the stream to Triton closed")
             for q in self._pending.values():
-                q.put_nowait(TritonStreamError(f"stream to Triton lost: {self._broken}"))
+                q.put_nowait(TritonUnavailable(f"stream to Triton lost: {self._broken}"))
             self._pending.clear()
+            if not self.ended and self.on_lost is not None:
+                self.on_lost()
 
     def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | BaseException | None]:
         if self._broken is not None:
-            raise TritonStreamError(f"stream to Triton lost: {self._broken}")
+            raise TritonUnavailable(f"stream to Triton lost: {self._broken}")
         if self.ended:
             raise TritonStreamError("the sequence has ended")
         request_id = f"{self.corr_id}-{self._step_no}"

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
+LOOPBACK = "127.0.0.1"
 
 
 class TritonNotFound(RuntimeError):
@@ -116,10 +118,15 @@ def server_command(
     ports: TritonPorts,
     backend_dir: Path | None,
     log_verbose: int = 0,
+    address: str = LOOPBACK,
 ) -> list[str]:
     cmd = [
         str(install.binary),
         f"--model-repository={model_repository}",
+        # Triton's own default is every interface: its models would be reachable around the gateway.
+        f"--http-address={address}",
+        f"--grpc-address={address}",
+        f"--metrics-address={address}",
         f"--http-port={ports.http}",
         f"--grpc-port={ports.grpc}",
         f"--metrics-port={ports.metrics}",
@@ -157,7 +164,9 @@ class TritonServer:
         work_dir: Path = DEFAULT_WORK_DIR,
         log_path: Path | None = None,
         log_verbose: int = 0,
+        address: str = LOOPBACK,
     ) -> None:
+        self.address = address
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports or free_ports()
         self.work_dir = Path(work_dir)
@@ -170,8 +179,11 @@ class TritonServer:
         install = find_triton()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
-        cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose)
+        cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose,
+                             self.address)
         stdout = None
+        if self._log_file is not None:
+            self._log_file.close()
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
             stdout = self._log_file
@@ -201,17 +213,32 @@ class TritonServer:
     def _log_hint(self) -> str:
         return f"see {self.log_path}" if self.log_path else "see its output above"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.reap()
+
+    def reap(self) -> None:
+        """Whatever is left of the server: its process group (the Python backend stubs it forked) killed, the
+        process itself waited for (no zombie)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # start_new_session: the group id is its pid
+        self.process.wait()
         if self._log_file is not None:
             self._log_file.close()
+            self._log_file = None
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -230,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--address", default=LOOPBACK, help="interface Triton binds to (0.0.0.0: all of them)")
     args = parser.parse_args(argv)
     server = TritonServer(
         args.model_repository,
         TritonPorts(args.http_port, args.grpc_port, args.metrics_port),
         log_verbose=args.log_verbose,
+        address=args.address,
     )
     server.start()
     assert server.process is not None

@@ -1,0 +1,198 @@
+"""A bounded soak: many sessions over a few minutes, mixed dialects, some hostile; then nothing may be left.
+
+    .venv/bin/python bench/soak.py --sessions 200 --concurrency 8
+
+Each session is one of: /backend full_duplex (two 1 s appends, then close), OpenAI Realtime (one append,
+session.close), MiniCPM-o ?mode=audio (session.update, one append, session.close), or hostile (binary and
+deep JSON frames, out-of-bound audio, a lone surrogate, a client that vanishes mid-step). Printed after:
+sessions by kind and outcome, live sequences per stage and active gateway sessions (both must be 0), and
+the RSS of the gateway and of Triton with its stubs (its process group) after warm-up and at the end.
+Not a timed test: the figures are for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import websockets
+from common import ROOT, make_speech, serving_stack  # noqa: E402 (bench/ scripts run as files)
+from load import tree_rss_mib  # noqa: E402
+
+from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample  # noqa: E402
+
+STAGES = ("duplex", "llm", "tts", "token2wav")
+
+
+def live(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for stage in STAGES:
+        prefix = f'minicpmo_live_sequences{{model="{stage}"'
+        out[stage] = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)),
+                          float("nan"))
+    return out
+
+
+async def drain(ws: websockets.ClientConnection, until: set[str], timeout_s: float = 60.0) -> str:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            ev = json.loads(await ws.recv())
+            if ev["type"] in until:
+                return ev["type"] if ev["type"] != "error" else f"error:{ev['error']['code']}"
+
+
+async def backend_session(base: str, audio: np.ndarray) -> str:
+    async with websockets.connect(base + "/backend", max_size=64 << 20) as ws:
+        await ws.send(json.dumps({"type": "session.init", "payload": {"config": {"do_sample": False}}}))
+        await drain(ws, {"session.created"})
+        steps = 0
+        for i in range(2):
+            await ws.send(json.dumps({"type": "input.append", "input": {
+                "input_id": f"in_{i}", "audio": encode_f32_base64(audio[i * 16_000:(i + 1) * 16_000])}}))
+        async with asyncio.timeout(120):
+            while steps < 2:
+                ev = json.loads(await ws.recv())
+                steps += ev.get("chunk_usage") is not None
+    return "ok"
+
+
+async def openai_session(base: str, audio: np.ndarray) -> str:
+    async with websockets.connect(base + "/v1/realtime", max_size=64 << 20) as ws:
+        await drain(ws, {"session.created"})
+        await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                  "audio": encode_pcm16_base64(resample(audio[:16_000], 16_000, 24_000))}))
+        await asyncio.sleep(0.5)
+        await ws.send(json.dumps({"type": "session.close"}))
+        return await drain(ws, {"session.closed"}, 120)
+
+
+async def minicpm_session(base: str, audio: np.ndarray) -> str:
+    async with websockets.connect(base + "/v1/realtime?mode=audio", max_size=64 << 20) as ws:
+        await drain(ws, {"session.queue_done"})
+        await ws.send(json.dumps({"type": "session.update", "session": {"config": {"do_sample": False}}}))
+        await drain(ws, {"session.created"})
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": encode_f32_base64(audio[:16_000])}))
+        await drain(ws, {"response.listen", "response.output_audio.delta"}, 120)
+        await ws.send(json.dumps({"type": "session.close"}))
+        return await drain(ws, {"session.closed"}, 120)
+
+
+HOSTILE = [
+    ("/backend", b"\xff\xfe garbage"),
+    ("/backend", "[" * 100_000),
+    ("/v1/realtime", '{"type": "session.update", "session": {"instructions": "\\ud800"}}'),
+    ("/v1/realtime?mode=audio", '{"type": "x", "n": ' + "9" * 5000 + "}"),
+]
+
+
+async def hostile_session(base: str, audio: np.ndarray, rng: random.Random) -> str:
+    if rng.random() < 0.3:  # a client that vanishes with a step in flight
+        ws = await websockets.connect(base + "/backend", max_size=64 << 20)
+        await ws.send(json.dumps({"type": "session.init", "payload": {}}))
+        await drain(ws, {"session.created"})
+        await ws.send(json.dumps({"type": "input.append", "input": {"input_id": "x",
+                                                                    "audio": encode_f32_base64(audio[:16_000])}}))
+        ws.transport.abort()  # no close frame
+        return "vanished"
+    path, frame = rng.choice(HOSTILE)
+    async with websockets.connect(base + path, max_size=64 << 20) as ws:
+        await ws.send(frame)
+        try:
+            return await drain(ws, {"error"}, 30)
+        except websockets.ConnectionClosed:
+            return "closed"
+
+
+async def soak(base: str, sessions: int, concurrency: int, speech: list[np.ndarray], seed: int,
+               on_warm: asyncio.Event) -> Counter[str]:
+    rng = random.Random(seed)
+    kinds = rng.choices(["backend", "openai", "minicpm", "hostile"], weights=[3, 2, 2, 3], k=sessions)
+    outcomes: Counter[str] = Counter()
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(i: int, kind: str) -> None:
+        nonlocal done
+        audio = speech[i % len(speech)]
+        async with sem:
+            try:
+                if kind == "backend":
+                    result = await backend_session(base, audio)
+                elif kind == "openai":
+                    result = await openai_session(base, audio)
+                elif kind == "minicpm":
+                    result = await minicpm_session(base, audio)
+                else:
+                    result = await hostile_session(base, audio, random.Random(seed + i))
+            except Exception as exc:  # noqa: BLE001 (counted: the figure to read)
+                result = f"failed:{type(exc).__name__}"
+        outcomes[f"{kind} {result}"] += 1
+        done += 1
+        if done == min(20, sessions):
+            on_warm.set()
+
+    await asyncio.gather(*(one(i, k) for i, k in enumerate(kinds)))
+    return outcomes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=13)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        speech = make_speech(work, 3)
+        with serving_stack(ROOT / "model_repository", work, max_sessions=64) as stack:
+            assert stack.gateway is not None
+            base = stack.ws_url.removesuffix("/backend")
+            http = base.replace("ws://", "http://")
+            triton_pid = stack.triton.pid or 0
+
+            async def run() -> tuple[Counter[str], dict[str, float]]:
+                warm = asyncio.Event()
+                task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, args.seed, warm))
+                await warm.wait()
+                rss = {"gateway_warm": tree_rss_mib(stack.gateway.pid), "triton_warm": tree_rss_mib(triton_pid)}
+                return await task, rss
+
+            started = time.monotonic()
+            outcomes, rss = asyncio.run(run())
+            elapsed = time.monotonic() - started
+            deadline = time.monotonic() + 30
+            while (left := live(stack.triton.ports.metrics_url)) and any(left.values()) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.5)
+            # Realtime sessions whose socket went without session.close wait out their resume grace (30 s)
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(f"{http}/health", timeout=5).json())["active_sessions"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.5)
+            settled_s = time.monotonic() - started - elapsed
+            rss["gateway_end"] = tree_rss_mib(stack.gateway.pid)
+            rss["triton_end"] = tree_rss_mib(triton_pid)
+    print(f"{args.sessions} sessions in {elapsed:.0f} s, concurrency {args.concurrency}")
+    for key, count in sorted(outcomes.items()):
+        print(f"  {key}: {count}")
+    print(f"live sequences after: {left}; gateway active sessions: {health['active_sessions']} "
+          f"({settled_s:.0f} s after the last session: resume graces expire)")
+    print(f"RSS gateway: {rss['gateway_warm']:.0f} MB after 20 sessions -> {rss['gateway_end']:.0f} MB at the end "
+          f"(x{rss['gateway_end'] / rss['gateway_warm']:.2f})")
+    print(f"RSS triton + stubs: {rss['triton_warm']:.0f} MB -> {rss['triton_end']:.0f} MB "
+          f"(x{rss['triton_end'] / rss['triton_warm']:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Who may come in (pure code): API keys, the browser Origin allow-list, per-key session counts, and the
+rate of resume attempts. Checked by routes before any model work.
+
+A caller's *principal* is a short fingerprint of the key it presented (never the key: it goes into logs
+and ownership checks), or ANONYMOUS when the server has no keys configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+
+from .wire import CLOSE_POLICY, CLOSE_TRY_AGAIN, ProtocolError
+
+ANONYMOUS = "anonymous"
+
+
+def unauthorized() -> ProtocolError:
+    return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY, or ?key=KEY)",
+                         close_code=CLOSE_POLICY)
+
+
+def presented_key(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
+    """`Authorization: Bearer KEY`, else the `key` query parameter (browsers cannot set headers on a WebSocket)."""
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return query.get("key")
+
+
+def fingerprint(key: str) -> str:
+    return "key_" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def principal(keys: tuple[str, ...], key: str | None) -> str | None:
+    """The caller's principal, or None when keys are configured and `key` is none of them. Every configured
+    key is compared, in constant time, whatever matched first."""
+    if not keys:
+        return ANONYMOUS
+    if key is None:
+        return None
+    given = key.encode("utf-8", "surrogatepass")
+    matched = False
+    for k in keys:
+        matched |= hmac.compare_digest(given, k.encode("utf-8"))
+    return fingerprint(key) if matched else None
+
+
+def origin_allowed(allowed: tuple[str, ...], origin: str | None) -> bool:
+    """No Origin header (not a browser) passes; a browser's Origin must be on the list when there is one."""
+    return origin is None or not allowed or origin in allowed or "*" in allowed
+
+
+class SessionCounts:
+    """Live sessions per principal, against `limit` (0: no limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._counts: dict[str, int] = {}
+
+    def take(self, who: str) -> None:
+        held = self._counts.get(who, 0)
+        if self.limit and held >= self.limit:
+            raise ProtocolError("key_session_limit", f"this key holds {held} sessions, its limit; close one first",
+                                close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True)
+        self._counts[who] = held + 1
+
+    @contextlib.contextmanager
+    def held(self, who: str) -> Iterator[None]:
+        self.take(who)
+        try:
+            yield
+        finally:
+            self.give_back(who)
+
+    def give_back(self, who: str) -> None:
+        held = self._counts.get(who, 0) - 1
+        if held > 0:
+            self._counts[who] = held
+        else:
+            self._counts.pop(who, None)
+
+
+class RateLimit:
+    """At most `count` attempts per `window_s` per caller (a sliding window); past it, `rate_limited`."""
+
+    def __init__(self, count: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.count = count
+        self.window_s = window_s
+        self.clock = clock
+        self._seen: dict[str, deque[float]] = {}
+
+    def check(self, who: str) -> None:
+        now = self.clock()
+        seen = self._seen.setdefault(who, deque())
+        while seen and now - seen[0] > self.window_s:
+            seen.popleft()
+        if len(seen) >= self.count:
+            raise ProtocolError("rate_limited", f"at most {self.count} resume attempts per {self.window_s:.0f} s",
+                                close_code=CLOSE_POLICY)
+        seen.append(now)
+        for other in [w for w, s in self._seen.items() if not s or now - s[-1] > self.window_s]:
+            del self._seen[other]  # callers gone quiet: the table stays bounded
+
+
+_KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"']*")
+
+
+def redact(text: str) -> str:
+    """A logged URL without its `?key=` value."""
+    return _KEY_IN_QUERY.sub(r"\1***", text)
+
+
+class RedactKeys(logging.Filter):
+    """For uvicorn's loggers: its access and WebSocket lines carry the query string, where browsers put keys."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        return True

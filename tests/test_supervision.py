@@ -1,0 +1,137 @@
+"""`python -m gateway.serve` keeps its tritonserver: kill -9 it, and live sessions are told
+`backend_unavailable` (retryable, close 1013), /health says `loading`, the dead server's process group
+(its Python stubs) is gone with no zombie, and a new Triton is started; /health is `ready` again and new
+sessions work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+
+from gateway.triton import free_port, free_ports
+
+from .conftest import REPO, ensure_exported
+from .helpers import init_message
+
+
+def group(pgid: int) -> list[tuple[int, str, str]]:
+    """(pid, state, command) of every process in a process group, zombies included."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm_end = stat.rindex(")")
+        fields = stat[comm_end + 2:].split()
+        if int(fields[2]) == pgid:  # state ppid pgrp ...
+            found.append((int(entry.name), fields[0], stat[stat.index("(") + 1:comm_end]))
+    return found
+
+
+def health(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+
+
+def wait_status(port: int, status: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if health(port)["status"] == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"/health never said {status!r} in {timeout_s:.0f} s")
+
+
+def triton_pid(log: Path) -> int:
+    found = re.findall(r"tritonserver ready \(pid (\d+)\)", log.read_text())
+    assert found, log.read_text()[-2000:]
+    return int(found[-1])
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    ensure_exported()
+    port, ports = free_port(), free_ports()
+    log = tmp_path / "serve.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.serve", "--port", str(port), "--triton-log", str(tmp_path / "triton.log"),
+             "--triton-ports", f"{ports.http},{ports.grpc},{ports.metrics}"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "gateway on ws://" not in log.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        wait_status(port, "ready", 60)
+        yield process, port, log
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+async def test_serve_restarts_a_triton_that_died(served) -> None:
+    process, port, log = served
+    first = triton_pid(log)
+    assert any("triton_python_backend_stub" in cmd or "triton_python" in cmd for _, _, cmd in group(first)), \
+        group(first)
+
+    ws = await websockets.connect(f"ws://127.0.0.1:{port}/backend")
+    await ws.send(init_message())
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    killed_at = time.monotonic()
+    os.kill(first, signal.SIGKILL)
+
+    events = []
+    with pytest.raises(websockets.ConnectionClosed) as info:
+        async with asyncio.timeout(20):  # the bound: the stream breaks at once; 20 s is generous
+            while True:
+                events.append(json.loads(await ws.recv()))
+    told_after_s = time.monotonic() - killed_at
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors and errors[0]["error"]["code"] == "backend_unavailable", events
+    assert errors[0]["error"]["retryable"] is True
+    assert events[-1]["type"] == "session.closed" and events[-1]["reason"] == "backend_unavailable", events
+    assert info.value.rcvd.code == 1013
+
+    await asyncio.to_thread(wait_status, port, "loading", 10)  # polled each second while ready
+    await asyncio.to_thread(wait_status, port, "ready", 300)
+    assert group(first) == [], group(first)  # no stub, no zombie of the dead server
+    second = triton_pid_from_log(log)
+    assert second != first and group(second)
+    text = log.read_text()
+    assert f"tritonserver (pid {first}) exited with code -9" in text and "restarting in" in text
+    assert "Traceback" not in text
+
+    async with websockets.connect(f"ws://127.0.0.1:{port}/backend") as again:  # a new session works
+        await again.send(init_message())
+        assert json.loads(await again.recv())["type"] == "session.created"
+    print(f"told backend_unavailable {told_after_s:.2f} s after kill -9")
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    assert group(second) == [], group(second)  # a clean stop leaves nothing either
+
+
+def triton_pid_from_log(log: Path) -> int:
+    found = re.findall(r"tritonserver restarted \(pid (\d+)\)", log.read_text())
+    assert found, log.read_text()[-3000:]
+    return int(found[-1])
