@@ -18,6 +18,7 @@ from .modules.speaker import SpeakerEncoder
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
 from .modules.tts import DuplexTTS
+from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 from .modules.vision import VisionEncoder
 
 STAGE_NAMES = ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav")
@@ -51,7 +52,7 @@ SPEAKER_GAIN = 20.0  # and a voice reference audible in what the random TTS and 
 def init_random_weights(modules: dict[str, nn.Module]) -> None:
     """A trained model's scale: N(0, 0.02) weights, zero biases, audio embeddings not drowned out."""
     for name, module in modules.items():
-        if name == "token2wav":  # the official classes' own initialisation (Token2WavModel.random)
+        if name.startswith("token2wav"):  # the official classes' own initialisation (Token2WavModel.random)
             continue
         for m in module.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -77,6 +78,10 @@ def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
     # Built last, so adding it left the other stages' random weights as they were.
     modules["vision_encoder"] = VisionEncoder(preset.vision, h)
     modules["speaker_encoder"] = SpeakerEncoder(preset.speaker)
+    with torch.random.fork_rng():  # token2wav's voice-prompt graphs (the checkpoint ships its own ONNX)
+        torch.manual_seed(seed)
+        modules["token2wav_voice"] = nn.ModuleDict({"campplus": TinyCampPlus(dim=preset.speaker.dim),
+                                                    "s3": TinyS3Tokenizer()}).eval()
     init_random_weights(modules)
     return modules
 
@@ -148,6 +153,26 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
                    {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
         *token2wav_stage_graphs(preset, modules["token2wav"]),
+        *voice_prompt_graphs(modules["token2wav_voice"]),
+    ]
+
+
+def voice_prompt_graphs(voice: nn.Module) -> list[StageGraph]:
+    """token2wav/1/{campplus,speech_tokenizer_v2_25hz}.onnx: `tiny`'s stand-ins, the real graphs' inputs and outputs."""
+    b = 2
+
+    def campplus_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"input": torch.randn(b, 120, 80, generator=g)}
+
+    def s3_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"feats": torch.randn(b, 128, 203, generator=g), "feats_length": torch.tensor([203, 150], dtype=torch.int32)}
+
+    return [
+        StageGraph("token2wav_campplus", voice.campplus, campplus_inputs, ["output"],
+                   {"input": {0: "b", 1: "t"}, "output": {0: "b"}}, tolerance=1e-4, folder="token2wav", dynamo=False),
+        StageGraph("token2wav_speech_tokenizer_v2_25hz", voice.s3, s3_inputs, ["indices"],
+                   {"feats": {0: "b", 2: "t"}, "feats_length": {0: "b"}, "indices": {0: "b", 1: "tokens"}},
+                   tolerance=0, folder="token2wav", dynamo=False),
     ]
 
 

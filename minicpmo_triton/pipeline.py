@@ -94,6 +94,11 @@ class VoiceRefs:
     ref_audio: np.ndarray | None = None
     tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
 
+    @property
+    def tts(self) -> np.ndarray | None:
+        """The TTS's reference: its voice in token2wav (and the speaker vector of `tts`)."""
+        return self.tts_ref_audio if self.tts_ref_audio is not None else self.ref_audio
+
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -142,6 +147,7 @@ class DuplexSession:
     chat_history: list[tuple[str, str, bytes]] = field(default_factory=list)  # messages in the LLM's context
     voice: VoiceRefs = field(default_factory=VoiceRefs)
     speaker: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # empty: the default voice
+    voice_sent: np.ndarray | None = None  # the reference token2wav has for this session (None: the default)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     cancels: int = 0  # bumped by a cancel; a step that sees it change stops making output
 
@@ -165,7 +171,7 @@ class DuplexPipeline:
         return StageCall(request, corr_id, start=start)
 
     async def _speaker(self, state: DuplexSession) -> None:
-        ref = state.voice.tts_ref_audio if state.voice.tts_ref_audio is not None else state.voice.ref_audio
+        ref = state.voice.tts
         if ref is not None:
             state.speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(ref))).embedding
 
@@ -315,7 +321,8 @@ class DuplexPipeline:
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=state.speaker,
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            voice=_voice_to_send(state, state.voice.tts, turn_start),
         )))
         metrics["cost_token2wav_ms"] = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
@@ -404,9 +411,10 @@ class DuplexPipeline:
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True
         speaking = False
-        speaker = state.speaker
+        speaker, voice = state.speaker, state.voice.tts
         if chat.generate_audio and chat.tts_ref_audio is not None:
             speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(chat.tts_ref_audio))).embedding
+            voice = chat.tts_ref_audio
         cancels = state.cancels
         while True:
             budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
@@ -431,7 +439,7 @@ class DuplexPipeline:
             if text:
                 await emit(StepEvent("text", text=text, metrics=dict(metrics)))
             if chat.generate_audio and (len(llm.text_ids) or (speaking and llm.end_of_turn)):
-                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), speaker)
+                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), speaker, voice)
                 speaking = True
                 usage["output_speech_tokens"] += n_speech
                 if len(wav):
@@ -445,7 +453,7 @@ class DuplexPipeline:
         await emit(StepEvent("done", text=full_text, metrics=metrics, chunk_usage=usage, reason=reason))
 
     async def _voice(self, corr_id: int, state: DuplexSession, llm: LlmResult, turn_start: bool,
-                     n_chars: int, speaker: np.ndarray) -> tuple[np.ndarray, int]:
+                     n_chars: int, speaker: np.ndarray, voice: np.ndarray | None) -> tuple[np.ndarray, int]:
         """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
         n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
@@ -453,8 +461,19 @@ class DuplexPipeline:
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
             seed=state.options.seed, speaker=speaker)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            voice=_voice_to_send(state, voice, turn_start))))
         return wav.waveform, len(tts.speech_tokens)
+
+
+def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: bool) -> np.ndarray:
+    """The reference token2wav gets with a turn's first call when it is not the one it has for the session:
+    it travels once per session (and again when a turn's voice changes), not with every call. A turn back on
+    the default voice after one with its own keeps that one (an empty voice means "unchanged")."""
+    if not turn_start or voice is None or voice is state.voice_sent:
+        return np.zeros(0, np.float32)
+    state.voice_sent = voice
+    return voice
 
 
 def _ms(t0: float) -> float:

@@ -30,13 +30,14 @@ from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
-from .stages.token2wav import Token2WavStage
+from .stages.token2wav import PROMPT_CACHE_SIZE, Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceStore
 from .tokenizer import load_tokenizer
 
 LIVE_METRIC = "minicpmo_live_sequences"
+VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
 EVICTED_METRIC = "minicpmo_evicted_sequences_total"
 
 
@@ -169,11 +170,38 @@ class TtsModel(_StatefulStageModel):
         return TtsStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
 
 
+class _VoicePromptCounter:
+    """Publishes how many voice prompts were computed and how many sessions reused one."""
+
+    def __init__(self, prompts: VoicePrompts) -> None:
+        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
+            name=VOICE_PROMPTS_METRIC, description="Voice prompts computed, and reused by a session",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._metrics = {event: self._family.Metric(labels={"event": event}) for event in ("computed", "reused")}
+        self._prompts = prompts
+        self._reported = {"computed": 0, "reused": 0}
+
+    def update(self) -> None:
+        for event, metric in self._metrics.items():
+            new = getattr(self._prompts, event) - self._reported[event]
+            if new:
+                metric.increment(new)
+                self._reported[event] += new
+
+
 class Token2WavModel(_StatefulStageModel):
     stage_name = "token2wav"
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
-        return Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx))
+        stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
+                                    int(_setting(ctx, "voice_prompt_cache", PROMPT_CACHE_SIZE)))
+        self.voice_counter = _VoicePromptCounter(stage.prompts)
+        return stage
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = super().execute(requests)
+        self.voice_counter.update()
+        return responses
 
 
 class _StatelessStageModel:

@@ -131,6 +131,15 @@ def prompt_mel(audio24k: np.ndarray, n_mels: int = 80) -> np.ndarray:
     return np.log(np.maximum(mel, 1e-5)).astype(np.float32)
 
 
+def read_wav(path: Path) -> np.ndarray:
+    """A WAV file as 16 kHz mono float32 (channels averaged, resampled)."""
+    import soundfile
+
+    audio, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    audio = audio.mean(axis=1)
+    return resample(audio, rate, SAMPLE_RATE) if rate != SAMPLE_RATE else audio
+
+
 def resample(audio: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
     import soxr
 
