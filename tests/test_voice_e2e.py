@@ -69,3 +69,33 @@ async def test_a_bad_voice_reference_is_refused_at_init(gateway) -> None:
         with pytest.raises(websockets.ConnectionClosed) as info:
             await asyncio.wait_for(ws.recv(), 10)
         assert info.value.rcvd.code == 1008
+
+
+def voice_prompts(triton) -> dict[str, float]:
+    """token2wav's voice prompt counter: computed, and reused by a session."""
+    counts = {"computed": 0.0, "reused": 0.0}
+    for line in triton.metrics_text().splitlines():
+        for event in counts:
+            if line.startswith(f'minicpmo_voice_prompts_total{{event="{event}"'):
+                counts[event] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.asyncio
+async def test_voice_references_are_token2wav_prompts_computed_once_per_voice(gateway, triton, speech) -> None:
+    """Greedy sessions: another reference -> another voice; the same reference -> the same audio, its prompt
+    (S3 tokens, mel, CAM++, the flow's setup) computed once and reused by the second session."""
+    audio = seconds(speech(SPEAKING_TEXT), MAX_CHUNKS)
+    text = "A voice of my own, for the prompt cache."  # heard by no other test: a fresh prompt
+    male, female = (encode_f32_base64(seconds(speech(text, voice=v), 2)) for v in ("en", "en+f3"))
+    before = voice_prompts(triton)
+    first = await converse_with(gateway.ws, audio, tts_ref_audio=male)
+    other = await converse_with(gateway.ws, audio, tts_ref_audio=female)
+    again = await converse_with(gateway.ws, audio, tts_ref_audio=male)
+    a, b, c = audio_of(first), audio_of(other), audio_of(again)
+    assert len(a) > 0 and len(b) > 0
+    np.testing.assert_array_equal(a, c)  # the same voice, the same audio
+    assert len(a) != len(b) or not np.allclose(a, b, atol=1e-3)  # another voice
+    after = voice_prompts(triton)
+    assert after["computed"] - before["computed"] == 2  # one per distinct reference
+    assert after["reused"] - before["reused"] == 1  # the third session's
