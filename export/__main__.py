@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
+from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
@@ -63,13 +64,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.checkpoint is not None:
-        from .checkpoint import copy_tokenizer, load_checkpoint, preset_from_config
+        from .checkpoint import copy_tokenizer, copy_voice_assets, load_checkpoint, load_token2wav, preset_from_config
 
         config_path = args.checkpoint / "config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         preset = preset_from_config(preset, config)
         modules = build_modules(preset, modules_seed)
         loaded = load_checkpoint(args.checkpoint, modules, require=("audio_encoder", "llm", "tts"))
+        token2wav = load_token2wav(args.checkpoint, preset.token2wav)
+        if token2wav is not None:
+            modules["token2wav"] = token2wav
+            loaded.append("token2wav")
         missing = sorted(set(STAGE_NAMES) - set(loaded))
         print(f"loaded {', '.join(loaded)} from {args.checkpoint}"
               + (f"; random weights for {', '.join(missing)}" if missing else ""))
@@ -79,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         modules = build_modules(preset, modules_seed)
 
     write_stage_configs(args.model_repository, preset)
-    graphs = [g for g in stage_graphs(preset, modules) if g.stage in args.stages]
+    voice_folder = version_dir(args.model_repository, "token2wav")
+    (voice_folder / DEFAULT_VOICE_WAV).unlink(missing_ok=True)  # the default voice is the checkpoint's, or the export's
+    copied = copy_voice_assets(args.checkpoint, voice_folder) if args.checkpoint is not None else []
+    graphs = [g for g in stage_graphs(preset, modules)
+              if g.stage in args.stages and not (g.stage == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():
         if rel.split("/")[0] in args.stages:
             (args.model_repository / rel).write_bytes(data)

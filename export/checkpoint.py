@@ -10,18 +10,25 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from minicpmo_triton.model_config import PresetConfig
+from minicpmo_triton.model_config import PresetConfig, Token2WavDims
+from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
+if TYPE_CHECKING:
+    from .modules.token2wav import Token2WavModel
+
+TOKEN2WAV_ASSETS = Path("assets") / "token2wav"  # flow.yaml, flow.pt, hift.pt and the voice-prompt graphs
+VOICE_GRAPHS = ("campplus.onnx", "speech_tokenizer_v2_25hz.onnx")
+DEFAULT_VOICE = Path("assets") / "system_ref_audio.wav"  # MiniCPM-o 4.5's own reference voice
 STAGE_PREFIXES = {
     "audio_encoder": ("apm.", "audio_projection_layer."),
     "vision_encoder": ("vpm.", "resampler."),
     "llm": ("llm.",),
     "tts": ("tts.",),
-    "token2wav": ("token2wav.",),
     "speaker_encoder": ("speaker_encoder.",),
 }
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -90,7 +97,7 @@ def preset_from_config(preset: PresetConfig, config: dict) -> PresetConfig:
 def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
-        if stage in ("llm", "tts", "token2wav", "speaker_encoder"):
+        if stage in ("llm", "tts", "speaker_encoder"):
             name = name.split(".", 1)[1]
         out[name] = value
     if stage in ("audio_encoder", "vision_encoder"):  # Hugging Face keeps q/k/v apart
@@ -112,8 +119,7 @@ def _to_module_names(stage: str, tensors: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def _to_checkpoint_names(stage: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = {"llm": "llm.", "tts": "tts.", "token2wav": "token2wav.", "speaker_encoder": "speaker_encoder."}.get(
-        stage, "")
+    prefix = {"llm": "llm.", "tts": "tts.", "speaker_encoder": "speaker_encoder."}.get(stage, "")
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         if ".self_attn.in_proj_" in name:  # the resampler's own attention keeps torch's fused names
@@ -161,7 +167,8 @@ def save_checkpoint(folder: Path, modules: dict[str, nn.Module], config: dict) -
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for stage, module in modules.items():
-        tensors.update(_to_checkpoint_names(stage, module.state_dict()))
+        if stage in STAGE_PREFIXES:  # token2wav is not in the safetensors: its files are under assets/
+            tensors.update(_to_checkpoint_names(stage, module.state_dict()))
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -172,3 +179,27 @@ def copy_tokenizer(folder: Path, target: Path) -> None:
         raise CheckpointError(f"{src} is missing: the real preset uses the checkpoint's own tokenizer")
     target.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src, target / "tokenizer.json")
+
+
+def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
+    """The checkpoint's assets/token2wav (flow.yaml, flow.pt, hift.pt) as the official modules; None if absent."""
+    from .modules.token2wav import Token2WavModel
+
+    assets = Path(folder) / TOKEN2WAV_ASSETS
+    if not (assets / "flow.yaml").exists():
+        return None
+    return Token2WavModel.load(assets, d)
+
+
+def copy_voice_assets(folder: Path, target: Path) -> list[str]:
+    """The checkpoint's CAM++ and S3 tokenizer graphs and its reference voice into token2wav's folder.
+    Returns the graphs copied (the export writes stand-ins for the others)."""
+    folder, copied = Path(folder), []
+    target.mkdir(parents=True, exist_ok=True)
+    for name in VOICE_GRAPHS:
+        if (folder / TOKEN2WAV_ASSETS / name).exists():
+            shutil.copy2(folder / TOKEN2WAV_ASSETS / name, target / name)
+            copied.append(name)
+    if (folder / DEFAULT_VOICE).exists():
+        shutil.copy2(folder / DEFAULT_VOICE, target / DEFAULT_VOICE_WAV)
+    return copied

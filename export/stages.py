@@ -18,8 +18,8 @@ from .modules.speaker import SpeakerEncoder
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
 from .modules.tts import DuplexTTS
-from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 from .modules.vision import VisionEncoder
+from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 
 STAGE_NAMES = ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav")
 
@@ -165,7 +165,8 @@ def voice_prompt_graphs(voice: nn.Module) -> list[StageGraph]:
         return {"input": torch.randn(b, 120, 80, generator=g)}
 
     def s3_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"feats": torch.randn(b, 128, 203, generator=g), "feats_length": torch.tensor([203, 150], dtype=torch.int32)}
+        return {"feats": torch.randn(b, 128, 203, generator=g),
+                "feats_length": torch.tensor([203, 150], dtype=torch.int32)}
 
     return [
         StageGraph("token2wav_campplus", voice.campplus, campplus_inputs, ["output"],

@@ -12,9 +12,18 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from export.checkpoint import CheckpointError, load_checkpoint, preset_from_config, save_checkpoint
+from export.checkpoint import (
+    DEFAULT_VOICE,
+    TOKEN2WAV_ASSETS,
+    CheckpointError,
+    load_checkpoint,
+    load_token2wav,
+    preset_from_config,
+    save_checkpoint,
+)
+from export.onnx_export import export_onnx
 from export.presets import MINICPMO45_TOKENS, minicpmo45
-from export.stages import build_modules
+from export.stages import build_modules, voice_prompt_graphs
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.tokenizer import load_tokenizer
 
@@ -47,7 +56,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     modules = build_modules(preset, seed=123)
     save_checkpoint(folder, modules, SMALL_CONFIG)
     write_tokenizer(folder)
+    write_token2wav_assets(folder, modules, preset)
     return folder, modules
+
+
+def write_token2wav_assets(folder: Path, modules: dict, preset) -> None:
+    """assets/token2wav in the real layout (flow.yaml, flow.pt, hift.pt, campplus.onnx,
+    speech_tokenizer_v2_25hz.onnx) and the reference voice assets/system_ref_audio.wav."""
+    import soundfile
+
+    assets = folder / TOKEN2WAV_ASSETS
+    modules["token2wav"].save(assets, preset.token2wav)
+    for graph in voice_prompt_graphs(modules["token2wav_voice"]):
+        export_onnx(graph, assets / graph.file)
+    t = np.arange(24_000) / 24_000
+    soundfile.write(str(folder / DEFAULT_VOICE), (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24_000)
 
 
 def test_checkpoint_names_follow_minicpmo(checkpoint) -> None:
@@ -71,8 +94,9 @@ def test_loading_restores_every_tensor(checkpoint) -> None:
     preset = preset_from_config(minicpmo45(), SMALL_CONFIG)
     fresh = build_modules(preset, seed=999)
     loaded = load_checkpoint(folder, fresh, require=("audio_encoder", "llm", "tts"))
-    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "token2wav", "speaker_encoder"}
-    for stage in loaded:
+    assert set(loaded) == {"audio_encoder", "vision_encoder", "llm", "tts", "speaker_encoder"}
+    fresh["token2wav"] = load_token2wav(folder, preset.token2wav)  # from assets/token2wav, not the safetensors
+    for stage in (*loaded, "token2wav"):
         for (name, a), (_, b) in zip(original[stage].state_dict().items(), fresh[stage].state_dict().items(),
                                      strict=True):
             assert torch.equal(a, b), f"{stage}.{name}"
@@ -95,13 +119,16 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(checkpoint, tmp_p
     done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(folder),
                            "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav, speaker_encoder" in done.stdout
+    assert "loaded audio_encoder, vision_encoder, llm, tts, speaker_encoder, token2wav" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
     for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts"):
         assert (repo / stage / "1" / "model.onnx").exists()
     for graph in ("encoder", "estimator", "vocoder"):  # token2wav's three graphs
         assert (repo / "token2wav" / "1" / f"{graph}.onnx").exists()
+    for name in ("campplus.onnx", "speech_tokenizer_v2_25hz.onnx"):  # the checkpoint's own, copied
+        assert (repo / "token2wav" / "1" / name).read_bytes() == (folder / TOKEN2WAV_ASSETS / name).read_bytes()
+    assert (repo / "token2wav" / "1" / "default_voice.wav").exists()  # its reference voice: the default
     assert preset.vision.d_model == 32 and preset.vision.resampler_heads == 1
     tok = load_tokenizer(preset, repo / "duplex" / "1")
     assert tok.encode("hi") == [ord("h") - 32, ord("i") - 32]
