@@ -104,7 +104,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             gw.release(None)
             await _send_and_close(ws, error_event("backend_unavailable", str(exc)), CLOSE_SERVER_ERROR)
             return
-        conn = Connection(ws, DuplexProtocolState(session_id, init.mode), triton, options, settings, voice_refs(init))
+        conn = Connection(ws, DuplexProtocolState(session_id, init.mode), triton, options, settings, voice_refs(init),
+                          init.voice_name)
         gw.sessions[session_id] = conn
         try:
             await conn.send(conn.state.created())

@@ -34,16 +34,18 @@ class _Step:
     message: ClientMessage
     options: dict[str, Any] | None
     voice: dict[str, np.ndarray] | None = None
+    voice_name: str = ""
 
 
 class Connection(SessionCore):
     def __init__(self, ws: WebSocket, state: DuplexProtocolState, triton: TritonSession, options: DuplexOptions,
-                 settings: Settings, voice: dict[str, np.ndarray] | None = None) -> None:
+                 settings: Settings, voice: dict[str, np.ndarray] | None = None, voice_name: str = "") -> None:
         super().__init__(state.session_id, triton, settings)
         self.ws = ws
         self.state = state
-        # What travels with the first step only: the session's options and its voice references.
-        self._first: tuple[dict[str, Any], dict[str, np.ndarray] | None] | None = (options.to_dict(), voice)
+        # What travels with the first step only: the session's options and its voice (references, name).
+        self._first: tuple[dict[str, Any], dict[str, np.ndarray] | None, str] | None = (
+            options.to_dict(), voice, voice_name)
         self._send_lock = asyncio.Lock()
 
     async def send(self, data: dict[str, Any]) -> None:
@@ -54,8 +56,8 @@ class Connection(SessionCore):
     def submit(self, message: ClientMessage) -> bool:
         """Queue a step; False when the session already has `max_pending_steps` waiting."""
         first, self._first = self._first, None
-        options, voice = first if first is not None else (None, None)
-        if not self.enqueue(_Step(message, options, voice)):
+        options, voice, voice_name = first if first is not None else (None, None, "")
+        if not self.enqueue(_Step(message, options, voice, voice_name)):
             self._first = first
             return False
         return True
@@ -63,14 +65,15 @@ class Connection(SessionCore):
     async def run_step(self, step: _Step) -> None:
         msg = step.message
         if isinstance(msg, ChatTurn):
-            await self._run_turn(msg, step.options, step.voice)
+            await self._run_turn(msg, step)
             return
         if isinstance(msg, InputAppend):
             req = StepRequest(audio=msg.audio, force_listen=msg.force_listen, options=step.options, frames=msg.frames,
-                              max_slice_nums=msg.max_slice_nums if msg.frames else [], voice=step.voice)
+                              max_slice_nums=msg.max_slice_nums if msg.frames else [], voice=step.voice,
+                              voice_name=step.voice_name)
         else:
             req = StepRequest(context={"text": msg.text, "kind": msg.kind, "respond": msg.respond},
-                              options=step.options, voice=step.voice)
+                              options=step.options, voice=step.voice, voice_name=step.voice_name)
         async for ev in self.triton.step(req):
             if ev.kind == "error":
                 await self._step_error(ev)
@@ -79,11 +82,10 @@ class Connection(SessionCore):
         if isinstance(msg, InputContext):
             await self.send(self.state.context_accepted(msg.input_id, msg.operation_id, msg.kind, msg.respond))
 
-    async def _run_turn(self, turn: ChatTurn, options: dict[str, Any] | None,
-                        voice: dict[str, np.ndarray] | None) -> None:
+    async def _run_turn(self, turn: ChatTurn, step: _Step) -> None:
         chat = {"messages": turn.messages, "max_new_tokens": turn.max_new_tokens, "generate_audio": turn.generate_audio,
                 "tts_ref_audio": turn.tts_ref_audio}
-        req = StepRequest(options=options, voice=voice, chat=chat)
+        req = StepRequest(options=step.options, voice=step.voice, chat=chat, voice_name=step.voice_name)
         response_id = new_response_id()
         audio: list[np.ndarray] = []
         async for ev in self.triton.step(req):

@@ -49,6 +49,7 @@ class SessionInit:
     config: dict[str, Any]
     ref_audio_base64: str | None = None
     tts_ref_audio_base64: str | None = None
+    voice_name: str = ""  # `voice.name`: a named voice of the server's voice folder
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
         ref_audio_base64=_first(payload.get("ref_audio_base64"), voice.get("ref_audio_base64"), voice.get("ref_audio")),
         tts_ref_audio_base64=_first(payload.get("tts_ref_audio_base64"), voice.get("tts_ref_audio_base64"),
                                     voice.get("tts_ref_audio")),
+        voice_name=str(voice.get("name") or ""),
     )
     voice_refs(init)  # refused now, not at the first step
     return init

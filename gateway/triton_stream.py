@@ -57,6 +57,7 @@ class StepRequest:
     frames: list[bytes] = field(default_factory=list)  # encoded images
     max_slice_nums: list[int] = field(default_factory=list)
     voice: dict[str, np.ndarray] | None = None  # ref_audio / tts_ref_audio (16 kHz), with the first step
+    voice_name: str = ""  # a named voice of the model server's voice folder, with the first step
     rollback_to: int = -1  # barge-in: the LLM's kv length to go back to
     replay_audio: np.ndarray | None = None  # ... and the caller's whole seconds since then, heard again
     cancel: bool = False  # stop the step in flight (sent beside it, answers nothing)
@@ -91,6 +92,10 @@ def build_inputs(req: StepRequest) -> list[grpcclient.InferInput]:
     if req.rollback_to >= 0:
         t = grpcclient.InferInput("rollback_to", [1, 1], "INT64")
         t.set_data_from_numpy(np.array([[req.rollback_to]], np.int64))
+        inputs.append(t)
+    if req.voice_name:
+        t = grpcclient.InferInput("voice_name", [1, 1], "BYTES")
+        t.set_data_from_numpy(np.array([[req.voice_name.encode("utf-8")]], dtype=np.object_))
         inputs.append(t)
     if req.context:
         inputs.append(_string_input("context", req.context))

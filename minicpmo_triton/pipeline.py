@@ -8,6 +8,7 @@ so START goes with a stage's first call and END reaches each started stage exact
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .stages.base import StageCall
 from .stages.llm import ContextFull
 from .state_store import SequenceStore
 from .tokenizer import IncrementalDecoder, Tokenizer
+from .voice_prompt import VoiceLibrary
 
 STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5
@@ -92,7 +94,8 @@ class VoiceRefs:
     """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
 
     ref_audio: np.ndarray | None = None
-    tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
+    tts_ref_audio: np.ndarray | None = None  # falls back to a named voice, then to ref_audio
+    name: str = ""  # a voice of the voice folder (MINICPMO_VOICES_DIR)
 
     @property
     def tts(self) -> np.ndarray | None:
@@ -157,8 +160,10 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None) -> None:
+                 llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
+                 voices: VoiceLibrary | None = None) -> None:
         self.stages = stages
+        self.voices = voices or VoiceLibrary(None)
         self.preset = preset
         self.tokenizer = tokenizer
         self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
@@ -169,6 +174,11 @@ class DuplexPipeline:
         start = stage not in state.started
         state.started.add(stage)
         return StageCall(request, corr_id, start=start)
+
+    def _named(self, voice: VoiceRefs) -> VoiceRefs:
+        """A named voice is the TTS reference unless the session sent its own."""
+        named = self.voices.get(voice.name) if voice.name and voice.tts_ref_audio is None else None
+        return voice if named is None else dataclasses.replace(voice, tts_ref_audio=named)
 
     async def _speaker(self, state: DuplexSession) -> None:
         ref = state.voice.tts
@@ -189,7 +199,7 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         if start:
             options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
-            state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
+            state = DuplexSession(options, self.tokenizer.decoder(), voice=self._named(inp.voice or VoiceRefs()))
             self.sessions.start(corr_id, state)
         state = self.sessions.get(corr_id)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us

@@ -35,6 +35,7 @@ from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceStore
 from .tokenizer import load_tokenizer
+from .voice_prompt import VOICES_DIR_ENV, VoiceLibrary
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -234,12 +235,15 @@ class VisionEncoderModel(_StatelessStageModel):
         return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision.image_size)
 
 
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 def _json_input(rows: dict[str, np.ndarray], name: str) -> dict[str, Any]:
     raw = rows.get(name)
     if raw is None:
         return {}
-    value = raw.reshape(-1)[0]
-    data = json.loads(value.decode("utf-8") if isinstance(value, bytes) else str(value))
+    data = json.loads(_text(raw.reshape(-1)[0]))
     if not isinstance(data, dict):
         raise StepError("invalid_input", f"{name} must be a JSON object")
     return data
@@ -266,8 +270,10 @@ class DuplexModel:
                              min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)),
                              max_sessions=int(_setting(ctx, "llm_batch_max_sessions", 40)),
                              budget_s=_setting(ctx, "llm_batch_budget_ms", 500.0) / 1000)
+        voices_dir = os.environ.get(VOICES_DIR_ENV) or ctx.params.get("voices_dir", "")
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window)
+                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window,
+                                       voices=VoiceLibrary(Path(voices_dir) if voices_dir else None))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
         self._bls_threads = int(_setting(ctx, "bls_threads", 256))
         self._executor: ThreadPoolExecutor | None = None
@@ -328,9 +334,10 @@ class DuplexModel:
                 options = DuplexOptions.from_config(_json_input(rows, "options"), self.pipeline.preset.duplex)
             except InvalidOptions as exc:
                 raise StepError("invalid_config", str(exc)) from exc
-            ref, tts_ref = rows.get("ref_audio"), rows.get("tts_ref_audio")
+            ref, tts_ref, name = rows.get("ref_audio"), rows.get("tts_ref_audio"), rows.get("voice_name")
             voice = VoiceRefs(None if ref is None else ref.reshape(-1).astype(np.float32),
-                              None if tts_ref is None else tts_ref.reshape(-1).astype(np.float32))
+                              None if tts_ref is None else tts_ref.reshape(-1).astype(np.float32),
+                              "" if name is None else _text(name.reshape(-1)[0]))
         if chat:
             turn = _chat_input(chat, options)
             turn.voice = voice

@@ -13,6 +13,8 @@ torchaudio and librosa are not needed: the Kaldi fbank and the Slaney mel filter
 from __future__ import annotations
 
 import hashlib
+import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,8 @@ PROMPT_RATE = 24000
 CAMPPLUS = "campplus"  # campplus.onnx
 S3_TOKENIZER = "speech_tokenizer_v2_25hz"  # speech_tokenizer_v2_25hz.onnx
 UP_RATE = 2  # mel frames per S3 token
+VOICES_DIR_ENV = "MINICPMO_VOICES_DIR"  # named voices: <folder>/<name>.wav
+VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 MAX_S3_FRAMES = 3000  # the tokenizer's window: 30 s of 10 ms frames (longer references are cut)
 
 
@@ -170,3 +174,29 @@ class VoiceFeaturizer:
         mel = np.pad(mel, ((0, n - len(mel)), (0, 0)), mode="edge") if len(mel) < n else mel[:n]
         return VoiceFeatures(tokens, mel, embedding.astype(np.float32))
 
+
+
+class VoiceLibrary:
+    """Named voices: `<folder>/<name>.wav` (any rate, mono or not), read once as 16 kHz references.
+
+    A name that is not a file there (an OpenAI client's "alloy") gets None: the session keeps its default voice.
+    """
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self._voices: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> np.ndarray | None:
+        if self.folder is None or not VOICE_NAME.fullmatch(name):  # a name, never a path
+            return None
+        with self._lock:
+            if name not in self._voices:
+                path = self.folder / f"{name}.wav"
+                if not path.is_file():
+                    return None
+                self._voices[name] = read_wav(path)
+            return self._voices[name]
+
+    def names(self) -> list[str]:
+        return [] if self.folder is None else sorted(p.stem for p in self.folder.glob("*.wav"))

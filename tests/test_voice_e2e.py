@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -99,3 +101,28 @@ async def test_voice_references_are_token2wav_prompts_computed_once_per_voice(ga
     after = voice_prompts(triton)
     assert after["computed"] - before["computed"] == 2  # one per distinct reference
     assert after["reused"] - before["reused"] == 1  # the third session's
+
+
+@pytest.mark.asyncio
+async def test_a_named_voice_comes_from_the_voice_folder(gateway, triton, speech, tmp_path) -> None:
+    """`voice.name` picks <MINICPMO_VOICES_DIR>/<name>.wav (any rate: espeak-ng writes 22.05 kHz); a name with
+    no file (an OpenAI client's "alloy") keeps the default voice."""
+    audio = seconds(speech(SPEAKING_TEXT), 4)
+    wav = tmp_path / "narrator.wav"
+    subprocess.run(["espeak-ng", "-v", "en+f4", "-w", str(wav), "The narrator's voice, read from the folder."],
+                   check=True, capture_output=True)
+    shutil.copy(wav, triton.voices_dir / "narrator.wav")
+    before = voice_prompts(triton)
+    named = await converse_with(gateway.ws, audio, name="narrator")
+    after_first = voice_prompts(triton)
+    again = await converse_with(gateway.ws, audio, name="narrator")
+    after_again = voice_prompts(triton)
+    unknown = await converse_with(gateway.ws, audio, name="alloy")
+    default = await converse_with(gateway.ws, audio)
+    assert after_first["computed"] - before["computed"] == 1  # the named voice's prompt
+    assert after_again["computed"] == after_first["computed"] and after_again["reused"] == after_first["reused"] + 1
+    a, b, c, d = audio_of(named), audio_of(again), audio_of(unknown), audio_of(default)
+    assert len(a) > 0 and len(d) > 0
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c, d)  # an unknown name: the default voice
+    assert len(a) != len(d) or not np.allclose(a, d, atol=1e-3)

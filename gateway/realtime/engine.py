@@ -56,6 +56,10 @@ class EngineState:
     def options(self) -> DuplexOptions:
         raise NotImplementedError
 
+    def voice_name(self) -> str:
+        """A named voice for the session (the model server's voice folder); empty: none."""
+        return ""
+
     def prepare(self, step: PlannedStep) -> StepRequest:
         """The request as it goes out: the session's options and voice ride on the very first step.
         A step belongs to the epoch it is sent in: one queued before a barge-in but sent after it counts."""
@@ -65,6 +69,7 @@ class EngineState:
             self.started = True
             req.options = self.options().to_dict()
             req.voice = self.voice or None
+            req.voice_name = self.voice_name()
         return req
 
     def is_stale(self, step: PlannedStep, ev: StepEvent) -> bool:
