@@ -107,3 +107,37 @@ def test_prompt_mel_matches_flashcosyvoice(no_torchaudio: None) -> None:
     diff = float(np.abs(ours - ref).max())
     print(f"prompt mel vs flashcosyvoice: max abs diff {diff:.3g}")
     assert diff < 1e-3
+
+
+def test_tiny_voice_graphs_have_the_real_signatures() -> None:
+    """tiny's campplus.onnx / speech_tokenizer_v2_25hz.onnx: the real graphs' input and output names, dtypes, ranks."""
+    import onnxruntime as ort
+
+    from .conftest import MODEL_REPOSITORY, ensure_exported
+
+    ensure_exported()
+    folder = MODEL_REPOSITORY / "token2wav" / "1"
+
+    def signature(name: str) -> tuple[list, list]:
+        s = ort.InferenceSession(str(folder / name), providers=["CPUExecutionProvider"])
+        io = lambda args: [(a.name, a.type, len(a.shape)) for a in args]  # noqa: E731
+        return io(s.get_inputs()), io(s.get_outputs())
+
+    assert signature("campplus.onnx") == ([("input", "tensor(float)", 3)], [("output", "tensor(float)", 2)])
+    assert signature("speech_tokenizer_v2_25hz.onnx") == (
+        [("feats", "tensor(float)", 3), ("feats_length", "tensor(int32)", 1)], [("indices", "tensor(int64)", 2)])
+
+
+def test_a_reference_becomes_tokens_a_mel_of_two_frames_each_and_a_campplus_vector() -> None:
+    from .conftest import MODEL_REPOSITORY, ensure_exported
+
+    ensure_exported()
+    featurize = vp.VoiceFeaturizer.load(MODEL_REPOSITORY / "token2wav" / "1")
+    audio = _speech_like(2.3)
+    f = featurize(audio)
+    assert len(f.tokens) == -(-(len(audio) // 160) // 4)  # 25 Hz: two stride-2 convolutions over 100 frames/s
+    assert f.tokens.dtype == np.int64 and f.tokens.min() >= 0 and f.tokens.max() < 6561
+    assert f.mel.shape == (2 * len(f.tokens), 80) and f.embedding.shape == (192,)
+    again = featurize(audio.copy())
+    np.testing.assert_array_equal(again.tokens, f.tokens)
+    np.testing.assert_array_equal(again.embedding, f.embedding)
