@@ -30,7 +30,7 @@ from .stages.audio_encoder import AudioEncoderStage
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
-from .stages.token2wav import PROMPT_CACHE_SIZE, Token2WavStage, VoicePrompts
+from .stages.token2wav import PROMPT_CACHE_MB, Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceStore
@@ -195,7 +195,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    int(_setting(ctx, "voice_prompt_cache", PROMPT_CACHE_SIZE)))
+                                    _setting(ctx, "voice_prompt_cache_mb", PROMPT_CACHE_MB))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         return stage
 

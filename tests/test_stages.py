@@ -18,6 +18,7 @@ from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.state_store import SequenceNotStarted, SequenceStore
 from minicpmo_triton.tokenizer import ByteTokenizer
+from minicpmo_triton.voice_prompt import audio_key
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -233,3 +234,17 @@ def test_llm_encodes_the_steps_audio_as_the_audio_encoder_would(preset) -> None:
     assert isinstance(failed, ValueError) and "no audio encoder" in str(failed)
     failed = with_audio.run([StageCall(LlmRequest(input_ids=ids[:5], audio=audio[0]), 1)])[0]
     assert isinstance(failed, ValueError) and "placeholders" in str(failed)
+
+
+def test_voice_prompts_are_an_lru_bounded_by_their_bytes(preset) -> None:
+    stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", preset, 600)
+    prompts = stage.prompts
+    refs = [0.1 * np.random.default_rng(i).standard_normal(16_000).astype(np.float32) for i in range(3)]
+    first = prompts.get(audio_key(refs[0]), refs[0])
+    prompts.budget_bytes = 2 * first.cache.nbytes + 1  # room for two 1 s prompts
+    for ref in refs[1:]:
+        prompts.get(audio_key(ref), ref)
+    assert prompts.computed == 3 and prompts.nbytes <= prompts.budget_bytes
+    prompts.get(audio_key(refs[2]), refs[2])  # kept: reused
+    prompts.get(audio_key(refs[0]), refs[0])  # evicted first: computed again
+    assert (prompts.computed, prompts.reused) == (4, 1)

@@ -23,7 +23,9 @@ from .token2wav_stream import Stream, Token2WavStreamer, VoicePrompt
 
 DEFAULT_VOICE_WAV = "default_voice.wav"  # the checkpoint's own reference voice, where it ships one
 DEFAULT_VOICE_FILE = "default_voice.npz"  # else the export's prompt: tokens [T], mel [2T, 80], embedding [192]
-PROMPT_CACHE_SIZE = 64  # voice prompts kept (LRU): a prompt's flow caches are ~0.2 MB at tiny's dims
+# Voice prompts kept (LRU), by their flow caches' bytes: ~0.28 MB per second of reference at tiny's dims, ~66 MB
+# at the real ones (the estimator's attention cache: 5 steps x 16 layers x 2 (CFG) x 8 heads x 256 x 4 B per frame).
+PROMPT_CACHE_MB = 2048
 MIN_VOICE_SAMPLES = SAMPLE_RATE // 2  # the gateway refuses references under 0.5 s
 DEFAULT_KEY = b"default"
 
@@ -40,15 +42,16 @@ class VoicePrompts:
     flow's setup from them are computed once per distinct voice and shared by every session with it (LRU)."""
 
     def __init__(self, streamer: Token2WavStreamer, featurize: Callable[[np.ndarray], VoiceFeatures],
-                 default: VoiceFeatures, size: int = PROMPT_CACHE_SIZE) -> None:
+                 default: VoiceFeatures, budget_bytes: int = PROMPT_CACHE_MB << 20) -> None:
         self.streamer = streamer
         self.featurize = featurize
         self.default = default
-        self.size = size
+        self.budget_bytes = budget_bytes
         self._prompts: OrderedDict[bytes, VoicePrompt] = OrderedDict()
         self._lock = threading.Lock()
         self.computed = 0  # prompts computed
         self.reused = 0  # sessions given a prompt already computed
+        self.nbytes = 0  # held by the prompts kept
 
     def get(self, key: bytes, audio: np.ndarray | None) -> VoicePrompt:
         """The prompt of a reference by its key (`audio_key`; audio None: the default voice, DEFAULT_KEY)."""
@@ -63,8 +66,9 @@ class VoicePrompts:
         with self._lock:
             self._prompts[key] = prompt
             self.computed += 1
-            while len(self._prompts) > self.size:
-                self._prompts.popitem(last=False)
+            self.nbytes += prompt.cache.nbytes
+            while self.nbytes > self.budget_bytes and len(self._prompts) > 1:  # the newest always stays
+                self.nbytes -= self._prompts.popitem(last=False)[1].cache.nbytes
         return prompt
 
 
@@ -78,7 +82,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
 
     @classmethod
     def load(cls, folder: Path, preset: PresetConfig, ttl_s: float, threads: int = 1,
-             prompt_cache: int = PROMPT_CACHE_SIZE) -> Token2WavStage:
+             prompt_cache_mb: float = PROMPT_CACHE_MB) -> Token2WavStage:
         streamer = Token2WavStreamer.load(folder, preset.token2wav, threads)
         featurize = VoiceFeaturizer.load(folder, threads)
         if (folder / DEFAULT_VOICE_WAV).exists():
@@ -86,7 +90,8 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         else:
             with np.load(folder / DEFAULT_VOICE_FILE) as v:
                 default = VoiceFeatures(v["tokens"], v["mel"], v["embedding"])
-        return cls(streamer, VoicePrompts(streamer, featurize, default, prompt_cache), preset, ttl_s)
+        prompts = VoicePrompts(streamer, featurize, default, int(prompt_cache_mb * (1 << 20)))
+        return cls(streamer, prompts, preset, ttl_s)
 
     def new_state(self, call: StageCall[Token2WavRequest]) -> Token2WavSession:
         return Token2WavSession()
