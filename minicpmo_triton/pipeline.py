@@ -332,7 +332,7 @@ class DuplexPipeline:
         t = time.perf_counter()
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
-            voice=_voice_to_send(state, state.voice.tts, turn_start),
+            **_voice_to_send(state, state.voice.tts, turn_start),
         )))
         metrics["cost_token2wav_ms"] = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
@@ -472,18 +472,18 @@ class DuplexPipeline:
             seed=state.options.seed, speaker=speaker)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
-            voice=_voice_to_send(state, voice, turn_start))))
+            **_voice_to_send(state, voice, turn_start))))
         return wav.waveform, len(tts.speech_tokens)
 
 
-def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: bool) -> np.ndarray:
-    """The reference token2wav gets with a turn's first call when it is not the one it has for the session:
-    it travels once per session (and again when a turn's voice changes), not with every call. A turn back on
-    the default voice after one with its own keeps that one (an empty voice means "unchanged")."""
-    if not turn_start or voice is None or voice is state.voice_sent:
-        return np.zeros(0, np.float32)
+def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: bool) -> dict[str, Any]:
+    """token2wav's voice fields for a call: the reference goes with a turn's first call when it is not the one
+    token2wav has for the session (once per session, again when a turn's voice changes), not with every call;
+    a turn back on the default voice after one with its own says so."""
+    if not turn_start or voice is state.voice_sent:
+        return {}
     state.voice_sent = voice
-    return voice
+    return {"default_voice": True} if voice is None else {"voice": voice}
 
 
 def _ms(t0: float) -> float:

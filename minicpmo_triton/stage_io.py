@@ -163,8 +163,9 @@ class Token2WavRequest:
     turn_start: bool = False
     finalize: bool = False
     # A voice reference (16 kHz), sent when a session's voice is set or changes; empty: the session's voice
-    # so far (at first, the default voice).
+    # so far (at first, the default voice), or the default voice again with `default_voice`.
     voice: np.ndarray = tensor(np.float32, 1)
+    default_voice: bool = False
 
 
 @dataclass

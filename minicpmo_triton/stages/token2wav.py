@@ -110,7 +110,10 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         """The chunks this request completes: 25 tokens + 3 lookahead each, then what is left at the turn's end."""
         d = self.d
         voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
-        key = audio_key(voice) if voice is not None else sess.voice or DEFAULT_KEY
+        if voice is not None:
+            key = audio_key(voice)
+        else:
+            key = DEFAULT_KEY if req.default_voice else sess.voice or DEFAULT_KEY
         if sess.stream is None or key != sess.voice:  # a session's voice is set once, and again when it changes
             prompt = self.prompts.get(key, voice)
             sess.stream, sess.voice, sess.turn_open = self.streamer.new_stream(prompt), key, False
