@@ -22,7 +22,7 @@ MODEL_REPOSITORY = REPO / "model_repository"
 
 
 def ensure_exported() -> None:
-    if not (MODEL_REPOSITORY / "llm" / "1" / "model.onnx").exists():
+    if not all((MODEL_REPOSITORY / path).exists() for path in ("llm/1/model.onnx", "token2wav/1/campplus.onnx")):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 
