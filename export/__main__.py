@@ -13,7 +13,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
+from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
+from .checkpoint import copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
@@ -63,13 +65,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.checkpoint is not None:
-        from .checkpoint import CheckpointError, copy_tokenizer, load_checkpoint, read_config
+        import dataclasses
+
+        from .checkpoint import CheckpointError, copy_tokenizer, load_checkpoint, load_token2wav, read_config
         from .config import preset_from_config
+        from .modules.token2wav import dims_of
 
         try:
             preset = preset_from_config(preset, read_config(args.checkpoint))
+            token2wav = load_token2wav(args.checkpoint, preset.token2wav)  # assets/token2wav, beside the safetensors
+            if token2wav is not None:
+                preset = dataclasses.replace(preset, token2wav=dims_of(token2wav, preset.token2wav))
             modules = build_modules(preset, modules_seed)
             loaded = load_checkpoint(args.checkpoint, modules, preset)
+            if token2wav is not None:
+                modules["token2wav"] = token2wav
+                loaded.append("token2wav")
             if preset.tokenizer == "huggingface":
                 copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")
         except CheckpointError as exc:  # a report for a person, not a traceback
@@ -83,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     print(memory_report(preset))
 
     write_stage_configs(args.model_repository, preset)
-    graphs = [g for g in stage_graphs(preset, modules) if g.folder in args.stages]
+    voice_folder = version_dir(args.model_repository, "token2wav")
+    (voice_folder / DEFAULT_VOICE_WAV).unlink(missing_ok=True)  # the default voice is the checkpoint's, or the export's
+    copied = copy_voice_assets(args.checkpoint, voice_folder) if args.checkpoint is not None else []
+    graphs = [g for g in stage_graphs(preset, modules)
+              if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():
         if rel.split("/")[0] in args.stages:
             (args.model_repository / rel).write_bytes(data)

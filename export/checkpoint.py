@@ -14,18 +14,26 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from minicpmo_triton.model_config import PresetConfig
+from minicpmo_triton.model_config import PresetConfig, Token2WavDims
+from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
 from .modules import audio_encoder, llm, tts, vision
 from .tensor_names import CheckpointError, Tensors, strip_prefix
+
+if TYPE_CHECKING:
+    from .modules.token2wav import Token2WavModel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json")
+TOKEN2WAV_ASSETS = Path("assets") / "token2wav"  # flow.yaml, flow.pt, hift.pt and the voice-prompt graphs
+VOICE_GRAPHS = ("campplus.onnx", "speech_tokenizer_v2_25hz.onnx")
+DEFAULT_VOICE = Path("assets") / "system_ref_audio.wav"  # MiniCPM-o 4.5's own reference voice
 SHOWN = 5  # names listed per kind of problem; the counts are always whole
 
 
@@ -46,8 +54,7 @@ STAGE_CHECKPOINTS: dict[str, StageCheckpoint] = {
     "vision_encoder": StageCheckpoint(vision.PREFIXES, vision.state_from_checkpoint),
     "llm": StageCheckpoint(llm.PREFIXES, llm.state_from_checkpoint),
     "tts": StageCheckpoint(tts.PREFIXES, tts.state_from_checkpoint),
-    # Not in the published file (their weights ship as separate assets); loaded when a folder has them.
-    "token2wav": StageCheckpoint(("token2wav.",), _strip("token2wav.")),
+    # Not in the published file; loaded when a folder has it (token2wav ships as assets/token2wav/).
     "speaker_encoder": StageCheckpoint(("speaker_encoder.",), _strip("speaker_encoder.")),
 }
 REQUIRED_STAGES = ("audio_encoder", "vision_encoder", "llm", "tts")  # what the published file holds
@@ -182,3 +189,26 @@ def copy_tokenizer(folder: Path, target: Path) -> None:
     for name in TOKENIZER_FILES:
         shutil.copy2(Path(folder) / name, target / name)
 
+
+def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
+    """The checkpoint's assets/token2wav (flow.yaml, flow.pt, hift.pt) as the official modules; None if absent."""
+    from .modules.token2wav import Token2WavModel
+
+    assets = Path(folder) / TOKEN2WAV_ASSETS
+    if not (assets / "flow.yaml").exists():
+        return None
+    return Token2WavModel.load(assets, d)
+
+
+def copy_voice_assets(folder: Path, target: Path) -> list[str]:
+    """The checkpoint's CAM++ and S3 tokenizer graphs and its reference voice into token2wav's folder.
+    Returns the graphs copied (the export writes stand-ins for the others)."""
+    folder, copied = Path(folder), []
+    target.mkdir(parents=True, exist_ok=True)
+    for name in VOICE_GRAPHS:
+        if (folder / TOKEN2WAV_ASSETS / name).exists():
+            shutil.copy2(folder / TOKEN2WAV_ASSETS / name, target / name)
+            copied.append(name)
+    if (folder / DEFAULT_VOICE).exists():
+        shutil.copy2(folder / DEFAULT_VOICE, target / DEFAULT_VOICE_WAV)
+    return copied

@@ -22,6 +22,7 @@ from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
 from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
+from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 
 STAGE_NAMES = ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav")
 
@@ -85,6 +86,9 @@ def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
         torch.manual_seed(seed + i)
         modules[stage] = makers[stage]()
         init_random_weights(stage, modules[stage], preset)
+    torch.manual_seed(seed + len(STAGE_NAMES))  # token2wav's voice-prompt graphs (a checkpoint ships its own ONNX)
+    modules["token2wav_voice"] = nn.ModuleDict({"campplus": TinyCampPlus(dim=preset.speaker.dim),
+                                                "s3": TinyS3Tokenizer()}).eval()
     return modules
 
 
@@ -189,6 +193,28 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
                    {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
         *token2wav_stage_graphs(preset, modules["token2wav"]),
+        *voice_prompt_graphs(modules["token2wav_voice"]),
+    ]
+
+
+def voice_prompt_graphs(voice: nn.Module) -> list[StageGraph]:
+    """token2wav/1/{campplus,speech_tokenizer_v2_25hz}.onnx: `tiny`'s stand-ins, the real graphs' inputs and outputs."""
+    b = 2
+
+    def campplus_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"input": torch.randn(b, 120, 80, generator=g)}
+
+    def s3_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {"feats": torch.randn(b, 128, 203, generator=g),
+                "feats_length": torch.tensor([203, 150], dtype=torch.int32)}
+
+    return [
+        StageGraph("token2wav_campplus", voice.campplus, campplus_inputs, ["output"],
+                   {"input": {0: "b", 1: "t"}, "output": {0: "b"}}, tolerance=1e-4, model="token2wav",
+                   file="campplus.onnx", dynamo=False),
+        StageGraph("token2wav_speech_tokenizer_v2_25hz", voice.s3, s3_inputs, ["indices"],
+                   {"feats": {0: "b", 2: "t"}, "feats_length": {0: "b"}, "indices": {0: "b", 1: "tokens"}},
+                   tolerance=0, model="token2wav", file="speech_tokenizer_v2_25hz.onnx", dynamo=False),
     ]
 
 

@@ -132,6 +132,10 @@ class EngineState:
         return True
 
     # ---- shared ----
+    def voice_name(self) -> str:
+        """A named voice for the session (the model server's voice folder); empty: none."""
+        return ""
+
     def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
         """The request as it goes out: the session's options and voice ride on the very first step.
         A step belongs to the epoch it is sent in: one queued before a barge-in but sent after it counts."""
@@ -140,7 +144,8 @@ class EngineState:
         if not self.started:
             self.started = True
             req.options = self.options()
-            req.voice = VoiceRefs(**self.voice) if self.voice else None
+            name = self.voice_name()
+            req.voice = VoiceRefs(**self.voice, name=name) if self.voice or name else None
         return req
 
     def is_stale(self, step: PlannedStep, ev: StepEvent) -> bool:

@@ -147,7 +147,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
             init = backend.parse_init(backend.loads(text))
             state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
-                                         voice=backend.voice_refs(init))
+                                         voice=backend.voice_refs(init), named_voice=init.voice_name)
             with counts.held(who):
                 async with admitted(gw, ws), running(gw, state, ws, resumable=False, owner=who) as session:
                     await serve(session, ws)

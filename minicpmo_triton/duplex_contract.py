@@ -33,10 +33,16 @@ Tensors = dict[str, np.ndarray]
 
 @dataclass(frozen=True)
 class VoiceRefs:
-    """A session's voice references (16 kHz): the LLM's in its system prompt, the TTS's as a speaker."""
+    """A session's voice (16 kHz references): the LLM's in its system prompt, the TTS's as token2wav's prompt."""
 
     ref_audio: np.ndarray | None = None
-    tts_ref_audio: np.ndarray | None = None  # falls back to ref_audio
+    tts_ref_audio: np.ndarray | None = None  # falls back to a named voice, then to ref_audio
+    name: str = ""  # a voice of the model server's voice folder (MINICPMO_VOICES_DIR)
+
+    @property
+    def tts(self) -> np.ndarray | None:
+        """The TTS's reference: its voice in token2wav."""
+        return self.tts_ref_audio if self.tts_ref_audio is not None else self.ref_audio
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,8 @@ def _voice(out: Tensors, voice: VoiceRefs | None) -> None:
         ref = getattr(voice, name) if voice is not None else None
         if ref is not None:
             out[name] = _f32(ref)
+    if voice is not None and voice.name:
+        out["voice_name"] = np.array([voice.name.encode("utf-8")], dtype=np.object_)
 
 
 def _chat_json(chat: ChatInput) -> dict[str, Any]:
@@ -194,6 +202,10 @@ def _json_input(rows: Tensors, name: str) -> dict[str, Any]:
     return data
 
 
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def _audio_row(rows: Tensors, name: str) -> np.ndarray | None:
     raw = rows.get(name)
     return None if raw is None else raw.reshape(-1).astype(np.float32)
@@ -230,7 +242,9 @@ def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Requ
             options = DuplexOptions.from_config(_json_input(rows, "options"), defaults)
         except InvalidOptions as exc:
             raise StepError(Code.INVALID_CONFIG, str(exc)) from exc
-        voice = VoiceRefs(_audio_row(rows, "ref_audio"), _audio_row(rows, "tts_ref_audio"))
+        name = rows.get("voice_name")
+        voice = VoiceRefs(_audio_row(rows, "ref_audio"), _audio_row(rows, "tts_ref_audio"),
+                          "" if name is None else _text(name.reshape(-1)[0]))
     chat = _json_input(rows, "chat")
     if chat:
         return _chat_input(chat, options, voice)

@@ -10,6 +10,7 @@ import numpy as np
 
 class Engine(Protocol):
     name: str
+    input_names: list[str]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -25,6 +26,7 @@ class OnnxEngine:
         options.inter_op_num_threads = 1
         self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self._outputs = [o.name for o in self._session.get_outputs()]
+        self.input_names = [i.name for i in self._session.get_inputs()]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(self._outputs, self._session.run(self._outputs, feeds), strict=True))
@@ -48,6 +50,7 @@ class TensorRTEngine:
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         self._inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.input_names = self._inputs
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch

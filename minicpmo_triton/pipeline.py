@@ -8,6 +8,7 @@ so START goes with a stage's first call and END reaches each started stage exact
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from .stage_io import (
 from .stages.base import StageCall
 from .state_store import SequenceStore
 from .tokenizer import IncrementalDecoder, Tokenizer
+from .voice_prompt import VoiceLibrary
 
 STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5
@@ -72,7 +74,7 @@ class DuplexSession:
     tts_turn_open: bool = False
     chat_history: list[tuple[str, str, bytes]] = field(default_factory=list)  # messages in the LLM's context
     voice: VoiceRefs = field(default_factory=VoiceRefs)
-    speaker: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # empty: the default voice
+    voice_sent: np.ndarray | None = None  # the reference token2wav has for this session (None: the default)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     cancels: int = 0  # bumped by a cancel; a step that sees it change stops making output
 
@@ -82,8 +84,10 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None) -> None:
+                 llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
+                 voices: VoiceLibrary | None = None) -> None:
         self.stages = stages
+        self.voices = voices or VoiceLibrary(None)
         self.preset = preset
         self.tokenizer = tokenizer
         self.sessions: SequenceStore[DuplexSession] = SequenceStore(ttl_s)
@@ -105,10 +109,10 @@ class DuplexPipeline:
                 state.started.discard("llm")
             raise
 
-    async def _speaker(self, state: DuplexSession) -> None:
-        ref = state.voice.tts_ref_audio if state.voice.tts_ref_audio is not None else state.voice.ref_audio
-        if ref is not None:
-            state.speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(ref))).embedding
+    def _named(self, voice: VoiceRefs) -> VoiceRefs:
+        """A named voice is the TTS reference unless the session sent its own."""
+        named = self.voices.get(voice.name) if voice.name and voice.tts_ref_audio is None else None
+        return voice if named is None else dataclasses.replace(voice, tts_ref_audio=named)
 
     async def system_prefix(self, state: DuplexSession, prompt: str) -> tuple[list[int], np.ndarray]:
         """`<|im_start|>system\n{prompt}\n<|audio_start|>[the LLM's voice reference]<|audio_end|><|im_end|>`."""
@@ -124,13 +128,11 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         if start:
             options = inp.options or DuplexOptions.from_config({}, self.preset.duplex)
-            state = DuplexSession(options, self.tokenizer.decoder(), voice=inp.voice or VoiceRefs())
+            state = DuplexSession(options, self.tokenizer.decoder(), voice=self._named(inp.voice or VoiceRefs()))
             self.sessions.start(corr_id, state)
         state = self.sessions.get(corr_id)
         async with state.lock:  # a session's steps run in order, whatever the batcher hands us
             try:
-                if start:
-                    await self._speaker(state)
                 if isinstance(inp, ChatInput):
                     await self._chat(corr_id, state, inp, emit)
                 elif len(inp.audio) or inp.context_text:
@@ -252,7 +254,8 @@ class DuplexPipeline:
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=state.speaker,
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            **_voice_to_send(state, state.voice.tts, turn_start),
         )))
         metrics["cost_token2wav_ms"] = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
@@ -341,9 +344,7 @@ class DuplexPipeline:
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True
         speaking = False
-        speaker = state.speaker
-        if chat.generate_audio and chat.tts_ref_audio is not None:
-            speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(chat.tts_ref_audio))).embedding
+        voice = chat.tts_ref_audio if chat.generate_audio and chat.tts_ref_audio is not None else state.voice.tts
         cancels = state.cancels
         while True:
             budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
@@ -368,7 +369,7 @@ class DuplexPipeline:
             if text:
                 await emit(StepEvent("text", text=text, metrics=dict(metrics)))
             if chat.generate_audio and (len(llm.text_ids) or (speaking and llm.end_of_turn)):
-                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), speaker)
+                wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), voice)
                 speaking = True
                 usage["output_speech_tokens"] += n_speech
                 if len(wav):
@@ -382,7 +383,7 @@ class DuplexPipeline:
         await emit(StepEvent("done", text=full_text, metrics=metrics, chunk_usage=usage, reason=reason))
 
     async def _voice(self, corr_id: int, state: DuplexSession, llm: LlmResult, turn_start: bool,
-                     n_chars: int, speaker: np.ndarray) -> tuple[np.ndarray, int]:
+                     n_chars: int, voice: np.ndarray | None) -> tuple[np.ndarray, int]:
         """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
         n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
         tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
@@ -390,8 +391,19 @@ class DuplexPipeline:
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
             seed=state.options.seed)))
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
+            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            **_voice_to_send(state, voice, turn_start))))
         return wav.waveform, len(tts.speech_tokens)
+
+
+def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: bool) -> dict[str, Any]:
+    """token2wav's voice fields for a call: the reference goes with a turn's first call when it is not the one
+    token2wav has for the session (once per session, again when a turn's voice changes), not with every call;
+    a turn back on the default voice after one with its own says so."""
+    if not turn_start or voice is state.voice_sent:
+        return {}
+    state.voice_sent = voice
+    return {"default_voice": True} if voice is None else {"voice": voice}
 
 
 def _ms(t0: float) -> float:

@@ -161,7 +161,10 @@ class Token2WavRequest:
     speech_tokens: np.ndarray = tensor(np.int64, 1)
     turn_start: bool = False
     finalize: bool = False
-    speaker: np.ndarray = tensor(np.float32, 1)  # the voice; empty: the default voice
+    # A voice reference (16 kHz), sent when a session's voice is set or changes; empty: the session's voice
+    # so far (at first, the default voice), or the default voice again with `default_voice`.
+    voice: np.ndarray = tensor(np.float32, 1)
+    default_voice: bool = False
 
 
 @dataclass

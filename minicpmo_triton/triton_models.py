@@ -31,13 +31,15 @@ from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.speaker_encoder import SpeakerEncoderStage
-from .stages.token2wav import Token2WavStage
+from .stages.token2wav import PROMPT_CACHE_MB, Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
+from .voice_prompt import VOICES_DIR_ENV, VoiceLibrary
 
 LIVE_METRIC = "minicpmo_live_sequences"
+VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
 EVICTED_METRIC = "minicpmo_evicted_sequences_total"
 
 
@@ -170,11 +172,38 @@ class TtsModel(_StatefulStageModel):
         return TtsStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
 
 
+class _VoicePromptCounter:
+    """Publishes how many voice prompts were computed and how many sessions reused one."""
+
+    def __init__(self, prompts: VoicePrompts) -> None:
+        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
+            name=VOICE_PROMPTS_METRIC, description="Voice prompts computed, and reused by a session",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._metrics = {event: self._family.Metric(labels={"event": event}) for event in ("computed", "reused")}
+        self._prompts = prompts
+        self._reported = {"computed": 0, "reused": 0}
+
+    def update(self) -> None:
+        for event, metric in self._metrics.items():
+            new = getattr(self._prompts, event) - self._reported[event]
+            if new:
+                metric.increment(new)
+                self._reported[event] += new
+
+
 class Token2WavModel(_StatefulStageModel):
     stage_name = "token2wav"
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
-        return Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx))
+        stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
+                                    _setting(ctx, "voice_prompt_cache_mb", PROMPT_CACHE_MB))
+        self.voice_counter = _VoicePromptCounter(stage.prompts)
+        return stage
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = super().execute(requests)
+        self.voice_counter.update()
+        return responses
 
 
 class _StatelessStageModel:
@@ -226,8 +255,10 @@ class DuplexModel:
                              min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)),
                              max_sessions=int(_setting(ctx, "llm_batch_max_sessions", 40)),
                              budget_s=_setting(ctx, "llm_batch_budget_ms", 500.0) / 1000)
+        voices_dir = os.environ.get(VOICES_DIR_ENV) or ctx.params.get("voices_dir", "")
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window)
+                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window,
+                                       voices=VoiceLibrary(Path(voices_dir) if voices_dir else None))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
         self._bls_threads = int(_setting(ctx, "bls_threads", 256))
         self._executor: ThreadPoolExecutor | None = None

@@ -22,8 +22,8 @@ MODEL_REPOSITORY = REPO / "model_repository"
 
 
 def ensure_exported() -> None:
-    if not all((MODEL_REPOSITORY / m / "1" / f).exists()
-               for m, f in (("llm", "model.onnx"), ("audio_encoder", "stream.onnx"))):
+    if not all((MODEL_REPOSITORY / path).exists()
+               for path in ("llm/1/model.onnx", "audio_encoder/1/stream.onnx", "token2wav/1/campplus.onnx")):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 
@@ -45,9 +45,10 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], np.ndarr
 
 
 class RunningTriton:
-    def __init__(self, server: TritonServer) -> None:
+    def __init__(self, server: TritonServer, voices_dir: Path) -> None:
         self.server = server
         self.grpc_url = server.ports.grpc_url
+        self.voices_dir = voices_dir  # its named voices (MINICPMO_VOICES_DIR): tests write <name>.wav there
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.server.ports.metrics_url, timeout=5) as resp:
@@ -76,11 +77,20 @@ class RunningTriton:
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     ensure_exported()
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    voices = tmp_path_factory.mktemp("voices")
     server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=log.parent / "work", log_path=log)
-    server.start()
+    saved = os.environ.get("MINICPMO_VOICES_DIR")
+    os.environ["MINICPMO_VOICES_DIR"] = str(voices)  # tritonserver's environment is this process's
+    try:
+        server.start()
+    finally:
+        if saved is None:
+            os.environ.pop("MINICPMO_VOICES_DIR")
+        else:
+            os.environ["MINICPMO_VOICES_DIR"] = saved
     try:
         server.wait_ready(240)
-        yield RunningTriton(server)
+        yield RunningTriton(server, voices)
     finally:
         server.stop()
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -273,4 +274,31 @@ def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer_set(folder)
+    modules["token2wav"] = write_token2wav_assets(folder, seed)
     return ReferenceCheckpoint(folder, config, modules, tensors)
+
+
+def write_token2wav_assets(folder: Path, seed: int) -> nn.Module:
+    """assets/token2wav as published (flow.yaml of the official classes, flow.pt, hift.pt with `generator.` keys,
+    campplus.onnx, speech_tokenizer_v2_25hz.onnx) at small widths, and assets/system_ref_audio.wav. The flow and
+    HiFT are minicpmo-utils' own classes (export/modules/stepaudio2.py imports them); the two ONNX graphs are
+    stand-ins with the real inputs and outputs (the real ones are not on PyPI)."""
+    import soundfile
+
+    from export.checkpoint import DEFAULT_VOICE, TOKEN2WAV_ASSETS
+    from export.modules.token2wav import Token2WavModel
+    from export.modules.voice import TinyCampPlus, TinyS3Tokenizer
+    from export.onnx_export import export_onnx
+    from export.stages import voice_prompt_graphs
+    from minicpmo_triton.model_config import Token2WavDims
+
+    d, assets = Token2WavDims(), folder / TOKEN2WAV_ASSETS
+    model = Token2WavModel.random(d, seed)
+    model.save(assets, d)
+    torch.manual_seed(seed)
+    voice = nn.ModuleDict({"campplus": TinyCampPlus(dim=192), "s3": TinyS3Tokenizer()}).eval()
+    for graph in voice_prompt_graphs(voice):
+        export_onnx(graph, assets / graph.file)
+    t = np.arange(24_000) / 24_000
+    soundfile.write(str(folder / DEFAULT_VOICE), (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24_000)
+    return model

@@ -14,11 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from export.checkpoint import TOKENIZER_FILES, CheckpointError, load_checkpoint, read_config
+from export.checkpoint import (
+    DEFAULT_VOICE,
+    TOKEN2WAV_ASSETS,
+    TOKENIZER_FILES,
+    VOICE_GRAPHS,
+    CheckpointError,
+    load_checkpoint,
+    load_token2wav,
+    read_config,
+)
 from export.config import preset_from_config
 from export.presets import MINICPMO45_TOKENS, TINY_CONFIG, minicpmo45, tiny
 from export.stages import build_modules
 from minicpmo_triton.model_config import load_stage_config
+from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import REPO
@@ -180,8 +190,8 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_pa
     repo = tmp_path / "repo"
     done = export(reference.folder, repo)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loaded audio_encoder, vision_encoder, llm, tts from" in done.stdout
-    assert "random weights for speaker_encoder, token2wav" in done.stdout
+    assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav from" in done.stdout
+    assert "random weights for speaker_encoder" in done.stdout
     assert "KV per session" in done.stdout and "memory at minicpm-o-4.5 dimensions" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
@@ -191,6 +201,11 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_pa
     assert (repo / "audio_encoder" / "1" / "stream.onnx").exists()
     for graph in ("encoder", "estimator", "vocoder"):  # token2wav's three graphs
         assert (repo / "token2wav" / "1" / f"{graph}.onnx").exists()
+    assets = reference.folder / TOKEN2WAV_ASSETS  # the checkpoint's own voice-prompt graphs and voice, as they are
+    for name in VOICE_GRAPHS:
+        assert (repo / "token2wav" / "1" / name).read_bytes() == (assets / name).read_bytes()
+    voice = (repo / "token2wav" / "1" / DEFAULT_VOICE_WAV).read_bytes()
+    assert voice == (reference.folder / DEFAULT_VOICE).read_bytes()
     for name in TOKENIZER_FILES:
         assert (repo / "duplex" / "1" / "tokenizer" / name).read_bytes() == (reference.folder / name).read_bytes()
     tok = load_tokenizer(preset, repo / "duplex" / "1")
@@ -242,3 +257,18 @@ def test_transformers_is_a_test_time_dependency_only() -> None:
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
             assert "import transformers" not in text and "from transformers" not in text, path
+
+
+def test_token2wav_loads_from_the_assets_as_written(reference) -> None:
+    """assets/token2wav (the official classes' flow.yaml, flow.pt, hift.pt) loads back tensor for tensor, and its
+    dims are read from the files, not the preset (the real preset's defaults are the published widths)."""
+    from export.modules.token2wav import dims_of
+
+    preset = minicpmo45()
+    loaded = load_token2wav(reference.folder, preset.token2wav)
+    assert loaded is not None
+    original = reference.modules["token2wav"]
+    for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    dims = dims_of(loaded, preset.token2wav)
+    assert dims.channels == original.flow.input_embedding.weight.shape[1] != preset.token2wav.channels

@@ -18,6 +18,7 @@ from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.state_store import SequenceNotStarted, SequenceStore
 from minicpmo_triton.tokenizer import ByteTokenizer
+from minicpmo_triton.voice_prompt import audio_key
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -131,21 +132,21 @@ def test_token2wav_stage_streams_one_second_chunks_and_shares_voice_prompts(pres
     """1 s per 25 tokens (the lead silence included), the rest at the turn's end; a voice is set up once."""
     stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", preset, 600)
     tokens = np.random.default_rng(0).integers(0, 6000, 80)
-    voice = np.random.default_rng(1).standard_normal(preset.speaker.dim).astype(np.float32)
+    voice = 0.1 * np.random.default_rng(1).standard_normal(16_000).astype(np.float32)  # 1 s reference
     pieces = []
     for i, chunk in enumerate(np.split(tokens[:75], 3)):
-        [res] = stage.run([StageCall(Token2WavRequest(speech_tokens=chunk, turn_start=i == 0, speaker=voice), 1,
+        [res] = stage.run([StageCall(Token2WavRequest(speech_tokens=chunk, turn_start=i == 0, voice=voice), 1,
                                      start=i == 0)])
         pieces.append(res.waveform)
     [tail] = stage.run([StageCall(Token2WavRequest(speech_tokens=tokens[75:], finalize=True), 1)])
     assert [len(p) for p in pieces] == [24_000] * 3  # exactly 1 s per chunk, the lead silence included
     assert len(tail.waveform) == (len(tokens) + TURN_LEAD_SILENCE - 75) * SAMPLES_PER_SPEECH_TOKEN + 3840
     assert np.isfinite(np.concatenate(pieces)).all()
-    assert stage.prompts.setups == 1
-    # a second session with the same voice reuses the prompt; another voice sets up its own
-    stage.run([StageCall(Token2WavRequest(speech_tokens=tokens[:25], turn_start=True, speaker=voice), 2, start=True),
+    assert (stage.prompts.computed, stage.prompts.reused) == (1, 0)
+    # a second session with the same voice reuses the prompt; another voice (the default) sets up its own
+    stage.run([StageCall(Token2WavRequest(speech_tokens=tokens[:25], turn_start=True, voice=voice), 2, start=True),
                StageCall(Token2WavRequest(speech_tokens=tokens[:25], turn_start=True), 3, start=True)])
-    assert stage.prompts.setups == 2
+    assert (stage.prompts.computed, stage.prompts.reused) == (2, 1)
     assert stage.state_bytes(2) > 0
 
 
@@ -251,3 +252,17 @@ def test_llm_encodes_the_steps_audio_as_the_streaming_encoder_would(preset) -> N
     assert isinstance(failed, ValueError) and "no audio encoder" in str(failed)
     failed = with_audio.run([StageCall(LlmRequest(input_ids=ids[:5], audio=audio[1][0]), 1)])[0]
     assert isinstance(failed, ValueError) and "placeholders" in str(failed)
+
+
+def test_voice_prompts_are_an_lru_bounded_by_their_bytes(preset) -> None:
+    stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", preset, 600)
+    prompts = stage.prompts
+    refs = [0.1 * np.random.default_rng(i).standard_normal(16_000).astype(np.float32) for i in range(3)]
+    first = prompts.get(audio_key(refs[0]), refs[0])
+    prompts.budget_bytes = 2 * first.cache.nbytes + 1  # room for two 1 s prompts
+    for ref in refs[1:]:
+        prompts.get(audio_key(ref), ref)
+    assert prompts.computed == 3 and prompts.nbytes <= prompts.budget_bytes
+    prompts.get(audio_key(refs[2]), refs[2])  # kept: reused
+    prompts.get(audio_key(refs[0]), refs[0])  # evicted first: computed again
+    assert (prompts.computed, prompts.reused) == (4, 1)

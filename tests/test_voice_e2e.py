@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -69,3 +71,58 @@ async def test_a_bad_voice_reference_is_refused_at_init(gateway) -> None:
         with pytest.raises(websockets.ConnectionClosed) as info:
             await asyncio.wait_for(ws.recv(), 10)
         assert info.value.rcvd.code == 1008
+
+
+def voice_prompts(triton) -> dict[str, float]:
+    """token2wav's voice prompt counter: computed, and reused by a session."""
+    counts = {"computed": 0.0, "reused": 0.0}
+    for line in triton.metrics_text().splitlines():
+        for event in counts:
+            if line.startswith(f'minicpmo_voice_prompts_total{{event="{event}"'):
+                counts[event] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.asyncio
+async def test_voice_references_are_token2wav_prompts_computed_once_per_voice(gateway, triton, speech) -> None:
+    """Greedy sessions: another reference -> another voice; the same reference -> the same audio, its prompt
+    (S3 tokens, mel, CAM++, the flow's setup) computed once and reused by the second session."""
+    audio = seconds(speech(SPEAKING_TEXT), MAX_CHUNKS)
+    text = "A voice of my own, for the prompt cache."  # heard by no other test: a fresh prompt
+    male, female = (encode_f32_base64(seconds(speech(text, voice=v), 2)) for v in ("en", "en+f3"))
+    before = voice_prompts(triton)
+    first = await converse_with(gateway.ws, audio, tts_ref_audio=male)
+    other = await converse_with(gateway.ws, audio, tts_ref_audio=female)
+    again = await converse_with(gateway.ws, audio, tts_ref_audio=male)
+    a, b, c = audio_of(first), audio_of(other), audio_of(again)
+    assert len(a) > 0 and len(b) > 0
+    np.testing.assert_array_equal(a, c)  # the same voice, the same audio
+    assert len(a) != len(b) or not np.allclose(a, b, atol=1e-3)  # another voice
+    after = voice_prompts(triton)
+    assert after["computed"] - before["computed"] == 2  # one per distinct reference
+    assert after["reused"] - before["reused"] == 1  # the third session's
+
+
+@pytest.mark.asyncio
+async def test_a_named_voice_comes_from_the_voice_folder(gateway, triton, speech, tmp_path) -> None:
+    """`voice.name` picks <MINICPMO_VOICES_DIR>/<name>.wav (any rate: espeak-ng writes 22.05 kHz); a name with
+    no file (an OpenAI client's "alloy") keeps the default voice."""
+    audio = seconds(speech(SPEAKING_TEXT), 4)
+    wav = tmp_path / "narrator.wav"
+    subprocess.run(["espeak-ng", "-v", "en+f4", "-w", str(wav), "The narrator's voice, read from the folder."],
+                   check=True, capture_output=True)
+    shutil.copy(wav, triton.voices_dir / "narrator.wav")
+    before = voice_prompts(triton)
+    named = await converse_with(gateway.ws, audio, name="narrator")
+    after_first = voice_prompts(triton)
+    again = await converse_with(gateway.ws, audio, name="narrator")
+    after_again = voice_prompts(triton)
+    unknown = await converse_with(gateway.ws, audio, name="alloy")
+    default = await converse_with(gateway.ws, audio)
+    assert after_first["computed"] - before["computed"] == 1  # the named voice's prompt
+    assert after_again["computed"] == after_first["computed"] and after_again["reused"] == after_first["reused"] + 1
+    a, b, c, d = audio_of(named), audio_of(again), audio_of(unknown), audio_of(default)
+    assert len(a) > 0 and len(d) > 0
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c, d)  # an unknown name: the default voice
+    assert len(a) != len(d) or not np.allclose(a, d, atol=1e-3)

@@ -15,6 +15,7 @@ the masks and explicit noise it lacks, and HiFT's STFT/ISTFT as convolutions (ON
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from pathlib import Path
@@ -85,6 +86,28 @@ def build_hift(d: Token2WavDims) -> nn.Module:
                     f0_predictor=f0_cls(in_channels=d.n_mels, cond_channels=d.f0_channels))
 
 
+def _out_channels(state: dict[str, torch.Tensor], prefix: str) -> int:
+    """A weight-normed conv's output channels (its `v`, or its plain weight) under `prefix`."""
+    return next(v.shape[0] for k, v in state.items()
+                if k.startswith(prefix) and v.dim() == 3 and not k.endswith(("original0", "weight_g")))
+
+
+def dims_of(model: Token2WavModel, base: Token2WavDims) -> Token2WavDims:
+    """The dims a checkpoint's token2wav has (its flow.yaml and hift.pt define them; the preset's are defaults)."""
+    flow, hift = model.flow, model.hift.state_dict()
+    enc, est = flow.encoder, flow.decoder.estimator
+    width = est.blocks[0].norm1.normalized_shape[0]
+    return dataclasses.replace(
+        base, vocab=flow.input_embedding.weight.shape[0], channels=flow.input_embedding.weight.shape[1],
+        n_mels=flow.output_size, lookahead=flow.pre_lookahead_len, heads=enc.encoders[0].self_attn.h,
+        linear_units=enc.encoders[0].feed_forward.w_1.out_features, num_blocks=len(enc.encoders),
+        num_up_blocks=len(enc.up_encoders), dit_depth=len(est.blocks), dit_hidden=width,
+        dit_heads=est.blocks[0].attn.num_heads, dit_head_dim=est.blocks[0].attn.head_dim,
+        dit_mlp_ratio=est.blocks[0].mlp.fc1.out_features / width,
+        hift_channels=_out_channels(hift, "conv_pre."),
+        f0_channels=_out_channels(hift, "f0_predictor.condnet.0."))
+
+
 class Token2WavModel(nn.Module):
     """flow (CausalMaskedDiffWithXvec) + hift (HiFTGenerator), as the checkpoint's files define them."""
 
@@ -117,9 +140,12 @@ class Token2WavModel(nn.Module):
         """A checkpoint's assets/token2wav: flow.yaml, flow.pt, hift.pt (original HiFT, keys `generator.*`)."""
         flow = load_flow_yaml(folder / "flow.yaml")
         flow.load_state_dict(torch.load(folder / "flow.pt", map_location="cpu", weights_only=True), strict=True)
-        hift = build_hift(d)
-        state = torch.load(folder / "hift.pt", map_location="cpu", weights_only=True)
-        hift.load_state_dict({k.removeprefix(HIFT_PREFIX): v for k, v in state.items()}, strict=True)
+        state = {k.removeprefix(HIFT_PREFIX): v
+                 for k, v in torch.load(folder / "hift.pt", map_location="cpu", weights_only=True).items()}
+        # hift.pt has no config: its widths are its tensors' (the real one is HiFTGenerator's defaults)
+        hift = build_hift(dataclasses.replace(d, hift_channels=_out_channels(state, "conv_pre."),
+                                              f0_channels=_out_channels(state, "f0_predictor.condnet.0.")))
+        hift.load_state_dict(state, strict=True)
         model = cls(flow, hift)
         model.reset_noise()
         return model.eval()

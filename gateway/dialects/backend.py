@@ -35,6 +35,7 @@ class SessionInit:
     config: dict[str, Any]
     ref_audio_base64: str | None = None
     tts_ref_audio_base64: str | None = None
+    voice_name: str = ""  # `voice.name`: a named voice of the model server's voice folder
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,20 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
         ref_audio_base64=first(payload.get("ref_audio_base64"), voice.get("ref_audio_base64"), voice.get("ref_audio")),
         tts_ref_audio_base64=first(payload.get("tts_ref_audio_base64"), voice.get("tts_ref_audio_base64"),
                                     voice.get("tts_ref_audio")),
+        voice_name=voice_name(voice.get("name")),
     )
     voice_refs(init)  # refused now, not at the first step
     return init
+
+
+def voice_name(value: Any) -> str:
+    """A named voice: a short name (the model server maps it to a file of its voice folder), else refused."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 64:
+        raise ProtocolError("invalid_voice", "voice.name must be a string of at most 64 characters",
+                            close_code=CLOSE_POLICY)
+    return value
 
 
 def voice_refs(init: SessionInit) -> dict[str, np.ndarray]:
@@ -299,9 +311,13 @@ class BackendState(EngineState):
     chunk_index: int = 0
     active_response_id: str | None = None
     _turn_audio: list[np.ndarray] = field(default_factory=list)  # a non-streaming turn's audio so far
+    named_voice: str = ""  # from session.init's voice.name
 
     def options(self) -> DuplexOptions:
         return self.duplex
+
+    def voice_name(self) -> str:
+        return self.named_voice
 
     def created(self) -> list[ServerEvent]:
         return [SessionCreated(self.session_id, self.mode, {"backend": "triton", "kv_cache_length": 0},

@@ -107,6 +107,9 @@ class OpenAIRealtimeState(EngineState):
     def options(self) -> DuplexOptions:
         return self.config.options()
 
+    def voice_name(self) -> str:
+        return self.config.voice  # an OpenAI name with no file in the voice folder keeps the default voice
+
     def _reset_detectors(self) -> None:
         td = self.config.turn_detection
         self.overlap = OverlapPolicy(self.config.overlap)

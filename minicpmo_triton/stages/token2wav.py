@@ -7,9 +7,9 @@ batch run together (token2wav_stream). A voice prompt is set up once per distinc
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +18,17 @@ import numpy as np
 from ..errors import StepError
 from ..model_config import PresetConfig
 from ..stage_io import Token2WavRequest, Token2WavResult
+from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, audio_key, read_wav
 from .base import SequenceStage, StageCall
 from .token2wav_stream import Stream, Token2WavStreamer, VoicePrompt
 
-DEFAULT_VOICE_FILE = "default_voice.npz"  # tokens [T], mel [2T, 80], embedding [192]
-PROMPT_CACHE_SIZE = 64
+DEFAULT_VOICE_WAV = "default_voice.wav"  # the checkpoint's own reference voice, where it ships one
+DEFAULT_VOICE_FILE = "default_voice.npz"  # else the export's prompt: tokens [T], mel [2T, 80], embedding [192]
+# Voice prompts kept (LRU), by their flow caches' bytes: ~0.28 MB per second of reference at tiny's dims, ~66 MB
+# at the real ones (the estimator's attention cache: 5 steps x 16 layers x 2 (CFG) x 8 heads x 256 x 4 B per frame).
+PROMPT_CACHE_MB = 2048
+MIN_VOICE_SAMPLES = SAMPLE_RATE // 2  # the gateway refuses references under 0.5 s
+DEFAULT_KEY = b"default"
 
 
 @dataclass
@@ -33,33 +39,38 @@ class Token2WavSession:
 
 
 class VoicePrompts:
-    """Voice prompts by voice key, set up once and shared by every session with that voice (LRU-bounded)."""
+    """Voice prompts by the hash of their reference audio: the S3 tokens, prompt mel and CAM++ vector and the
+    flow's setup from them are computed once per distinct voice and shared by every session with it (LRU)."""
 
-    def __init__(self, streamer: Token2WavStreamer, tokens: np.ndarray, mel: np.ndarray, embedding: np.ndarray):
+    def __init__(self, streamer: Token2WavStreamer, featurize: Callable[[np.ndarray], VoiceFeatures],
+                 default: VoiceFeatures, budget_bytes: int = PROMPT_CACHE_MB << 20) -> None:
         self.streamer = streamer
-        self.default = (tokens, mel, embedding)
+        self.featurize = featurize
+        self.default = default
+        self.budget_bytes = budget_bytes
         self._prompts: OrderedDict[bytes, VoicePrompt] = OrderedDict()
         self._lock = threading.Lock()
-        self.setups = 0  # prompts computed (a reused voice does not add)
+        self.computed = 0  # prompts computed
+        self.reused = 0  # sessions given a prompt already computed
+        self.nbytes = 0  # held by the prompts kept
 
-    @staticmethod
-    def key(speaker: np.ndarray) -> bytes:
-        return hashlib.sha256(np.ascontiguousarray(speaker, np.float32).tobytes()).digest()
-
-    def get(self, speaker: np.ndarray) -> tuple[bytes, VoicePrompt]:
-        key = self.key(speaker)
+    def get(self, key: bytes, audio: np.ndarray | None) -> VoicePrompt:
+        """The prompt of a reference by its key (`audio_key`; audio None: the default voice, DEFAULT_KEY)."""
         with self._lock:
-            if key in self._prompts:
+            prompt = self._prompts.get(key)
+            if prompt is not None:
                 self._prompts.move_to_end(key)
-                return key, self._prompts[key]
-        tokens, mel, embedding = self.default
-        prompt = self.streamer.setup(tokens, mel, speaker if len(speaker) else embedding)
+                self.reused += 1
+                return prompt
+        f = self.default if audio is None else self.featurize(audio)
+        prompt = self.streamer.setup(f.tokens, f.mel, f.embedding)
         with self._lock:
             self._prompts[key] = prompt
-            self.setups += 1
-            while len(self._prompts) > PROMPT_CACHE_SIZE:
-                self._prompts.popitem(last=False)
-        return key, prompt
+            self.computed += 1
+            self.nbytes += prompt.cache.nbytes
+            while self.nbytes > self.budget_bytes and len(self._prompts) > 1:  # the newest always stays
+                self.nbytes -= self._prompts.popitem(last=False)[1].cache.nbytes
+        return prompt
 
 
 class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavSession]):
@@ -69,26 +80,31 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         self.streamer = streamer
         self.prompts = prompts
         self.d = preset.token2wav
-        self.speaker_dim = preset.speaker.dim
         self.vocab = preset.token2wav.vocab
 
     @classmethod
-    def load(cls, folder: Path, preset: PresetConfig, ttl_s: float, threads: int = 1) -> Token2WavStage:
+    def load(cls, folder: Path, preset: PresetConfig, ttl_s: float, threads: int = 1,
+             prompt_cache_mb: float = PROMPT_CACHE_MB) -> Token2WavStage:
         streamer = Token2WavStreamer.load(folder, preset.token2wav, threads)
-        with np.load(folder / DEFAULT_VOICE_FILE) as v:
-            prompts = VoicePrompts(streamer, v["tokens"], v["mel"], v["embedding"])
+        featurize = VoiceFeaturizer.load(folder, threads)
+        if (folder / DEFAULT_VOICE_WAV).exists():
+            default = featurize(read_wav(folder / DEFAULT_VOICE_WAV))
+        else:
+            with np.load(folder / DEFAULT_VOICE_FILE) as v:
+                default = VoiceFeatures(v["tokens"], v["mel"], v["embedding"])
+        prompts = VoicePrompts(streamer, featurize, default, int(prompt_cache_mb * (1 << 20)))
         return cls(streamer, prompts, preset, ttl_s)
 
     def new_state(self, call: StageCall[Token2WavRequest]) -> Token2WavSession:
         return Token2WavSession()
 
     def check(self, request: Token2WavRequest, state: Token2WavSession) -> None:
-        if len(request.speaker) not in (0, self.speaker_dim):
-            raise ValueError(f"token2wav: a speaker embedding has {self.speaker_dim} values")
         if ((request.speech_tokens < 0) | (request.speech_tokens >= self.vocab)).any():
             raise StepError("invalid_input", "token2wav: speech token id out of the vocabulary")
-        if not np.isfinite(request.speaker).all():
-            raise StepError("invalid_input", "token2wav: the speaker embedding holds NaN or infinite values")
+        if 0 < len(request.voice) < MIN_VOICE_SAMPLES:
+            raise StepError("invalid_voice", f"token2wav: a voice reference needs {MIN_VOICE_SAMPLES} samples (16 kHz)")
+        if not np.isfinite(request.voice).all():
+            raise StepError("invalid_voice", "token2wav: the voice reference holds NaN or infinite samples")
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start
@@ -99,10 +115,15 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def _chunks(self, req: Token2WavRequest, sess: Token2WavSession) -> list[tuple[list[int], bool]]:
         """The chunks this request completes: 25 tokens + 3 lookahead each, then what is left at the turn's end."""
         d = self.d
-        if req.turn_start or not sess.turn_open or sess.stream is None:
-            key, prompt = self.prompts.get(np.asarray(req.speaker, np.float32))
-            if sess.stream is None or key != sess.voice:
-                sess.stream, sess.voice = self.streamer.new_stream(prompt), key
+        voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
+        if voice is not None:
+            key = audio_key(voice)
+        else:
+            key = DEFAULT_KEY if req.default_voice else sess.voice or DEFAULT_KEY
+        if sess.stream is None or key != sess.voice:  # a session's voice is set once, and again when it changes
+            prompt = self.prompts.get(key, voice)
+            sess.stream, sess.voice, sess.turn_open = self.streamer.new_stream(prompt), key, False
+        if req.turn_start or not sess.turn_open:
             self.streamer.restart(sess.stream)
             sess.turn_open = True
         pending = sess.stream.pending
