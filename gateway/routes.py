@@ -1,4 +1,5 @@
-"""The Starlette app: `GET /health`, `POST /sessions/{session_id}/close`, and the three dialects' sockets:
+"""The Starlette app: `GET /health`, `POST /sessions/{session_id}/close`, `POST /v1/voices/check` (a voice
+reference judged as a session would judge it), and the three dialects' sockets:
 
 - `/backend`: the MiniCPM-o backend protocol; the first frame is `session.init`.
 - `/v1/realtime` (OpenAI's Realtime dialect): `session.created` on connect. `?resume=1` makes no session:
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from . import page
+from . import inputs, page
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
@@ -92,6 +93,16 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 reason = str(body["reason"])[:100]
         await session.close(reason)
         return JSONResponse({"ok": True, "session_id": session_id, "closed": True})
+
+    async def voices_check(request: Request) -> JSONResponse:
+        try:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise ProtocolError("invalid_payload", f"the body is not JSON: {exc}") from exc
+            return JSONResponse(inputs.check_voice(body))
+        except ProtocolError as err:
+            return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, 400)
 
     def check_ready() -> None:
         if not gw.ready:
@@ -195,6 +206,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         routes=[
             Route("/health", health),
             Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
+            Route("/v1/voices/check", voices_check, methods=["POST"]),
             WebSocketRoute("/backend", backend_socket),
             WebSocketRoute("/v1/realtime", realtime_socket),
             *page.routes,

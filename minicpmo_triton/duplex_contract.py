@@ -7,7 +7,8 @@ and decodes here, so the tensors (names in model_repository/duplex/config.pbtxt)
     audio, ref_audio, tts_ref_audio, replay_audio  FP32 [n]   16 kHz float32
     force_listen, cancel                           BOOL [1]
     rollback_to                                    INT64 [1]
-    context, options, chat                         BYTES [1]  JSON of Context, DuplexOptions, ChatInput
+    context, options, chat                         BYTES [1]  JSON of Context (+ say, answer_tokens), DuplexOptions,
+                                                              ChatInput
     frames                                         BYTES [n]  encoded images;  max_slice_nums INT64 [n]
     -> event BYTES [1] (JSON of StepEvent without its audio), audio FP32 [n] (24 kHz float32)
 
@@ -89,6 +90,11 @@ class StepInput:
     # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
     rollback_to: int = -1
     replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # A spoken turn now, whatever the caller says: `say` voices this text as the assistant's turn (the
+    # LLM is teacher-forced through it, so the TTS has its hidden states); `answer_tokens` > 0 makes the
+    # model answer the context in voice, in at most that many LLM tokens. Both ride in `context`.
+    say: str = ""
+    answer_tokens: int = 0
 
     @classmethod
     def of_context(cls, context: Context) -> StepInput:
@@ -170,8 +176,9 @@ def encode_request(req: Request) -> Tensors:
         out["force_listen"] = np.array([True])
     if req.rollback_to >= 0:
         out["rollback_to"] = np.array([req.rollback_to], np.int64)
-    if req.context_text:
-        out["context"] = _json({"text": req.context_text, "kind": req.context_kind, "respond": req.respond})
+    if req.context_text or req.say or req.answer_tokens:
+        out["context"] = _json({"text": req.context_text, "kind": req.context_kind, "respond": req.respond,
+                                "say": req.say, "answer_tokens": req.answer_tokens})
     if req.frames:
         out["frames"] = np.array(req.frames, dtype=np.object_)
         out["max_slice_nums"] = np.array(req.max_slice_nums or [1] * len(req.frames), np.int64)
@@ -250,7 +257,17 @@ def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Requ
         voice=voice,
         rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
         replay_audio=_audio_row(rows, "replay_audio") if "replay_audio" in rows else empty,
+        say=str(context.get("say") or ""),
+        answer_tokens=_count(context.get("answer_tokens")),
     )
+
+
+def _count(value: Any) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise StepError(Code.INVALID_INPUT, f"context.answer_tokens must be a count, not {value!r}")
+    return value
 
 
 # ---- events: duplex -> gateway ----

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -133,6 +133,8 @@ class DuplexPipeline:
                     await self._speaker(state)
                 if isinstance(inp, ChatInput):
                     await self._chat(corr_id, state, inp, emit)
+                elif inp.say or inp.answer_tokens:
+                    await self._spoken_turn(corr_id, state, inp, emit, t0)
                 elif len(inp.audio) or inp.context_text:
                     async with self.llm_meet.member() as member:
                         await self._step(corr_id, state, inp, self._timed(emit, t0, member), member)
@@ -174,7 +176,32 @@ class DuplexPipeline:
                 await fn(StageCall(request, corr_id, end=True))
         state.started.clear()
 
-    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member) -> None:
+    async def _spoken_turn(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, t0: float) -> None:
+        """A whole spoken turn now, one duplex unit per second of silence from the caller (MiniCPM-o's own
+        form of speech: `<unit>[audio]<|speak|>text...<|chunk_eos|></unit>` ... `<|turn_eos|></unit>`).
+        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|>`), so the TTS conditions on its
+        hidden states as on sampled text's. `answer_tokens`: `<|speak|>` is forced after the context, then
+        the model samples its answer; at the budget the turn is ended (a forced listen)."""
+        tk = self.preset.tokens
+        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos] if inp.say else [tk.speak]
+        budget = len(todo) if inp.say else inp.answer_tokens
+        unit = replace(inp, audio=np.zeros(16_000, np.float32), respond=True, say="", answer_tokens=0)
+        produced, cancels = 0, state.cancels
+        for _ in range(budget + 2):  # every unit decodes at least one token, or ends the turn
+            ending = produced >= budget
+            async with self.llm_meet.member() as member:
+                llm = await self._step(corr_id, state, replace(unit, force_listen=ending),
+                                       self._timed(emit, t0, member), member, forced=todo)
+            if llm is None or llm.is_listen or llm.end_of_turn or state.cancels != cancels:
+                return
+            produced += len(llm.generated)
+            todo = todo[_common_prefix(todo, [int(t) for t in llm.generated]):]
+            # only the first unit carries the context, the rollback and the images
+            unit = StepInput(audio=unit.audio, respond=True)
+
+    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member,
+                    forced: list[int] | None = None) -> LlmResult | None:
+        """One duplex unit. `forced` (a spoken turn's): the tokens to teacher-force, and no listening rule."""
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
         metrics: dict[str, Any] = {"backend": "triton"}
@@ -210,7 +237,7 @@ class DuplexPipeline:
             # The LLM stage encodes the step's audio itself; its tokens follow everything before them.
             n_audio = self.preset.audio_tokens(len(inp.audio))
             ids += [tk.audio_placeholder] * n_audio
-        listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
+        listening = forced is None and len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds, audio=inp.audio,
             decode=len(inp.audio) > 0 or inp.respond,
@@ -218,6 +245,7 @@ class DuplexPipeline:
             temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
+            forced_ids=np.asarray(forced or [], np.int64),
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -235,12 +263,12 @@ class DuplexPipeline:
         if state.cancels != cancels:  # cancelled (barge-in): no words, no voice; the usage still counts
             state.tts_turn_open = False
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
-            return
+            return None
         if llm.is_listen:
             state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
             metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
-            return
+            return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=dict(metrics)))
         turn_start = llm.turn_start or not state.tts_turn_open
@@ -268,6 +296,7 @@ class DuplexPipeline:
             await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics, chunk_usage=usage))
         elif text:
             await emit(StepEvent("audio", metrics=metrics, chunk_usage=usage))  # no audio yet: usage still goes out
+        return llm
 
     async def _replay_units(self, audio: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Caller audio heard again after a rollback, one listened unit per second: <unit>[audio]<|listen|></unit>."""
@@ -393,6 +422,13 @@ class DuplexPipeline:
         wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn, speaker=speaker)))
         return wav.waveform, len(tts.speech_tokens)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _ms(t0: float) -> float:
