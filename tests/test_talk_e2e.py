@@ -21,7 +21,6 @@ from .conftest import REPO
 from .helpers import SPEAKING_TEXT
 
 
-
 def espeak(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "speech.wav"
     subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
