@@ -73,6 +73,7 @@ class ChatInput:
     options: DuplexOptions | None = None  # at START
     voice: VoiceRefs | None = None  # at START
     tts_ref_audio: np.ndarray | None = None  # this turn's voice (16 kHz), else the session's
+    say: bool = False  # the last message is the assistant's: voice it as is (teacher-forced), generate nothing
 
 
 @dataclass
@@ -155,7 +156,7 @@ def _chat_json(chat: ChatInput) -> dict[str, Any]:
                           "images": [_b64(i) for i in m.images], "max_slice_nums": m.max_slice_nums}
                          for m in chat.messages],
             "max_new_tokens": chat.max_new_tokens, "generate_audio": chat.generate_audio,
-            "tts_ref_audio": audio(chat.tts_ref_audio)}
+            "tts_ref_audio": audio(chat.tts_ref_audio), "say": chat.say}
 
 
 def encode_request(req: Request) -> Tensors:
@@ -222,7 +223,7 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None, voice: Voic
                                 int(m.get("max_slice_nums") or 1))
                     for m in chat["messages"]]
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
-                         options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")))
+                         options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")), say=bool(chat.get("say")))
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise StepError(Code.INVALID_CHAT, f"malformed chat request: {exc}") from exc
 

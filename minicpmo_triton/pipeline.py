@@ -329,8 +329,13 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         tk, opts = self.preset.tokens, state.options
         messages = list(chat.messages)
-        if not messages or messages[-1].role == "assistant":
-            raise StepError("invalid_chat", "a turn needs messages, the last of them not from the assistant")
+        if not messages or (messages[-1].role == "assistant") != chat.say:
+            raise StepError("invalid_chat", "a turn needs messages, the last of them the assistant's to say it, "
+                            "else not the assistant's")
+        # To say a text, the LLM is teacher-forced through `<|im_start|>assistant\n{text}<|im_end|>` (its
+        # hidden states are the TTS's condition), in the chunks a generated reply streams in.
+        forced = [*self.tokenizer.encode(messages.pop().text), tk.im_end] if chat.say else []
+        max_new_tokens = len(forced) if chat.say else chat.max_new_tokens
         keys = [m.key() for m in messages]
         history = state.chat_history
         if history and keys[: len(history)] != history:  # the client changed the past: rebuild the context
@@ -344,7 +349,7 @@ class DuplexPipeline:
         n_audio = n_vision = 0
         if "llm" not in state.started:
             system = opts.system_prompt
-            if new[0].role == "system":
+            if new and new[0].role == "system":  # (a welcome line may have nothing before it)
                 system, new = new[0].text, new[1:]
             prefix_ids, prefix = await self.system_prefix(state, system)
             ids += [*prefix_ids, *enc("\n")]
@@ -376,12 +381,12 @@ class DuplexPipeline:
             speaker = (await self.stages.speaker_encoder(SpeakerEncoderRequest(chat.tts_ref_audio))).embedding
         cancels = state.cancels
         while True:
-            budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
-            request = LlmRequest(
+            budget = min(CHAT_CHUNK_TOKENS, max_new_tokens - produced)
+            request = LlmRequest(forced_ids=np.asarray(forced[produced:], np.int64),
                 input_ids=np.asarray(ids if first else [], np.int64),
                 embeds=np.concatenate(embeds) if first and embeds else np.zeros((0, self.preset.llm.hidden),
                                                                                    np.float32),
-                chat=True, last_chunk=produced + budget >= chat.max_new_tokens, max_new_tokens=budget,
+                chat=True, last_chunk=produced + budget >= max_new_tokens, max_new_tokens=budget,
                 temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
                 repetition_penalty=opts.repetition_penalty, seed=opts.seed)
             t = time.perf_counter()

@@ -167,8 +167,9 @@ async def test_a_typed_question_is_answered_in_voice(gateway, turn_detection) ->
     assert final.had_audio and final.status in ("completed", "incomplete") and final.latency_ms > 0
 
 
-async def test_say_hello_voices_the_welcome_line_first(gateway) -> None:
-    s = await open_session(gateway.realtime)
+@pytest.mark.parametrize("turn_detection", ["duplex", "server_vad", None])
+async def test_say_hello_voices_the_welcome_line_first(gateway, turn_detection) -> None:
+    s = await open_session(gateway.realtime, turn_detection=turn_detection)
     await s.say_hello("Hello! How can I help you today?")
     final, _ = await first_answer(s)
     assert final.had_audio and final.transcript == "Hello! How can I help you today?"

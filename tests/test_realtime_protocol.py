@@ -379,3 +379,18 @@ def test_voice_check_judges_as_a_session_does() -> None:
     with pytest.raises(ProtocolError) as err:
         check_voice([1])
     assert err.value.code == "invalid_payload"
+
+
+def test_turn_based_says_an_assistant_message_then_answers_past_it() -> None:
+    st, _ = state(turn_detection=None)
+    st.on_client(item("assistant", "Hello!"))
+    [step] = st.on_client({"type": "response.create"}).steps
+    assert step.request.say and [(m.role, m.text) for m in step.request.messages] == [("assistant", "Hello!")]
+    st.on_step_event(step, StepEvent("text", text="Hello!"))
+    st.on_step_event(step, StepEvent("done", text="Hello!", reason="turn_end"))
+    with pytest.raises(ProtocolError):  # said once: nothing left to respond to
+        st.on_client({"type": "response.create"})
+    st.on_client(item("user", "Hi."))
+    [answer] = st.on_client({"type": "response.create"}).steps
+    assert not answer.request.say  # the reply's item carries the words said, once
+    assert [(m.role, m.text) for m in answer.request.messages] == [("assistant", "Hello!"), ("user", "Hi.")]

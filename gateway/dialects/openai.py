@@ -96,7 +96,8 @@ class OpenAIRealtimeState(EngineState):
     _rollback: tuple[int, int] | None = None  # (kv length, unit) to go back to with the next duplex step
     _listen_next: bool = False
     _frames: list[bytes] = field(default_factory=list)
-    _to_say: Item | None = None  # duplex: an assistant message the next response.create voices
+    _to_say: Item | None = None  # an assistant message the next response.create voices
+    _said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
     _reported: tuple[str, str] | None = None
     _resampler: Callable[[np.ndarray], np.ndarray] | None = None  # the caller's audio, at its rate, to 16 kHz
     _resampler_rate: int = 0
@@ -281,6 +282,8 @@ class OpenAIRealtimeState(EngineState):
         if not item.text and item.audio is None and not item.images:
             raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
         out = Effects()
+        if role == "assistant" and item.text:
+            self._to_say = item  # said by the next response.create; in duplex it enters the context only then
         if self.config.duplex:
             if item.audio is not None:
                 raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
@@ -288,9 +291,7 @@ class OpenAIRealtimeState(EngineState):
             if len(self._frames) + len(item.images) > MAX_FRAMES:
                 raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
             self._frames += [base64.b64decode(i) for i in item.images]  # seen with the next second of audio
-            if item.text and role == "assistant":
-                self._to_say = item  # its voice is the assistant's turn: it enters the context when spoken
-            elif item.text:
+            if item.text and role != "assistant":
                 req = StepInput.of_context(Context(item.text, role, respond=False))
                 out.steps.append(PlannedStep("context", req, self.epoch))
         previous, _ = self.conversation.add(item)
@@ -374,12 +375,17 @@ class OpenAIRealtimeState(EngineState):
 
     def _respond(self, budget: int | None = None) -> Effects:
         """A turn-based response: a chat turn over the conversation so far."""
-        messages = [self._chat_message(i) for i in self.conversation.items if i.text or i.audio is not None
-                    or i.images]
-        if not messages or messages[-1].role == "assistant":
+        items = [i for i in self.conversation.items if (i.text or i.audio is not None or i.images)
+                 and i.id not in self._said]
+        say = self._to_say is not None and bool(items) and items[-1] is self._to_say
+        if not items or (items[-1].role == "assistant" and not say):
             raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        if say:  # the response's item holds the words from now on
+            self._said.add(self._to_say.id)
+            self._to_say = None
         out = self._open_response(self.clock())
-        chat = ChatInput(messages, budget or self.config.max_output_tokens, self.config.audio_out)
+        chat = ChatInput([self._chat_message(i) for i in items], budget or self.config.max_output_tokens,
+                         self.config.audio_out, say=say)
         out.steps.append(PlannedStep("chat", chat, self.epoch, response_id=self.response.id))
         return out
 
