@@ -310,11 +310,14 @@ def item(role: str, text: str) -> dict:
 
 def test_duplex_voices_an_assistant_message_at_response_create() -> None:
     st, _ = state()
+    for s in st.on_client({"type": "input_audio_buffer.append", "audio": pcm(2, loud=False)}).steps:
+        st.prepare(s)
     fx = st.on_client(item("assistant", "Hello! How can I help?"))
     assert types(fx) == ["conversation.item.added", "conversation.item.done"] and fx.steps == []  # not in context yet
     [step] = st.on_client({"type": "response.create"}).steps
     assert (step.kind, step.request.say, step.request.context_text, step.request.answer_tokens) \
         == ("context", "Hello! How can I help?", "", 0)
+    assert step.unit == 2  # a barge-in into it replays the caller's seconds after the second sent before it
     assert speak(st, step, text="Hello!")[:2] == ["response.speak", "response.created"]
     done = st.on_step_event(step, StepEvent("listen", end_of_turn=True))
     response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]

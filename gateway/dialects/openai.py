@@ -360,7 +360,9 @@ class OpenAIRealtimeState(EngineState):
         budget = self.config.max_output_tokens if msg.max_output_tokens is None \
             else max_output_tokens(msg.max_output_tokens, "response.max_output_tokens")
         if self.config.duplex:
-            return Effects(steps=[PlannedStep("context", self._duplex_response(msg.instructions, budget), self.epoch)])
+            # unit: a barge-in into a spoken turn replays the caller's seconds sent after it began
+            return Effects(steps=[PlannedStep("context", self._duplex_response(msg.instructions, budget), self.epoch,
+                                              unit=self._units)])
         return self._respond(budget)
 
     def _duplex_response(self, instructions: Any, budget: int) -> StepInput:
