@@ -14,13 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64
+from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64, decode_pcm16_base64, resample
 from .wire import ProtocolError
 
 MAX_APPEND_SECONDS = 5
 MAX_FRAMES = 4  # images seen with one second of audio
 MAX_IMAGE_BYTES = 8 << 20
 VOICE_SECONDS = (0.5, 30.0)  # a voice reference's allowed duration
+VOICE_FORMATS = {"f32": decode_f32_base64, "pcm16": decode_pcm16_base64}
+VOICE_RATES = (16_000, 24_000)
+VOICE_NAMES = ("default",)  # the voices a session may name
 
 
 @dataclass(frozen=True)
@@ -43,17 +46,37 @@ def first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def voice_ref(name: str, data: Any, close_code: int | None) -> np.ndarray:
-    """One voice reference (base64 float32 16 kHz), within VOICE_SECONDS, else `invalid_voice`."""
+def voice_ref(name: str, data: Any, close_code: int | None, fmt: str = "f32", rate: int = INPUT_RATE) -> np.ndarray:
+    """One voice reference (base64 `fmt` audio at `rate`), within VOICE_SECONDS, else `invalid_voice`;
+    returned as 16 kHz float32."""
+    if fmt not in VOICE_FORMATS or rate not in VOICE_RATES:
+        raise ProtocolError("invalid_voice", f"{name}: format must be one of {', '.join(VOICE_FORMATS)} at "
+                            f"{' or '.join(map(str, VOICE_RATES))} Hz", close_code=close_code)
     if not isinstance(data, str):
-        raise ProtocolError("invalid_voice", f"{name} must be base64 float32 16 kHz audio", close_code=close_code)
+        raise ProtocolError("invalid_voice", f"{name} must be base64 {fmt} {rate // 1000} kHz audio",
+                            close_code=close_code)
     try:
-        audio = decode_f32_base64(data, int(VOICE_SECONDS[1] * INPUT_RATE))
+        audio = VOICE_FORMATS[fmt](data, int(VOICE_SECONDS[1] * rate))
     except AudioDecodeError as exc:
         raise ProtocolError("invalid_voice", f"{name}: {exc}", close_code=close_code) from exc
-    if len(audio) < VOICE_SECONDS[0] * INPUT_RATE:
+    if len(audio) < VOICE_SECONDS[0] * rate:
         raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", close_code=close_code)
-    return audio
+    return resample(audio, rate, INPUT_RATE)
+
+
+def check_voice(body: Any) -> dict[str, Any]:
+    """`POST /v1/voices/check`: `{voice: name}` or `{audio, format, sample_rate}` judged as a session's voice
+    reference would be; the answer's body, else `invalid_voice` (or `invalid_payload`)."""
+    body = as_object(body, "the request body")
+    if body.get("voice") is not None:
+        if body["voice"] not in VOICE_NAMES:
+            raise ProtocolError("invalid_voice", f"no voice named {body['voice']!r}; known: {', '.join(VOICE_NAMES)}")
+        return {"ok": True, "voice": body["voice"], "duration_s": None, "sample_rate": None}
+    rate, fmt = body.get("sample_rate", INPUT_RATE), body.get("format", "f32")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        raise ProtocolError("invalid_voice", "sample_rate must be 16000 or 24000")
+    audio = voice_ref("audio", body.get("audio"), None, str(fmt), rate)
+    return {"ok": True, "duration_s": round(len(audio) / INPUT_RATE, 3), "sample_rate": rate}
 
 
 def _audio_field(payload: dict[str, Any]) -> str | None:

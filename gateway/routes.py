@@ -1,4 +1,5 @@
-"""The Starlette app: `GET /health`, `POST /sessions/{session_id}/close`, and the three dialects' sockets:
+"""The Starlette app: `GET /health`, `POST /sessions/{session_id}/close`, `POST /v1/voices/check` (a voice
+reference judged as a session would judge it), and the three dialects' sockets:
 
 - `/backend`: the MiniCPM-o backend protocol; the first frame is `session.init`.
 - `/v1/realtime` (OpenAI's Realtime dialect): `session.created` on connect. `?resume=1` makes no session:
@@ -27,7 +28,7 @@ from starlette.websockets import WebSocket
 
 from minicpmo_triton.errors import describe
 
-from . import page
+from . import inputs, page
 from .auth import RateLimit, SessionCounts, origin_allowed, presented_key, principal, unauthorized
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
@@ -130,6 +131,24 @@ def create_app(settings: Settings | None = None) -> Starlette:
         host = ws.client.host if ws.client else "?"
         resumes.check(f"{who}@{host}")
         await resume(gw, ws, msg, who)
+
+    async def voices_check(request: Request) -> JSONResponse:
+        """A voice reference checked as a session would check it (same limits, same codes), before any session."""
+        try:
+            admit(request)
+        except ProtocolError as err:
+            return http_refusal(err)
+        try:
+            body = await request.body()
+            if len(body) > settings.ws_max_size:
+                raise ProtocolError("invalid_payload", f"the body is over {settings.ws_max_size} bytes")
+            try:
+                data = parse_json(body)  # the JSON limits every frame gets
+            except ValueError as exc:
+                raise ProtocolError("invalid_json", f"the body is not valid JSON: {exc}") from exc
+            return JSONResponse(inputs.check_voice(data))
+        except ProtocolError as err:
+            return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, 400)
 
     def check_ready() -> None:
         if not gw.ready:
@@ -236,6 +255,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         routes=[
             Route("/health", health),
             Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
+            Route("/v1/voices/check", voices_check, methods=["POST"]),
             WebSocketRoute("/backend", backend_socket),
             WebSocketRoute("/v1/realtime", realtime_socket),
             *page.routes,

@@ -244,7 +244,7 @@ class Session:
         return reply.id
 
     async def say_hello(self, text: str) -> None:
-        """The assistant speaks `text` as its turn (requires server support: docs/client.md)."""
+        """The assistant speaks `text` as its turn (docs/realtime.md: speaking a given text)."""
         await self._send(*wire.assistant_text(text))
 
     async def send_text(self, text: str) -> None:

@@ -1,5 +1,5 @@
 """`check_voice`: ask the server whether a voice (a name, or reference audio) would be accepted, before any
-session (`POST /v1/voices/check`; requires server support, see docs/client.md)."""
+session (`POST /v1/voices/check`, docs/realtime.md)."""
 
 from __future__ import annotations
 

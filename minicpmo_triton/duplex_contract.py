@@ -7,7 +7,8 @@ and decodes here, so the tensors (names in model_repository/duplex/config.pbtxt)
     audio, ref_audio, tts_ref_audio, replay_audio  FP32 [n]   16 kHz float32
     force_listen, cancel                           BOOL [1]
     rollback_to                                    INT64 [1]
-    context, options, chat                         BYTES [1]  JSON of Context, DuplexOptions, ChatInput
+    context, options, chat                         BYTES [1]  JSON of Context (+ say, answer_tokens), DuplexOptions,
+                                                              ChatInput
     frames                                         BYTES [n]  encoded images;  max_slice_nums INT64 [n]
     -> event BYTES [1] (JSON of StepEvent without its audio), audio FP32 [n] (24 kHz float32)
 
@@ -78,6 +79,7 @@ class ChatInput:
     options: DuplexOptions | None = None  # at START
     voice: VoiceRefs | None = None  # at START
     tts_ref_audio: np.ndarray | None = None  # this turn's voice (16 kHz), else the session's
+    say: bool = False  # the last message is the assistant's: voice it as is (teacher-forced), generate nothing
 
 
 @dataclass
@@ -95,6 +97,11 @@ class StepInput:
     # then hear again the seconds of caller audio that came after that point (whole seconds, 16 kHz).
     rollback_to: int = -1
     replay_audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # A spoken turn now, whatever the caller says: `say` voices this text as the assistant's turn (the
+    # LLM is teacher-forced through it, so the TTS has its hidden states); `answer_tokens` > 0 makes the
+    # model answer the context in voice, in at most that many LLM tokens. Both ride in `context`.
+    say: str = ""
+    answer_tokens: int = 0
 
     @classmethod
     def of_context(cls, context: Context) -> StepInput:
@@ -157,7 +164,7 @@ def _chat_json(chat: ChatInput) -> dict[str, Any]:
                           "images": [_b64(i) for i in m.images], "max_slice_nums": m.max_slice_nums}
                          for m in chat.messages],
             "max_new_tokens": chat.max_new_tokens, "generate_audio": chat.generate_audio,
-            "tts_ref_audio": audio(chat.tts_ref_audio)}
+            "tts_ref_audio": audio(chat.tts_ref_audio), "say": chat.say}
 
 
 def encode_request(req: Request) -> Tensors:
@@ -178,8 +185,9 @@ def encode_request(req: Request) -> Tensors:
         out["force_listen"] = np.array([True])
     if req.rollback_to >= 0:
         out["rollback_to"] = np.array([req.rollback_to], np.int64)
-    if req.context_text:
-        out["context"] = _json({"text": req.context_text, "kind": req.context_kind, "respond": req.respond})
+    if req.context_text or req.say or req.answer_tokens:
+        out["context"] = _json({"text": req.context_text, "kind": req.context_kind, "respond": req.respond,
+                                "say": req.say, "answer_tokens": req.answer_tokens})
     if req.frames:
         out["frames"] = np.array(req.frames, dtype=np.object_)
         out["max_slice_nums"] = np.array(req.max_slice_nums or [1] * len(req.frames), np.int64)
@@ -227,7 +235,7 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None, voice: Voic
                                 int(m.get("max_slice_nums") or 1))
                     for m in chat["messages"]]
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
-                         options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")))
+                         options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")), say=bool(chat.get("say")))
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise StepError(Code.INVALID_CHAT, f"malformed chat request: {exc}") from exc
 
@@ -264,7 +272,17 @@ def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Requ
         voice=voice,
         rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
         replay_audio=_audio_row(rows, "replay_audio") if "replay_audio" in rows else empty,
+        say=str(context.get("say") or ""),
+        answer_tokens=_count(context.get("answer_tokens")),
     )
+
+
+def _count(value: Any) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise StepError(Code.INVALID_INPUT, f"context.answer_tokens must be a count, not {value!r}")
+    return value
 
 
 # ---- events: duplex -> gateway ----

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -135,6 +135,8 @@ class DuplexPipeline:
             try:
                 if isinstance(inp, ChatInput):
                     await self._chat(corr_id, state, inp, emit)
+                elif inp.say or inp.answer_tokens:
+                    await self._spoken_turn(corr_id, state, inp, emit, t0)
                 elif len(inp.audio) or inp.context_text:
                     async with self.llm_meet.member() as member:
                         await self._step(corr_id, state, inp, self._timed(emit, t0, member), member)
@@ -176,7 +178,32 @@ class DuplexPipeline:
                 await fn(StageCall(request, corr_id, end=True))
         state.started.clear()
 
-    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member) -> None:
+    async def _spoken_turn(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, t0: float) -> None:
+        """A whole spoken turn now, one duplex unit per second of silence from the caller (MiniCPM-o's own
+        form of speech: `<unit>[audio]<|speak|>text...<|chunk_eos|></unit>` ... `<|turn_eos|></unit>`).
+        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|>`), so the TTS conditions on its
+        hidden states as on sampled text's. `answer_tokens`: `<|speak|>` is forced after the context, then
+        the model samples its answer; at the budget the turn is ended (a forced listen)."""
+        tk = self.preset.tokens
+        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos] if inp.say else [tk.speak]
+        budget = len(todo) if inp.say else inp.answer_tokens
+        unit = replace(inp, audio=np.zeros(16_000, np.float32), respond=True, say="", answer_tokens=0)
+        produced, cancels = 0, state.cancels
+        for _ in range(budget + 2):  # every unit decodes at least one token, or ends the turn
+            ending = produced >= budget
+            async with self.llm_meet.member() as member:
+                llm = await self._step(corr_id, state, replace(unit, force_listen=ending),
+                                       self._timed(emit, t0, member), member, forced=todo)
+            if llm is None or llm.is_listen or llm.end_of_turn or state.cancels != cancels:
+                return
+            produced += len(llm.generated)
+            todo = todo[_common_prefix(todo, [int(t) for t in llm.generated]):]
+            # only the first unit carries the context, the rollback and the images
+            unit = StepInput(audio=unit.audio, respond=True)
+
+    async def _step(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, member: Member,
+                    forced: list[int] | None = None) -> LlmResult | None:
+        """One duplex unit. `forced` (a spoken turn's): the tokens to teacher-force, and no listening rule."""
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
         metrics: dict[str, Any] = {"backend": "triton"}
@@ -212,7 +239,7 @@ class DuplexPipeline:
             # The LLM stage encodes the step's audio itself; its tokens follow everything before them.
             n_audio = self.preset.audio_tokens(len(inp.audio))
             ids += [tk.audio_placeholder] * n_audio
-        listening = len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
+        listening = forced is None and len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds, audio=inp.audio,
             decode=len(inp.audio) > 0 or inp.respond,
@@ -220,6 +247,7 @@ class DuplexPipeline:
             temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
+            forced_ids=np.asarray(forced or [], np.int64),
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -237,12 +265,12 @@ class DuplexPipeline:
         if state.cancels != cancels:  # cancelled (barge-in): no words, no voice; the usage still counts
             state.tts_turn_open = False
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
-            return
+            return None
         if llm.is_listen:
             state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
             metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
-            return
+            return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=dict(metrics)))
         turn_start = llm.turn_start or not state.tts_turn_open
@@ -270,6 +298,7 @@ class DuplexPipeline:
             await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics, chunk_usage=usage))
         elif text:
             await emit(StepEvent("audio", metrics=metrics, chunk_usage=usage))  # no audio yet: usage still goes out
+        return llm
 
     async def _replay_units(self, audio: np.ndarray) -> tuple[list[int], np.ndarray]:
         """Caller audio heard again after a rollback, one listened unit per second: <unit>[audio]<|listen|></unit>."""
@@ -302,8 +331,13 @@ class DuplexPipeline:
         t0 = time.perf_counter()
         tk, opts = self.preset.tokens, state.options
         messages = list(chat.messages)
-        if not messages or messages[-1].role == "assistant":
-            raise StepError("invalid_chat", "a turn needs messages, the last of them not from the assistant")
+        if not messages or (messages[-1].role == "assistant") != chat.say:
+            raise StepError("invalid_chat", "a turn needs messages, the last of them the assistant's to say it, "
+                            "else not the assistant's")
+        # To say a text, the LLM is teacher-forced through `<|im_start|>assistant\n{text}<|im_end|>` (its
+        # hidden states are the TTS's condition), in the chunks a generated reply streams in.
+        forced = [*self.tokenizer.encode(messages.pop().text), tk.im_end] if chat.say else []
+        max_new_tokens = len(forced) if chat.say else chat.max_new_tokens
         keys = [m.key() for m in messages]
         history = state.chat_history
         if history and keys[: len(history)] != history:  # the client changed the past: rebuild the context
@@ -317,7 +351,7 @@ class DuplexPipeline:
         n_audio = n_vision = 0
         if "llm" not in state.started:
             system = opts.system_prompt
-            if new[0].role == "system":
+            if new and new[0].role == "system":  # (a welcome line may have nothing before it)
                 system, new = new[0].text, new[1:]
             prefix_ids, prefix = await self.system_prefix(state, system)
             ids += [*prefix_ids, *enc("\n")]
@@ -347,12 +381,12 @@ class DuplexPipeline:
         voice = chat.tts_ref_audio if chat.generate_audio and chat.tts_ref_audio is not None else state.voice.tts
         cancels = state.cancels
         while True:
-            budget = min(CHAT_CHUNK_TOKENS, chat.max_new_tokens - produced)
-            request = LlmRequest(
+            budget = min(CHAT_CHUNK_TOKENS, max_new_tokens - produced)
+            request = LlmRequest(forced_ids=np.asarray(forced[produced:], np.int64),
                 input_ids=np.asarray(ids if first else [], np.int64),
                 embeds=np.concatenate(embeds) if first and embeds else np.zeros((0, self.preset.llm.hidden),
                                                                                    np.float32),
-                chat=True, last_chunk=produced + budget >= chat.max_new_tokens, max_new_tokens=budget,
+                chat=True, last_chunk=produced + budget >= max_new_tokens, max_new_tokens=budget,
                 temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
                 repetition_penalty=opts.repetition_penalty, seed=opts.seed)
             t = time.perf_counter()
@@ -404,6 +438,13 @@ def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: b
         return {}
     state.voice_sent = voice
     return {"default_voice": True} if voice is None else {"voice": voice}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _ms(t0: float) -> float:

@@ -119,6 +119,9 @@ class LlmRequest:
     chat: bool = False  # turn-based: text until <|im_end|> (else the duplex rules)
     last_chunk: bool = False  # chat: the turn's token budget ends with this call
     rollback_to: int = -1  # >= 0: first cut the KV cache to this length and end the spoken turn there
+    # Teacher forcing: these tokens are decoded in place of sampled ones, under the same rules (a rule that
+    # ends the chunk, its token budget, still wins); their hidden states are collected as a sampled text's.
+    forced_ids: np.ndarray = tensor(np.int64, 1)
 
 
 @dataclass

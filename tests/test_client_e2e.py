@@ -16,7 +16,6 @@ from .helpers import GREEDY, SPEAKING_TEXT
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 SECOND = 16_000
-SERVER_SUPPORT = pytest.mark.xfail(strict=True, reason="server support lands with the gateway work")
 
 
 async def seconds_of(audio: np.ndarray, n: int) -> AsyncIterator[np.ndarray]:
@@ -159,7 +158,7 @@ async def first_answer(s: mc.Session) -> tuple[mc.ClientEvent, list]:
     return final, seen
 
 
-@pytest.mark.parametrize("turn_detection", ["server_vad", None, pytest.param("duplex", marks=SERVER_SUPPORT)])
+@pytest.mark.parametrize("turn_detection", ["server_vad", None, "duplex"])
 async def test_a_typed_question_is_answered_in_voice(gateway, turn_detection) -> None:
     s = await open_session(gateway.realtime, turn_detection=turn_detection, session={"max_output_tokens": 24})
     await s.send_text("What will the weather be like tomorrow?")
@@ -168,15 +167,14 @@ async def test_a_typed_question_is_answered_in_voice(gateway, turn_detection) ->
     assert final.had_audio and final.status in ("completed", "incomplete") and final.latency_ms > 0
 
 
-@SERVER_SUPPORT
-async def test_say_hello_voices_the_welcome_line_first(gateway) -> None:
-    s = await open_session(gateway.realtime)
+@pytest.mark.parametrize("turn_detection", ["duplex", "server_vad", None])
+async def test_say_hello_voices_the_welcome_line_first(gateway, turn_detection) -> None:
+    s = await open_session(gateway.realtime, turn_detection=turn_detection)
     await s.say_hello("Hello! How can I help you today?")
     final, _ = await first_answer(s)
     assert final.had_audio and final.transcript == "Hello! How can I help you today?"
 
 
-@SERVER_SUPPORT
 async def test_check_voice_accepts_a_good_reference_and_refuses_a_bad_one(gateway, speech) -> None:
     ok = await mc.check_voice(gateway.realtime, speech("This is my voice, please use it."))
     assert ok.sample_rate == 16_000 and ok.duration_s > 0.5

@@ -300,3 +300,100 @@ def test_minicpm_session_update_checks_its_voice_references() -> None:
     ref = np.zeros(16_000, np.float32)
     fx = st.on_client({"type": "session.update", "session": {"tts_ref_audio": encode_f32_base64(ref)}})
     assert types(fx) == ["session.created"] and set(st.voice) == {"tts_ref_audio"}
+
+
+def item(role: str, text: str) -> dict:
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "conversation.item.create", "item": {"type": "message", "role": role,
+                                                         "content": [{"type": kind, "text": text}]}}
+
+
+def test_duplex_voices_an_assistant_message_at_response_create() -> None:
+    st, _ = state()
+    for s in st.on_client({"type": "input_audio_buffer.append", "audio": pcm(2, loud=False)}).steps:
+        st.prepare(s)
+    fx = st.on_client(item("assistant", "Hello! How can I help?"))
+    assert types(fx) == ["conversation.item.added", "conversation.item.done"] and fx.steps == []  # not in context yet
+    [step] = st.on_client({"type": "response.create"}).steps
+    assert (step.kind, step.request.say, step.request.context_text, step.request.answer_tokens) \
+        == ("context", "Hello! How can I help?", "", 0)
+    assert step.unit == 2  # a barge-in into it replays the caller's seconds after the second sent before it
+    assert speak(st, step, text="Hello!")[:2] == ["response.speak", "response.created"]
+    done = st.on_step_event(step, StepEvent("listen", end_of_turn=True))
+    response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
+    assert response["status"] == "completed" and response["output"][0]["content"][0]["transcript"] == "Hello!"
+    [again] = st.on_client({"type": "response.create"}).steps  # said once: the next response is an answer
+    assert again.request.say == "" and again.request.answer_tokens == st.config.max_output_tokens
+
+
+def test_duplex_a_deleted_assistant_message_is_not_voiced() -> None:
+    st, _ = state()
+    item_id = next(e for e in encoded(st.on_client(item("assistant", "Hi"))) if e["type"] == "conversation.item.added")
+    st.on_client({"type": "conversation.item.delete", "item_id": item_id["item"]["id"]})
+    [step] = st.on_client({"type": "response.create"}).steps
+    assert step.request.say == ""
+
+
+def test_duplex_answers_a_typed_question_in_voice() -> None:
+    st, _ = state()
+    [ctx] = st.on_client(item("user", "What time is it?")).steps
+    assert (ctx.request.context_text, ctx.request.context_kind, ctx.request.respond) == ("What time is it?", "user",
+                                                                                          False)
+    [step] = st.on_client({"type": "response.create", "response": {"max_output_tokens": 24}}).steps
+    assert (step.request.answer_tokens, step.request.say, step.request.context_text) == (24, "", "")
+    [prompted] = st.on_client({"type": "response.create", "response": {"instructions": "Greet."}}).steps
+    assert (prompted.request.context_text, prompted.request.answer_tokens) == ("Greet.", 0)  # instructions: as before
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({"type": "response.create", "response": {"max_output_tokens": 0}})
+    assert err.value.code == "invalid_value"
+
+
+def test_the_contract_carries_a_spoken_turn() -> None:
+    from minicpmo_triton.duplex_contract import StepInput, decode_request, encode_request
+    from minicpmo_triton.errors import StepError
+    from minicpmo_triton.model_config import DuplexDefaults
+
+    for req in (StepInput(say="Hello!"), StepInput(context_text="q", context_kind="user", answer_tokens=24)):
+        back = decode_request(encode_request(req), False, DuplexDefaults())
+        assert (back.say, back.answer_tokens, back.context_text) == (req.say, req.answer_tokens, req.context_text)
+    rows = encode_request(StepInput(say="x"))
+    rows["context"] = np.array([b'{"answer_tokens": -1}'], np.object_)
+    with pytest.raises(StepError) as err:
+        decode_request(rows, False, DuplexDefaults())
+    assert err.value.code == "invalid_input"
+
+
+def test_voice_check_judges_as_a_session_does() -> None:
+    from gateway.audio import encode_f32_base64
+    from gateway.inputs import check_voice
+
+    second = np.zeros(24_000, np.float32)
+    assert check_voice({"audio": encode_pcm16_base64(second), "format": "pcm16", "sample_rate": 24_000}) \
+        == {"ok": True, "duration_s": 1.0, "sample_rate": 24_000}
+    assert check_voice({"audio": encode_f32_base64(second[:16_000])})["duration_s"] == 1.0  # f32 16 kHz by default
+    assert check_voice({"voice": "default"})["duration_s"] is None
+    bad = [{"audio": encode_f32_base64(second[:1600])}, {"audio": encode_f32_base64(np.zeros(31 * 16_000))},
+           {"audio": "@@"}, {"audio": encode_f32_base64(second), "sample_rate": 8000},
+           {"audio": encode_f32_base64(second), "format": "mp3"}, {"voice": "nobody"}, {}]
+    for body in bad:
+        with pytest.raises(ProtocolError) as err:
+            check_voice(body)
+        assert err.value.code == "invalid_voice", body
+    with pytest.raises(ProtocolError) as err:
+        check_voice([1])
+    assert err.value.code == "invalid_payload"
+
+
+def test_turn_based_says_an_assistant_message_then_answers_past_it() -> None:
+    st, _ = state(turn_detection=None)
+    st.on_client(item("assistant", "Hello!"))
+    [step] = st.on_client({"type": "response.create"}).steps
+    assert step.request.say and [(m.role, m.text) for m in step.request.messages] == [("assistant", "Hello!")]
+    st.on_step_event(step, StepEvent("text", text="Hello!"))
+    st.on_step_event(step, StepEvent("done", text="Hello!", reason="turn_end"))
+    with pytest.raises(ProtocolError):  # said once: nothing left to respond to
+        st.on_client({"type": "response.create"})
+    st.on_client(item("user", "Hi."))
+    [answer] = st.on_client({"type": "response.create"}).steps
+    assert not answer.request.say  # the reply's item carries the words said, once
+    assert [(m.role, m.text) for m in answer.request.messages] == [("assistant", "Hello!"), ("user", "Hi.")]

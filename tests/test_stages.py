@@ -266,3 +266,30 @@ def test_voice_prompts_are_an_lru_bounded_by_their_bytes(preset) -> None:
     prompts.get(audio_key(refs[2]), refs[2])  # kept: reused
     prompts.get(audio_key(refs[0]), refs[0])  # evicted first: computed again
     assert (prompts.computed, prompts.reused) == (4, 1)
+
+
+def test_teacher_forced_tokens_have_the_hidden_states_of_the_same_tokens_sampled(preset) -> None:
+    """A given text fed as if sampled (`forced_ids`) is decoded exactly as the model's own text: the same
+    tokens give the same hidden states for the TTS; a forced prefix is followed by sampling."""
+    tk, stage = preset.tokens, llm_stage(preset)
+
+    def run(corr_id: int, forced: list[int], max_new_tokens: int = 12):
+        req = chunk_request(preset, np.random.default_rng(7), max_new_tokens=max_new_tokens,
+                            forced_ids=np.array(forced, np.int64))
+        [res] = stage.run([StageCall(req, corr_id, start=True)])
+        assert not isinstance(res, Exception), res
+        return res
+
+    sampled = run(1, [tk.speak])  # <|speak|> forced, then greedy
+    assert sampled.generated[0] == tk.speak and len(sampled.text_ids) > 0
+    forced = run(2, sampled.generated.tolist())
+    assert forced.generated.tolist() == sampled.generated.tolist()
+    assert forced.text_ids.tolist() == sampled.text_ids.tolist()
+    np.testing.assert_array_equal(forced.tts_hidden, sampled.tts_hidden)
+
+    text = ByteTokenizer().encode("hello")
+    said = run(3, [tk.speak, *text, tk.turn_eos])
+    assert said.generated.tolist() == [tk.speak, *text, tk.turn_eos] and said.text_ids.tolist() == text
+    assert said.end_of_turn and said.tts_hidden.shape == (len(text), preset.llm.hidden)
+    cut = run(4, [tk.speak, *text, tk.turn_eos], max_new_tokens=4)  # the chunk's budget still ends it
+    assert cut.generated.tolist() == [tk.speak, *text[:2], tk.chunk_eos] and not cut.end_of_turn

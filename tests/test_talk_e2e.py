@@ -20,8 +20,6 @@ from minicpmo_client.wav import read_wav
 from .conftest import REPO
 from .helpers import SPEAKING_TEXT
 
-SERVER_SUPPORT = pytest.mark.xfail(strict=True, reason="server support lands with the gateway work")
-
 
 def espeak(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "speech.wav"
@@ -105,7 +103,6 @@ def test_a_typed_question_from_talk(gateway, tmp_path) -> None:
     assert len(read_wav(out, 24_000)) > 0
 
 
-@SERVER_SUPPORT
 def test_talk_says_hello_first(gateway, tmp_path) -> None:
     out = tmp_path / "reply.wav"
     rc, lines = run_talk(gateway.realtime, "--hello", "Hello! How can I help?", "--out", str(out), "--idle", "1",

@@ -96,6 +96,8 @@ class OpenAIRealtimeState(EngineState):
     _rollback: tuple[int, int] | None = None  # (kv length, unit) to go back to with the next duplex step
     _listen_next: bool = False
     _frames: list[bytes] = field(default_factory=list)
+    _to_say: Item | None = None  # an assistant message the next response.create voices
+    _said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
     _reported: tuple[str, str] | None = None
     _resampler: Callable[[np.ndarray], np.ndarray] | None = None  # the caller's audio, at its rate, to 16 kHz
     _resampler_rate: int = 0
@@ -283,6 +285,8 @@ class OpenAIRealtimeState(EngineState):
         if not item.text and item.audio is None and not item.images:
             raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
         out = Effects()
+        if role == "assistant" and item.text:
+            self._to_say = item  # said by the next response.create; in duplex it enters the context only then
         if self.config.duplex:
             if item.audio is not None:
                 raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
@@ -290,7 +294,7 @@ class OpenAIRealtimeState(EngineState):
             if len(self._frames) + len(item.images) > MAX_FRAMES:
                 raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
             self._frames += [base64.b64decode(i) for i in item.images]  # seen with the next second of audio
-            if item.text:
+            if item.text and role != "assistant":
                 req = StepInput.of_context(Context(item.text, role, respond=False))
                 out.steps.append(PlannedStep("context", req, self.epoch))
         previous, _ = self.conversation.add(item)
@@ -332,6 +336,8 @@ class OpenAIRealtimeState(EngineState):
         if self.active is not None and self.active.item.id == item_id:
             raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
+        if self._to_say is not None and self._to_say.id == item_id:
+            self._to_say = None
         return Effects([oe.ItemDeleted(item_id)])
 
     def _item_truncate(self, msg: oe.ItemTruncate) -> Effects:
@@ -354,25 +360,37 @@ class OpenAIRealtimeState(EngineState):
         if self.active is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self.active.id} is still in progress")
+        budget = self.config.max_output_tokens if msg.max_output_tokens is None \
+            else max_output_tokens(msg.max_output_tokens, "response.max_output_tokens")
         if self.config.duplex:
-            text = msg.instructions
-            if not isinstance(text, str) or not text.strip():
-                raise ProtocolError("invalid_value", "with duplex turn detection the model decides when to speak; "
-                                    "response.create needs response.instructions to prompt it", "response.instructions")
-            req = StepInput.of_context(Context(text.strip(), "instructions", respond=True))
-            return Effects(steps=[PlannedStep("context", req, self.epoch)])
-        budget = msg.max_output_tokens
-        return self._respond(self.config.max_output_tokens if budget is None
-                             else max_output_tokens(budget, "response.max_output_tokens"))
+            # unit: a barge-in into a spoken turn replays the caller's seconds sent after it began
+            return Effects(steps=[PlannedStep("context", self._duplex_response(msg.instructions, budget), self.epoch,
+                                              unit=self._units)])
+        return self._respond(budget)
+
+    def _duplex_response(self, instructions: Any, budget: int) -> StepInput:
+        """Duplex: instructions prompt the model (it decides whether to speak); without them the model
+        speaks now: an assistant message waiting to be voiced is said as is, else it answers in voice."""
+        if isinstance(instructions, str) and instructions.strip():
+            return StepInput.of_context(Context(instructions.strip(), "instructions", respond=True))
+        if self._to_say is not None:
+            item, self._to_say = self._to_say, None
+            return StepInput(say=item.text)
+        return StepInput(answer_tokens=budget)
 
     def _respond(self, budget: int | None = None) -> Effects:
         """A turn-based response: a chat turn over the conversation so far."""
-        messages = [self._chat_message(i) for i in self.conversation.items if i.text or i.audio is not None
-                    or i.images]
-        if not messages or messages[-1].role == "assistant":
+        items = [i for i in self.conversation.items if (i.text or i.audio is not None or i.images)
+                 and i.id not in self._said]
+        say = self._to_say is not None and bool(items) and items[-1] is self._to_say
+        if not items or (items[-1].role == "assistant" and not say):
             raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        if say:  # the response's item holds the words from now on
+            self._said.add(self._to_say.id)
+            self._to_say = None
         out = self._open_response(self.clock())
-        chat = ChatInput(messages, budget or self.config.max_output_tokens, self.config.audio_out)
+        chat = ChatInput([self._chat_message(i) for i in items], budget or self.config.max_output_tokens,
+                         self.config.audio_out, say=say)
         out.steps.append(PlannedStep("chat", chat, self.epoch, response_id=self.response.id))
         return out
 

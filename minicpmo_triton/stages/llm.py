@@ -80,7 +80,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                              f"and {n_audio} audio tokens")
         if len(request.embeds) and request.embeds.shape[1] != self.preset.llm.hidden:
             raise ValueError(f"llm: embeddings of width {request.embeds.shape[1]}, not {self.preset.llm.hidden}")
-        if ((request.input_ids < 0) | (request.input_ids >= self.preset.llm.vocab)).any():
+        ids = np.concatenate([request.input_ids, request.forced_ids])
+        if ((ids < 0) | (ids >= self.preset.llm.vocab)).any():
             raise ValueError("llm: token id out of the vocabulary")
         if not np.isfinite(request.embeds).all():
             raise StepError("invalid_input", "llm: embeddings hold NaN or infinite values")
@@ -132,9 +133,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             if dec.done:
                 return None
             logits = dec.adjust(out["logits"])
-            apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
-                                     self.preset.duplex.repetition_window)
-            token = sample(logits, params[row], sess.rng)
+            forced = items[row][0].forced_ids
+            if len(dec.generated) < len(forced) and np.isfinite(logits[forced[len(dec.generated)]]):
+                token = int(forced[len(dec.generated)])  # teacher forcing, where the chunk's rules allow the token
+            else:
+                apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
+                                         self.preset.duplex.repetition_window)
+                token = sample(logits, params[row], sess.rng)
             sess.history.append(token)
             return dec.accept(token)
 
