@@ -45,7 +45,7 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], np.ndarr
 
 
 class RunningTriton:
-    def __init__(self, server: TritonServer, voices_dir: Path) -> None:
+    def __init__(self, server: TritonServer, voices_dir: Path | None = None) -> None:
         self.server = server
         self.grpc_url = server.ports.grpc_url
         self.voices_dir = voices_dir  # its named voices (MINICPMO_VOICES_DIR): tests write <name>.wav there

@@ -285,7 +285,7 @@ T2W_HOSTILE: dict[str, tuple[Callable[[Token2WavRequest], Token2WavRequest], str
     "token_out_of_vocabulary": (lambda r: dataclasses.replace(r, speech_tokens=r.speech_tokens + 10**6),
                                 "invalid_input"),
     "negative_token": (lambda r: dataclasses.replace(r, speech_tokens=-r.speech_tokens - 1), "invalid_input"),
-    "nan_speaker": (lambda r: dataclasses.replace(r, speaker=np.full(192, np.nan, np.float32)), "invalid_input"),
+    "nan_voice": (lambda r: dataclasses.replace(r, voice=np.full(16_000, np.nan, np.float32)), "invalid_voice"),
     # past every check, a forward that fails for the whole batch (the conformer sees the poison token)
     "the_forward_fails": (lambda r: dataclasses.replace(r, speech_tokens=np.full_like(r.speech_tokens, POISON_TOKEN)),
                           "stage_error"),

@@ -69,6 +69,8 @@ flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
 
 FLOW_FILES = ("flow.yaml", "flow.pt", "hift.pt")
 HIFT_PREFIX = "generator."
+VOICE_GAIN = 20.0  # tiny only (Token2WavModel.random): the speaker projection
+MEL_GAIN = 20.0  # tiny only: HiFT's first conv, so what the flow says is audible
 NOISE_SEED = 0  # CausalConditionalCFM draws its noise table at construction (not in flow.pt)
 
 
@@ -131,7 +133,13 @@ class Token2WavModel(nn.Module):
             for m in [*(b.adaLN_modulation[-1] for b in est.blocks), est.final_layer.adaLN_modulation[-1],
                       est.final_layer.linear]:
                 nn.init.normal_(m.weight, std=0.5 / math.sqrt(m.in_features))
-        model = cls(flow, build_hift(d))
+            # A random flow hears its voice prompt only faintly: a trained one's speaker projection is what makes a
+            # voice a voice, so tiny's is louder, and two references give audibly different audio.
+            flow.spk_embed_affine_layer.weight.mul_(VOICE_GAIN)
+        hift = build_hift(d)
+        with torch.no_grad():  # and a random HiFT hears its mel faintly (its harmonic source drowns it): louder too
+            hift.conv_pre.parametrizations.weight.original0.mul_(MEL_GAIN)
+        model = cls(flow, hift)
         model.reset_noise()
         return model.eval()
 
