@@ -10,9 +10,9 @@ and the whole tokenizer set with the real special-token ids.
 - `tts.*`: MiniCPMTTS as OpenBMB/MiniCPM-o-Demo `MiniCPMO45/modeling_minicpmo_unified.py` builds it:
   transformers' `LlamaModel(LlamaConfig(...))`, `emb_text`, `emb_code`, `head_code` under
   `torch.nn.utils.parametrizations.weight_norm`, `projector_semantic` / `projector_spk` MultiModalProjectors.
-- `apm.*`, `audio_projection_layer.*`, `vpm.*`, `resampler.*`: TEMPORARY, written from the project's own
-  modules until the audio (h10c: transformers' `WhisperEncoder`) and vision (h10b: SigLIP + the
-  resampler) builders replace `build_audio_encoder` / `build_vision_encoder` here.
+- `apm.*`, `audio_projection_layer.*`: transformers' `WhisperEncoder` and the projector (Linear, ReLU, Linear).
+- `vpm.*`, `resampler.*`: transformers' `SiglipVisionModel` (the layers that run) and MiniCPM-o's
+  `Resampler` as tests/test_vision_reference.py reproduces it from the public source.
 
 transformers is a test-time dependency only: nothing under export/ or minicpmo_triton/ imports it.
 """
@@ -141,43 +141,55 @@ def build_tts(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
     return model, _prefixed("tts.", model)
 
 
-# --- apm.* / audio_projection_layer.*, vpm.* / resampler.*: TEMPORARY, the project's own modules -------------
-
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def _split_qkv(state: Tensors) -> Tensors:
-    """torch's fused `in_proj_*` -> Hugging Face's q/k/v names (Whisper's k_proj without bias)."""
-    out: Tensors = {}
-    for name, value in state.items():
-        if ".self_attn.in_proj_" in name:
-            base, kind = name.rsplit("in_proj_", 1)
-            for proj, part in zip(_QKV, value.chunk(3), strict=True):
-                if not (proj == "k_proj" and kind == "bias"):
-                    out[f"{base}{proj}.{kind}"] = part.contiguous()
-        else:
-            out[name] = value.contiguous()
-    return out
-
-
-def _project_stage(stage: str, config: dict) -> nn.Module:
-    from export.config import preset_from_config
-    from export.presets import minicpmo45
-    from export.stages import build_modules
-
-    return build_modules(preset_from_config(minicpmo45(), config), SEED)[stage].eval()
-
+# --- apm.* / audio_projection_layer.*: transformers' WhisperEncoder + MiniCPM-o's projector --------------------
 
 def build_audio_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
-    """TEMPORARY (h10c replaces it with transformers' WhisperEncoder + the audio projection)."""
-    module = _project_stage("audio_encoder", config)
-    return module, _split_qkv(module.state_dict())
+    """`apm.*` is a WhisperEncoder state dict as it is; `audio_projection_layer.linear1/2` the projector's
+    (Linear, ReLU, Linear: audio width -> LLM width -> LLM width)."""
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
+    a = config["audio_config"]
+    whisper = WhisperConfig(num_mel_bins=a["num_mel_bins"], d_model=a["d_model"], encoder_layers=a["encoder_layers"],
+                            encoder_attention_heads=a["encoder_attention_heads"], encoder_ffn_dim=a["encoder_ffn_dim"],
+                            max_source_positions=a["max_source_positions"], activation_function="gelu")
+    encoder = WhisperEncoder(whisper).eval()
+    h = config["hidden_size"]
+    projection = nn.Sequential(nn.Linear(a["d_model"], h), nn.ReLU(), nn.Linear(h, h)).eval()
+    with torch.no_grad():  # a trained model's spread, norms included, so a swapped tensor shows
+        for name, p in [*encoder.named_parameters(), *projection.named_parameters()]:
+            p.copy_((1.0 if "norm.weight" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+    tensors = {f"apm.{k}": v.contiguous() for k, v in encoder.state_dict().items()}
+    for ours, ref in (("linear1", "0"), ("linear2", "2")):
+        for kind in ("weight", "bias"):
+            tensors[f"audio_projection_layer.{ours}.{kind}"] = projection.state_dict()[f"{ref}.{kind}"].contiguous()
+    return nn.ModuleDict({"apm": encoder, "audio_projection_layer": projection}), tensors
+
+
+# --- vpm.* / resampler.*: transformers' SigLIP + MiniCPM-o's resampler (tests/test_vision_reference.py) ------
 
 def build_vision_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module, Tensors]:
-    """TEMPORARY (h10b replaces it with SigLIP + MiniCPM-o's resampler)."""
-    module = _project_stage("vision_encoder", config)
-    return module, _split_qkv(module.state_dict())
+    """`vpm.*` is a SiglipVisionModel's `vision_model.*` without the head, holding the layers that run
+    (`drop_vision_last_layer`); `resampler.*` the reference Resampler's (its 2D sin-cos table is a buffer)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from .test_vision_reference import RefResampler
+
+    v = config["vision_config"]
+    used = v["num_hidden_layers"] - int(config.get("drop_vision_last_layer", True))
+    siglip = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], num_hidden_layers=used,
+        num_attention_heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
+        layer_norm_eps=1e-6, vision_use_head=False)).eval()
+    h = config["hidden_size"]
+    resampler = RefResampler(config["query_num"], h, max(1, h // 128), v["hidden_size"]).eval()
+    with torch.no_grad():
+        for name, p in [*siglip.named_parameters(), *resampler.named_parameters()]:
+            p.copy_((1.0 if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight")
+                     else 0.0) + 0.05 * torch.randn(p.shape, generator=gen))
+    tensors = {"vpm." + k.removeprefix("vision_model."): t.contiguous() for k, t in siglip.state_dict().items()}
+    tensors |= {"resampler." + k: t.contiguous() for k, t in resampler.state_dict().items()}
+    return nn.ModuleDict({"vpm": siglip, "resampler": resampler}), tensors
 
 
 Builder = Callable[[dict, torch.Generator], tuple[nn.Module, Tensors]]
