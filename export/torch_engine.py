@@ -36,5 +36,8 @@ def torch_stages(repository: Path, seed: int = TINY_SEED) -> InProcessStages:
                                                graphs["audio_encoder_stream"].output_names)
     stages.llm_stage.engine = TorchEngine(graphs["llm"].module, graphs["llm"].output_names)
     stages.tts_stage.engine = TorchEngine(graphs["tts"].module, graphs["tts"].output_names)
-    stages.t2w_stage.engine = TorchEngine(graphs["token2wav"].module, graphs["token2wav"].output_names)
+    streamer = stages.t2w_stage.streamer  # token2wav's three graphs (its voice-prompt graphs stay ONNX: not per step)
+    streamer.enc, streamer.est, streamer.voc = (TorchEngine(graphs[f"token2wav_{g}"].module,
+                                                            graphs[f"token2wav_{g}"].output_names)
+                                                for g in ("encoder", "estimator", "vocoder"))
     return stages
