@@ -15,7 +15,6 @@ D = TypeVar("D")
 class CheckpointError(ValueError):
     """A checkpoint folder (or its config) that cannot become the preset's modules; the text is the report."""
 
-_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def strip_prefix(tensors: Tensors, prefix: str) -> Tensors:
@@ -38,22 +37,6 @@ def fold_weight_norm(tensors: Tensors) -> Tensors:
                 continue  # reported as missing/unexpected by the loader
             v, g = out.pop(key), out.pop(f"{base}{g_suffix}")
             out[f"{base}.weight"] = g * v / v.norm(dim=tuple(range(1, v.dim())), keepdim=True)
-    return out
-
-
-def fuse_qkv(tensors: Tensors) -> Tensors:
-    """Hugging Face's separate `self_attn.{q,k,v}_proj` -> torch MultiheadAttention's `in_proj_*`
-    (a missing bias, as Whisper's k_proj, is zero)."""
-    out = dict(tensors)
-    for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
-        base = key[: -len("q_proj.weight")]
-        if not all(f"{base}{p}.weight" in out for p in _QKV):
-            continue
-        ws = [out.pop(f"{base}{p}.weight") for p in _QKV]
-        bs = [out.pop(f"{base}{p}.bias", None) for p in _QKV]
-        out[f"{base}in_proj_weight"] = torch.cat(ws)
-        out[f"{base}in_proj_bias"] = torch.cat([b if b is not None else torch.zeros(w.shape[0])
-                                                for b, w in zip(bs, ws, strict=True)])
     return out
 
 
