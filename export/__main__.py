@@ -6,6 +6,7 @@ Artefacts land in the model repository's version folders (`model_repository/<sta
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,10 +23,21 @@ from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
+# Models earlier exports wrote and the project has since dropped. Git deletes their tracked config.pbtxt and
+# model.py but leaves the ignored artefacts (1/model.onnx, 1/stage.json), and Triton would try to serve such a
+# folder without its config; the export removes it.
+RETIRED_MODELS = ("speaker_encoder",)  # replaced by token2wav's voice prompts (CAM++ inside token2wav)
 
 
 def version_dir(repository: Path, model: str) -> Path:
     return repository / model / "1"
+
+
+def remove_retired_models(repository: Path) -> None:
+    for model in RETIRED_MODELS:
+        if (repository / model).is_dir():
+            shutil.rmtree(repository / model)
+            print(f"removed {repository / model}: the retired {model} model's leftover artefacts")
 
 
 def write_stage_configs(repository: Path, preset: PresetConfig) -> None:
@@ -93,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         modules = build_modules(preset, modules_seed)
     print(memory_report(preset))
 
+    remove_retired_models(args.model_repository)
     write_stage_configs(args.model_repository, preset)
     voice_folder = version_dir(args.model_repository, "token2wav")
     (voice_folder / DEFAULT_VOICE_WAV).unlink(missing_ok=True)  # the default voice is the checkpoint's, or the export's

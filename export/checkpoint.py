@@ -22,7 +22,7 @@ from minicpmo_triton.model_config import PresetConfig, Token2WavDims
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
 from .modules import audio_encoder, llm, tts, vision
-from .tensor_names import CheckpointError, Tensors, strip_prefix
+from .tensor_names import CheckpointError, Tensors
 
 if TYPE_CHECKING:
     from .modules.token2wav import Token2WavModel
@@ -45,17 +45,11 @@ class StageCheckpoint:
     state_from_checkpoint: Callable[[Tensors, PresetConfig], Tensors]
 
 
-def _strip(prefix: str) -> Callable[[Tensors, PresetConfig], Tensors]:
-    return lambda tensors, preset: strip_prefix(tensors, prefix)
-
-
 STAGE_CHECKPOINTS: dict[str, StageCheckpoint] = {
     "audio_encoder": StageCheckpoint(audio_encoder.PREFIXES, audio_encoder.state_from_checkpoint),
     "vision_encoder": StageCheckpoint(vision.PREFIXES, vision.state_from_checkpoint),
     "llm": StageCheckpoint(llm.PREFIXES, llm.state_from_checkpoint),
     "tts": StageCheckpoint(tts.PREFIXES, tts.state_from_checkpoint),
-    # Not in the published file; loaded when a folder has it (token2wav ships as assets/token2wav/).
-    "speaker_encoder": StageCheckpoint(("speaker_encoder.",), _strip("speaker_encoder.")),
 }
 REQUIRED_STAGES = ("audio_encoder", "vision_encoder", "llm", "tts")  # what the published file holds
 

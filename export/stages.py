@@ -17,14 +17,16 @@ from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_i
 
 from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
 from .modules.llm import DuplexLLM
-from .modules.speaker import SpeakerEncoder
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
 from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
 from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 
-STAGE_NAMES = ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts", "token2wav")
+STAGE_NAMES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")
+# Each stage's random weights come from `seed` + its offset here: its place in the stage list when tiny's
+# weights were fixed (2 was the retired speaker_encoder's), so removing a stage changes no other stage's weights.
+SEED_OFFSETS = {"audio_encoder": 0, "vision_encoder": 1, "llm": 3, "tts": 4, "token2wav": 5, "token2wav_voice": 6}
 
 
 @dataclass
@@ -70,24 +72,23 @@ def init_random_weights(stage: str, module: nn.Module, preset: PresetConfig) -> 
 
 
 def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
-    """Each stage from a seed of its own (`seed` + its index in STAGE_NAMES), so changing one stage's
-    module leaves the other stages' random weights as they were."""
+    """Each stage from a seed of its own (`seed` + its SEED_OFFSETS), so changing one stage's module
+    leaves the other stages' random weights as they were."""
     h = preset.llm.hidden
     makers: dict[str, Callable[[], nn.Module]] = {
         "audio_encoder": lambda: AudioEncoder(preset.audio, h),
         "vision_encoder": lambda: VisionEncoder(preset.vision, h),
-        "speaker_encoder": lambda: SpeakerEncoder(preset.speaker),
         "llm": lambda: DuplexLLM(preset.llm),
         "tts": lambda: DuplexTTS(preset.tts, h),
-        "token2wav": lambda: Token2WavModel.random(preset.token2wav, seed + STAGE_NAMES.index("token2wav")),
+        "token2wav": lambda: Token2WavModel.random(preset.token2wav, seed + SEED_OFFSETS["token2wav"]),
     }
     modules: dict[str, nn.Module] = {}
-    for i, stage in enumerate(STAGE_NAMES):
-        torch.manual_seed(seed + i)
+    for stage in STAGE_NAMES:
+        torch.manual_seed(seed + SEED_OFFSETS[stage])
         modules[stage] = makers[stage]()
         init_random_weights(stage, modules[stage], preset)
-    torch.manual_seed(seed + len(STAGE_NAMES))  # token2wav's voice-prompt graphs (a checkpoint ships its own ONNX)
-    modules["token2wav_voice"] = nn.ModuleDict({"campplus": TinyCampPlus(dim=preset.speaker.dim),
+    torch.manual_seed(seed + SEED_OFFSETS["token2wav_voice"])  # the voice-prompt graphs (a checkpoint ships its own)
+    modules["token2wav_voice"] = nn.ModuleDict({"campplus": TinyCampPlus(dim=preset.token2wav.spk_embed_dim),
                                                 "s3": TinyS3Tokenizer()}).eval()
     return modules
 
@@ -163,10 +164,6 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
             **_decoder_inputs(g, tts.layers, tts.kv_heads, tts.head_dim, b, t, p),
         }
 
-
-    def speaker_inputs(g: torch.Generator) -> dict[str, torch.Tensor]:
-        return {"audio": 0.1 * torch.randn(b, 24_000, generator=g)}
-
     bt = {0: batch, 1: seq}
     audio_tokens = Dim("audio_tokens", min=1, max=300)  # a stream chunk: whole LLM tokens of 10 mel frames
     mel_frames = 2 * CONTEXT_FRAMES + 10 * audio_tokens
@@ -190,8 +187,6 @@ def stage_graphs(preset: PresetConfig, modules: dict[str, nn.Module]) -> list[St
         StageGraph("tts", modules["tts"], tts_inputs, ["logits", "present_key", "present_value"],
                    {"text_ids": bt, "llm_hidden": bt, "has_hidden": bt, "code_ids": bt, "is_code": bt,
                     **decoder_axes}),
-        StageGraph("speaker_encoder", modules["speaker_encoder"], speaker_inputs, ["embedding"],
-                   {"audio": {0: batch, 1: Dim("ref_samples", min=1600, max=16_000 * 30)}}),
         *token2wav_stage_graphs(preset, modules["token2wav"]),
         *voice_prompt_graphs(modules["token2wav_voice"]),
     ]
@@ -291,5 +286,5 @@ def stage_files(preset: PresetConfig, modules: dict[str, nn.Module], seed: int) 
     voice = io.BytesIO()
     np.savez(voice, tokens=rng.integers(0, preset.token2wav.vocab, DEFAULT_VOICE_TOKENS),
              mel=rng.normal(-6.0, 1.5, (2 * DEFAULT_VOICE_TOKENS, preset.token2wav.n_mels)).astype(np.float32),
-             embedding=rng.standard_normal(preset.speaker.dim).astype(np.float32))
+             embedding=rng.standard_normal(preset.token2wav.spk_embed_dim).astype(np.float32))
     return {"token2wav/1/tables.npz": tables_bytes(model), "token2wav/1/default_voice.npz": voice.getvalue()}

@@ -46,8 +46,6 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
         n, opt, most = d.batch_slices, (d.scale_resolution // d.patch) ** 2, d.max_patches
         return {"pixels": ((1, 3, d.patch, d.patch), (n, 3, d.patch, opt * d.patch), (n, 3, d.patch, most * d.patch)),
                 "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}
-    if stage == "speaker_encoder":
-        return {"audio": ((1, 1600), (1, 16_000 * 5), (4, 16_000 * 30))}
     d = preset.llm if stage == "llm" else preset.tts.decoder
     kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731
     seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))

@@ -46,9 +46,6 @@ class TritonBlsStages:
     async def vision_encoder(self, request: io.VisionEncoderRequest) -> io.VisionEncoderResult:
         return await self._exec("vision_encoder", request, io.VisionEncoderResult)
 
-    async def speaker_encoder(self, request: io.SpeakerEncoderRequest) -> io.SpeakerEncoderResult:
-        return await self._exec("speaker_encoder", request, io.SpeakerEncoderResult)
-
     async def llm(self, call: StageCall[io.LlmRequest], ready: Ready | None = None) -> io.LlmResult:
         return await self._exec("llm", call.request, io.LlmResult, call, ready)
 

@@ -12,7 +12,6 @@ from .pipeline import DuplexPipeline, Ready
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
-from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
@@ -37,7 +36,6 @@ class InProcessStages:
         v = lambda name: repository / name / "1"  # noqa: E731
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
         self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision)
-        self.speaker = SpeakerEncoderStage(load_engine(v("speaker_encoder"), threads))
         self.stream_encoder = AudioStreamEncoder(load_engine(v("audio_encoder"), threads, "stream"), self.preset.audio,
                                                  self.preset.samples_per_audio_token)
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s,
@@ -50,9 +48,6 @@ class InProcessStages:
 
     async def vision_encoder(self, request: io.VisionEncoderRequest) -> io.VisionEncoderResult:
         return _raise(self.vision.run([request])[0])
-
-    async def speaker_encoder(self, request: io.SpeakerEncoderRequest) -> io.SpeakerEncoderResult:
-        return _raise(self.speaker.run([request])[0])
 
     async def llm(self, call: StageCall[io.LlmRequest], ready: Ready | None = None) -> io.LlmResult:
         if ready is not None:

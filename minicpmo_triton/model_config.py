@@ -52,15 +52,6 @@ class VisionDims:
 
 
 @dataclass(frozen=True)
-class SpeakerDims:
-    """A CAM++-style speaker encoder: reference audio -> a 192-d voice embedding for TTS and token2wav."""
-
-    n_mels: int = 80
-    channels: int = 64
-    dim: int = 192
-
-
-@dataclass(frozen=True)
 class DecoderDims:
     hidden: int = 128
     layers: int = 2
@@ -113,6 +104,7 @@ class Token2WavDims:
     hift_channels: int = 16  # HiFT base channels (512)
     f0_channels: int = 16  # F0 predictor width (512)
     n_mels: int = 80
+    spk_embed_dim: int = 192  # the CAM++ voice vector (campplus.onnx's output; flow.yaml's spk_embed_dim)
     n_timesteps: int = 5  # MiniCPM-o's CFM steps
     chunk_tokens: int = 25  # tokens per streamed chunk (+ lookahead)
     lookahead: int = 3  # the conformer's pre_lookahead_len
@@ -181,7 +173,6 @@ class PresetConfig:
     duplex: DuplexDefaults = field(default_factory=DuplexDefaults)
     tokenizer: str = "bytes"  # "bytes" or "huggingface" (files in the stage folder)
     vision: VisionDims = field(default_factory=VisionDims)
-    speaker: SpeakerDims = field(default_factory=SpeakerDims)
 
     @property
     def audio_tokens_per_second(self) -> int:
@@ -214,7 +205,6 @@ class PresetConfig:
             duplex=DuplexDefaults(**data.get("duplex", {})),
             tokenizer=data.get("tokenizer", "bytes"),
             vision=VisionDims(**data.get("vision", {})),
-            speaker=SpeakerDims(**data.get("speaker", {})),
         )
 
     @classmethod

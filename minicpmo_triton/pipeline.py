@@ -8,7 +8,6 @@ so START goes with a stage's first call and END reaches each started stage exact
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -26,8 +25,6 @@ from .stage_io import (
     AudioEncoderResult,
     LlmRequest,
     LlmResult,
-    SpeakerEncoderRequest,
-    SpeakerEncoderResult,
     Token2WavRequest,
     Token2WavResult,
     TtsRequest,
@@ -53,8 +50,6 @@ class StageClient(Protocol):
     async def audio_encoder(self, request: AudioEncoderRequest) -> AudioEncoderResult: ...
 
     async def vision_encoder(self, request: VisionEncoderRequest) -> VisionEncoderResult: ...
-
-    async def speaker_encoder(self, request: SpeakerEncoderRequest) -> SpeakerEncoderResult: ...
 
     async def llm(self, call: StageCall[LlmRequest], ready: Ready | None = None) -> LlmResult:
         """`ready` is awaited once the call is built, just before it is sent (the batching door)."""
@@ -112,7 +107,7 @@ class DuplexPipeline:
     def _named(self, voice: VoiceRefs) -> VoiceRefs:
         """A named voice is the TTS reference unless the session sent its own."""
         named = self.voices.get(voice.name) if voice.name and voice.tts_ref_audio is None else None
-        return voice if named is None else dataclasses.replace(voice, tts_ref_audio=named)
+        return voice if named is None else replace(voice, tts_ref_audio=named)
 
     async def system_prefix(self, state: DuplexSession, prompt: str) -> tuple[list[int], np.ndarray]:
         """`<|im_start|>system\n{prompt}\n<|audio_start|>[the LLM's voice reference]<|audio_end|><|im_end|>`."""

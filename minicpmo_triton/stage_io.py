@@ -75,17 +75,6 @@ class AudioEncoderResult:
     embeds: np.ndarray = tensor(np.float32, 2)  # [10 per second, llm hidden]
 
 
-# ---- speaker_encoder ----
-@dataclass
-class SpeakerEncoderRequest:
-    audio: np.ndarray = tensor(np.float32, 1)  # a voice reference, 16 kHz mono
-
-
-@dataclass
-class SpeakerEncoderResult:
-    embedding: np.ndarray = tensor(np.float32, 1)  # 192-d, unit length
-
-
 # ---- vision_encoder ----
 @dataclass
 class VisionEncoderRequest:
@@ -178,7 +167,6 @@ class Token2WavResult:
 STAGE_IO: dict[str, tuple[type, type]] = {
     "audio_encoder": (AudioEncoderRequest, AudioEncoderResult),
     "vision_encoder": (VisionEncoderRequest, VisionEncoderResult),
-    "speaker_encoder": (SpeakerEncoderRequest, SpeakerEncoderResult),
     "llm": (LlmRequest, LlmResult),
     "tts": (TtsRequest, TtsResult),
     "token2wav": (Token2WavRequest, Token2WavResult),

@@ -30,7 +30,6 @@ from .stage_io import STAGE_IO, decode, encode
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
-from .stages.speaker_encoder import SpeakerEncoderStage
 from .stages.token2wav import PROMPT_CACHE_MB, Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
@@ -312,10 +311,3 @@ class DuplexModel:
         self.gauge.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-class SpeakerEncoderModel(_StatelessStageModel):
-    stage_name = "speaker_encoder"
-
-    def make_stage(self, ctx: _ModelContext) -> SpeakerEncoderStage:
-        return SpeakerEncoderStage(load_engine(ctx.version_dir, _threads(ctx)))

@@ -188,15 +188,19 @@ def test_the_tokenizer_set_is_required(reference, tmp_path: Path) -> None:
 
 def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
+    stale = repo / "speaker_encoder" / "1" / "model.onnx"  # an older export's artefact, its config.pbtxt gone
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"onnx")
     done = export(reference.folder, repo)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert not (repo / "speaker_encoder").exists() and "retired speaker_encoder" in done.stdout
     assert "loaded audio_encoder, vision_encoder, llm, tts, token2wav from" in done.stdout
-    assert "random weights for speaker_encoder" in done.stdout
+    assert "random weights" not in done.stdout  # every stage from the checkpoint
     assert "KV per session" in done.stdout and "memory at minicpm-o-4.5 dimensions" in done.stdout
     preset = load_stage_config(repo / "llm" / "1")
     assert preset.name == "minicpm-o-4.5" and preset.llm.hidden == 32 and preset.tokens == MINICPMO45_TOKENS
     assert preset.llm.vocab == 151_748
-    for stage in ("audio_encoder", "vision_encoder", "speaker_encoder", "llm", "tts"):
+    for stage in ("audio_encoder", "vision_encoder", "llm", "tts"):
         assert (repo / stage / "1" / "model.onnx").exists()
     assert (repo / "audio_encoder" / "1" / "stream.onnx").exists()
     for graph in ("encoder", "estimator", "vocoder"):  # token2wav's three graphs

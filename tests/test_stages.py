@@ -167,7 +167,7 @@ def test_tts_gives_25_tokens_per_chunk_and_batches(preset) -> None:
         assert (a.speech_tokens < preset.tts.num_audio_tokens - 1).all()  # no EOS mid-turn
 
 
-@pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder", "vision_encoder", "speaker_encoder"])
+@pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder", "vision_encoder"])
 def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     """config.pbtxt and the dataclasses the code exchanges must not drift apart."""
     text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
@@ -181,7 +181,7 @@ def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     inputs = text.split("\ninput [", 1)[1].split("\n]", 1)[0]
     for line in re.findall(r'\{ name: "\w+" data_type: \w+ dims: \[ [-\d, ]*-1[-\d, ]* \][^\n]*', inputs):
         assert "allow_ragged_batch: true" in line, line
-    if model not in ("audio_encoder", "vision_encoder", "speaker_encoder"):
+    if model not in ("audio_encoder", "vision_encoder"):
         assert "CONTROL_SEQUENCE_START" in text and "CONTROL_SEQUENCE_CORRID" in text and "oldest" in text
 
 

@@ -34,7 +34,7 @@ FLOW_YAML = """\
 flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
     input_size: {channels}
     output_size: {n_mels}
-    spk_embed_dim: 192
+    spk_embed_dim: {spk_embed_dim}
     output_type: 'mel'
     vocab_size: {vocab}
     encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2
@@ -76,8 +76,8 @@ NOISE_SEED = 0  # CausalConditionalCFM draws its noise table at construction (no
 
 def flow_yaml(d: Token2WavDims) -> str:
     return FLOW_YAML.format(dit_in=4 * d.n_mels, **{k: getattr(d, k) for k in (
-        "channels", "n_mels", "vocab", "lookahead", "num_blocks", "num_up_blocks", "heads", "linear_units",
-        "dit_mlp_ratio", "dit_depth", "dit_heads", "dit_head_dim", "dit_hidden")})
+        "channels", "n_mels", "spk_embed_dim", "vocab", "lookahead", "num_blocks", "num_up_blocks", "heads",
+        "linear_units", "dit_mlp_ratio", "dit_depth", "dit_heads", "dit_head_dim", "dit_hidden")})
 
 
 def build_hift(d: Token2WavDims) -> nn.Module:
@@ -101,7 +101,8 @@ def dims_of(model: Token2WavModel, base: Token2WavDims) -> Token2WavDims:
     width = est.blocks[0].norm1.normalized_shape[0]
     return dataclasses.replace(
         base, vocab=flow.input_embedding.weight.shape[0], channels=flow.input_embedding.weight.shape[1],
-        n_mels=flow.output_size, lookahead=flow.pre_lookahead_len, heads=enc.encoders[0].self_attn.h,
+        n_mels=flow.output_size, spk_embed_dim=flow.spk_embed_affine_layer.in_features,
+        lookahead=flow.pre_lookahead_len, heads=enc.encoders[0].self_attn.h,
         linear_units=enc.encoders[0].feed_forward.w_1.out_features, num_blocks=len(enc.encoders),
         num_up_blocks=len(enc.up_encoders), dit_depth=len(est.blocks), dit_hidden=width,
         dit_heads=est.blocks[0].attn.num_heads, dit_head_dim=est.blocks[0].attn.head_dim,
