@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             token2wav = load_token2wav(args.checkpoint, preset.token2wav)  # assets/token2wav, beside the safetensors
             if token2wav is not None:
                 preset = dataclasses.replace(preset, token2wav=dims_of(token2wav, preset.token2wav))
-            modules = build_modules(preset, modules_seed)
+            modules = build_modules(preset, modules_seed, token2wav)
             loaded = load_checkpoint(args.checkpoint, modules, preset)
             if token2wav is not None:
-                modules["token2wav"] = token2wav
                 loaded.append("token2wav")
             if preset.tokenizer == "huggingface":
                 copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")

@@ -3,8 +3,9 @@ model.safetensors.index.json, and the tokenizer's files.
 
 Each stage claims its tensors by prefix and renames them to its module's state-dict names with the
 `state_from_checkpoint` beside its module (`export/modules/<stage>.py`); `STAGE_CHECKPOINTS` is the one
-table a stage is registered in. Every problem is collected first and raised as one `CheckpointError`
-whose text says, per stage, which tensors are missing, unexpected or mis-shaped.
+table a stage is registered in. Every problem is collected first, from the shards' headers alone, and
+raised as one `CheckpointError` whose text says, per stage, which tensors are missing, unexpected or
+mis-shaped. Tensors are read lazily, one stage at a time (`CheckpointTensors`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors import safe_open
 from torch import nn
 
 from minicpmo_triton.model_config import PresetConfig, Token2WavDims
@@ -115,55 +118,95 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return [folder / n for n in named]
 
 
-def read_tensors(folder: Path) -> Tensors:
-    from safetensors import safe_open
+# safetensors' dtype names (the headers) -> torch's, for the shape-only stand-ins the report is computed on
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
 
-    files = checkpoint_files(folder)
-    index = Path(folder) / INDEX_FILE
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
-    tensors: Tensors = {}
-    for path in files:
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if weight_map is not None and weight_map.get(name) != path.name:
-                    raise CheckpointError(f"{path.name} holds {name}, which {INDEX_FILE} puts in "
-                                          f"{weight_map.get(name, 'no shard')}")
-                tensors[name] = f.get_tensor(name)
-    if weight_map is not None and (lost := sorted(weight_map.keys() - tensors.keys())):
-        raise CheckpointError(f"{INDEX_FILE} names {len(lost)} tensors no shard holds, e.g. {lost[:SHOWN]}")
-    return tensors
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its shard's header describes it: no data."""
+
+    shard: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, ...
+
+
+class CheckpointTensors:
+    """The checkpoint's tensors by name, read lazily. Opening reads only the shards' headers (names, shapes,
+    dtypes) and checks them against the index; `read` reads the named tensors' data (safetensors maps the
+    shard and copies out each tensor asked for), `meta` makes data-free stand-ins of the right shapes."""
+
+    def __init__(self, folder: Path) -> None:
+        files = checkpoint_files(folder)
+        index = Path(folder) / INDEX_FILE
+        weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+        self.info: dict[str, TensorInfo] = {}
+        for path in files:
+            with safe_open(str(path), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if weight_map is not None and weight_map.get(name) != path.name:
+                        raise CheckpointError(f"{path.name} holds {name}, which {INDEX_FILE} puts in "
+                                              f"{weight_map.get(name, 'no shard')}")
+                    header = f.get_slice(name)
+                    self.info[name] = TensorInfo(path, tuple(header.get_shape()), header.get_dtype())
+        if weight_map is not None and (lost := sorted(weight_map.keys() - self.info.keys())):
+            raise CheckpointError(f"{INDEX_FILE} names {len(lost)} tensors no shard holds, e.g. {lost[:SHOWN]}")
+        if unknown := sorted({i.dtype for i in self.info.values()} - DTYPES.keys()):
+            raise CheckpointError(f"{folder}: tensors of dtypes {unknown}, which the loader does not know")
+
+    def names(self, prefixes: tuple[str, ...]) -> list[str]:
+        return [n for n in self.info if n.startswith(prefixes)]
+
+    def meta(self, names: list[str]) -> Tensors:
+        """Shape-only stand-ins (the meta device): a stage's renaming runs on them to check it without data."""
+        return {n: torch.empty(self.info[n].shape, dtype=DTYPES[self.info[n].dtype], device="meta") for n in names}
+
+    def read(self, names: list[str]) -> Tensors:
+        """The named tensors' data, each shard opened once."""
+        tensors: Tensors = {}
+        for shard in sorted({self.info[n].shard for n in names}):
+            with safe_open(str(shard), "pt") as f:
+                tensors |= {n: f.get_tensor(n) for n in names if self.info[n].shard == shard}
+        return tensors
 
 
 def load_checkpoint(folder: Path, modules: dict[str, nn.Module], preset: PresetConfig,
                     require: tuple[str, ...] = REQUIRED_STAGES) -> list[str]:
     """Load every registered stage whose tensors are present (those in `require` must be); returns them.
 
-    Nothing is loaded unless everything fits: a mismatch anywhere raises one report for all stages.
+    Nothing is loaded unless everything fits: every stage is checked first, from the shards' headers alone
+    (its renaming run on shape-only stand-ins), and a mismatch anywhere raises one report for all stages.
+    Then one stage at a time: its tensors are read, renamed, copied into its module and released before the
+    next stage's are read, so at most one stage's tensors are in memory beside the modules.
     """
-    tensors = read_tensors(folder)
+    shards = CheckpointTensors(folder)
     claimed: set[str] = set()
-    states: dict[str, Tensors] = {}
+    parts: dict[str, list[str]] = {}
     problems: list[StageProblems] = []
     for stage, spec in STAGE_CHECKPOINTS.items():
-        part = {k: v for k, v in tensors.items() if k.startswith(spec.prefixes)}
-        claimed |= part.keys()
-        if not part:
+        names = shards.names(spec.prefixes)
+        claimed |= set(names)
+        if not names:
             if stage in require:
                 problems.append(StageProblems(stage, missing=[(f"{'|'.join(spec.prefixes)}*", ())]))
             continue
-        states[stage] = spec.state_from_checkpoint(part, preset)
-        found = compare_state(stage, modules[stage], states[stage])
+        parts[stage] = names
+        found = compare_state(stage, modules[stage], spec.state_from_checkpoint(shards.meta(names), preset))
         if found:
             problems.append(found)
-    stray = {k: tuple(v.shape) for k, v in tensors.items() if k not in claimed}
+    stray = {n: i.shape for n, i in shards.info.items() if n not in claimed}
     if stray:
         problems.append(StageProblems("(no stage)", unexpected=_sorted_shapes(stray)))
     if problems:
         raise CheckpointError("\n".join([f"{folder} does not fit preset {preset.name}:",
                                          *(line for p in problems for line in p.lines())]))
-    for stage, state in states.items():
+    for stage, names in parts.items():
+        state = STAGE_CHECKPOINTS[stage].state_from_checkpoint(shards.read(names), preset)
         modules[stage].load_state_dict(state, strict=True)
-    return list(states)
+        del state  # this stage's tensors go before the next stage's are read
+    return list(parts)
 
 
 def read_config(folder: Path) -> dict:

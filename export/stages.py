@@ -71,16 +71,17 @@ def init_random_weights(stage: str, module: nn.Module, preset: PresetConfig) -> 
             module.lm_head.weight[preset.tokens.im_end].zero_()
 
 
-def build_modules(preset: PresetConfig, seed: int) -> dict[str, nn.Module]:
+def build_modules(preset: PresetConfig, seed: int, token2wav: Token2WavModel | None = None) -> dict[str, nn.Module]:
     """Each stage from a seed of its own (`seed` + its SEED_OFFSETS), so changing one stage's module
-    leaves the other stages' random weights as they were."""
+    leaves the other stages' random weights as they were. `token2wav`: a checkpoint's, used as it is (a random
+    one is not built beside it: the official CFM allocates ~2 GB of streaming buffers per instance)."""
     h = preset.llm.hidden
     makers: dict[str, Callable[[], nn.Module]] = {
         "audio_encoder": lambda: AudioEncoder(preset.audio, h),
         "vision_encoder": lambda: VisionEncoder(preset.vision, h),
         "llm": lambda: DuplexLLM(preset.llm),
         "tts": lambda: DuplexTTS(preset.tts, h),
-        "token2wav": lambda: Token2WavModel.random(preset.token2wav, seed + SEED_OFFSETS["token2wav"]),
+        "token2wav": lambda: token2wav or Token2WavModel.random(preset.token2wav, seed + SEED_OFFSETS["token2wav"]),
     }
     modules: dict[str, nn.Module] = {}
     for stage in STAGE_NAMES:

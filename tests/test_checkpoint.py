@@ -8,12 +8,14 @@ import re
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from export import checkpoint
 from export.checkpoint import (
     DEFAULT_VOICE,
     TOKEN2WAV_ASSETS,
@@ -113,6 +115,73 @@ def test_loading_takes_every_tensor_from_the_reference(reference) -> None:
                  "emb_text.weight", "model.layers.1.self_attn.o_proj.weight"):
         assert torch.equal(mine[name], tts.state_dict()[name]), name
     assert mine["model.embed_tokens.weight"].shape == (32_000, 32)  # present in the file, never used
+
+
+class RecordingShards:
+    """safe_open as the loader uses it, recording every tensor whose data is read (get_tensor), with a weak
+    reference to it, so a test sees what was read when, and whether it is still held."""
+
+    reads: list[tuple[str, weakref.ref[torch.Tensor]]] = []
+
+    def __init__(self, path: str, framework: str) -> None:
+        from safetensors import safe_open
+
+        self.file = safe_open(path, framework)
+
+    def __enter__(self) -> RecordingShards:
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.file.keys()
+
+    def get_slice(self, name: str):  # type: ignore[no-untyped-def]
+        return self.file.get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self.file.get_tensor(name)
+        self.reads.append((name, weakref.ref(tensor)))
+        return tensor
+
+
+def test_loading_reads_one_stage_at_a_time(reference, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening reads the shards' headers only; the report needs no data; each stage's tensors are read when it
+    is loaded, and released before the next stage's are read."""
+    monkeypatch.setattr(checkpoint, "safe_open", RecordingShards)
+    monkeypatch.setattr(RecordingShards, "reads", [])
+    reads = RecordingShards.reads
+    shards = checkpoint.CheckpointTensors(reference.folder)
+    assert not reads
+    assert {n: i.shape for n, i in shards.info.items()} == {n: tuple(t.shape) for n, t in reference.tensors.items()}
+    assert {i.dtype for i in shards.info.values()} == {"F32"}
+
+    damaged = copy_of(reference, tmp_path)
+    rewrite_shard(damaged, lambda t: {k: (v[:-1] if k == "tts.emb_text.weight" else v) for k, v in t.items()})
+    with pytest.raises(CheckpointError, match="mis-shaped  emb_text.weight"):
+        load(damaged)
+    assert not reads  # a checkpoint that does not fit is refused before any data is read
+
+    def stage_of(name: str) -> str:
+        return next(s for s, spec in checkpoint.STAGE_CHECKPOINTS.items() if name.startswith(spec.prefixes))
+
+    preset = preset_from_config(minicpmo45(), read_config(reference.folder))
+    modules = build_modules(preset, seed=999)
+    order: list[str] = []
+    for stage, module in modules.items():
+        def load_state_dict(state, strict=True, stage=stage, original=module.load_state_dict):  # type: ignore[no-untyped-def]
+            order.append(stage)
+            assert {stage_of(n) for n, _ in reads} == set(order)  # this stage's and the loaded ones', no other
+            assert {stage_of(n) for n, ref in reads if ref() is not None} == {stage}  # the loaded ones released
+            return original(state, strict=strict)
+
+        module.load_state_dict = load_state_dict
+    assert checkpoint.load_checkpoint(reference.folder, modules, preset) == order
+    assert order == ["audio_encoder", "vision_encoder", "llm", "tts"]
+    assert sorted(n for n, _ in reads) == sorted(reference.tensors)  # each tensor read once
+    assert all(ref() is None for _, ref in reads)
 
 
 def test_old_style_weight_norm_still_folds(reference, tmp_path: Path) -> None:
