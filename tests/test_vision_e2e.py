@@ -30,7 +30,7 @@ def test_slicing_follows_the_image() -> None:
     assert slice_grid(640, 480, 4, 448) == (1, 2)  # 1.5 slices' worth -> 2, side by side
     assert slice_grid(1344, 448, 9, 448) == (1, 3)
     # the overview and two slices, each resized keeping its aspect ratio to about 448x448 px, patch-aligned
-    slices = image_slices(base64.b64decode(jpeg(640, 480)), 4)
+    slices = image_slices(base64.b64decode(jpeg(640, 480)), 4).slices
     assert [(s.rows, s.cols) for s in slices] == [(28, 37), (39, 26), (39, 26)]
     assert all(s.pixels.shape == (3, 14, s.rows * s.cols * 14) for s in slices)
 
