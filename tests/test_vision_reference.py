@@ -357,7 +357,9 @@ def test_slicing_follows_the_reference(size: tuple[int, int], max_slice_nums: in
     grid = ref_get_sliced_grid(size, max_slice_nums)
     assert slice_grid(width, height, max_slice_nums, 448) == (None if grid is None else (grid[1], grid[0]))
     expected = ref_preprocess(Image.open(io.BytesIO(data)), max_slice_nums)
-    got = image_slices(data, max_slice_nums).slices
+    sliced = image_slices(data, max_slice_nums)
+    assert sliced.grid == slice_grid(width, height, max_slice_nums, 448)
+    got = sliced.slices
     assert [(s.rows, s.cols) for s in got] == [tgt for _, tgt in expected]  # tgt_sizes
     for s, (pixels, _) in zip(got, expected, strict=True):
         np.testing.assert_allclose(s.pixels, pixels, atol=1e-6)
