@@ -36,7 +36,7 @@ def _tiny_tokens() -> SpecialTokens:
     names = (
         "im_start", "im_end", "audio_start", "audio_end", "unit", "unit_end", "image", "image_end",
         "slice", "slice_end", "tts_bos", "listen", "speak", "turn_eos", "chunk_eos", "chunk_tts_eos",
-        "tts_pad", "audio_placeholder",
+        "tts_pad", "audio_placeholder", "image_id", "image_id_end",
     )
     return SpecialTokens(**{name: ids[tok] for name, tok in zip(names, TINY_SPECIALS, strict=True)})
 
@@ -92,9 +92,9 @@ def tiny() -> PresetConfig:
 # MiniCPM-o 4.5's token ids (added_tokens.json); `audio_placeholder` is the <unk> id, never sampled.
 MINICPMO45_TOKENS = SpecialTokens(
     im_start=151644, im_end=151645, audio_start=151697, audio_end=151699, unit=151683, unit_end=151684,
-    image=151669, image_end=151670, slice=151679, slice_end=151680, tts_bos=151703, listen=151705,
-    speak=151706, turn_eos=151717, chunk_eos=151718, chunk_tts_eos=151721, tts_pad=151722,
-    audio_placeholder=128244,
+    image=151669, image_end=151670, slice=151679, slice_end=151680, image_id=151681, image_id_end=151682,
+    tts_bos=151703, listen=151705, speak=151706, turn_eos=151717, chunk_eos=151718, chunk_tts_eos=151721,
+    tts_pad=151722, audio_placeholder=128244,
 )
 
 

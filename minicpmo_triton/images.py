@@ -37,6 +37,12 @@ class Slice:
     cols: int  # tgt_sizes[1]: patch columns
 
 
+@dataclass(frozen=True)
+class SlicedImage:
+    slices: list[Slice]  # the overview, then the HD slices row by row
+    grid: tuple[int, int] | None  # (rows, cols) of HD slices; None: the overview alone
+
+
 def slice_grid(width: int, height: int, max_slice_nums: int, size: int) -> tuple[int, int] | None:
     """(rows, cols) of HD slices, or None for the overview alone (`get_sliced_grid`)."""
     multiple = min(math.ceil(width * height / (size * size)), max_slice_nums)
@@ -114,7 +120,7 @@ def _decode(data: bytes) -> object:
 
 
 def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448, patch: int = 14,
-                 max_patches: int = 2048) -> list[Slice]:
+                 max_patches: int = 2048) -> SlicedImage:
     """The overview, then the HD slices row by row (`get_sliced_images` + `preprocess`).
 
     An image so narrow that a slice would pass `max_patches` (aspect ratios past about 4000:1; the
@@ -136,7 +142,7 @@ def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448, patch: i
         w, h = refined.width // grid[1], refined.height // grid[0]
         out += [_by_patch(refined.crop((c * w, r * h, (c + 1) * w, (r + 1) * h)), patch)
                 for r in range(grid[0]) for c in range(grid[1])]
-    return out
+    return SlicedImage(out, grid)
 
 
 def _torch_arange_f32(start: float, step: float, count: int) -> np.ndarray:

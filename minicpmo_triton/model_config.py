@@ -129,6 +129,8 @@ class SpecialTokens:
     image_end: int
     slice: int
     slice_end: int
+    image_id: int  # `<image_id>N</image_id>` numbers a chat prompt's images
+    image_id_end: int
     tts_bos: int
     listen: int
     speak: int

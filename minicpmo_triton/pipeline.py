@@ -18,6 +18,7 @@ import numpy as np
 from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, VoiceRefs
 from .duplex_options import DuplexOptions
 from .errors import StepError
+from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
 from .model_config import PresetConfig
 from .rendezvous import BatchWindow, Member, Rendezvous
 from .stage_io import (
@@ -226,9 +227,9 @@ class DuplexPipeline:
             ids.append(tk.unit)
             if inp.frames:
                 t = time.perf_counter()
-                vision_ids, vision, n_slices = await self._vision(inp.frames, inp.max_slice_nums)
+                vision_ids, vision, n_slices = await self._vision(inp.frames, inp.max_slice_nums, DUPLEX)
                 metrics.update(cost_vision_ms=_ms(t), vision_slices=n_slices, vision_tokens=len(vision))
-                ids += vision_ids
+                ids += [i for image in vision_ids for i in image]
                 embeds = np.concatenate([embeds, vision])
                 n_vision = len(vision)
             # The LLM stage encodes the step's audio itself; its tokens follow everything before them.
@@ -307,18 +308,17 @@ class DuplexPipeline:
             parts.append(emb)
         return ids, np.concatenate(parts)
 
-    async def _vision(self, frames: list[bytes], max_slice_nums: list[int]) -> tuple[list[int], np.ndarray, int]:
-        """Token ids and embeddings of images: <image>[64]</image>, then <slice>[64]</slice> per HD slice."""
-        tk = self.preset.tokens
+    async def _vision(self, frames: list[bytes], max_slice_nums: list[int], layout: ImageLayout,
+                      first_index: int = 0) -> tuple[list[list[int]], np.ndarray, int]:
+        """Each image's token ids in `layout` (numbered from `first_index`), all their slices' embeddings
+        and the number of slices."""
         slices = list(max_slice_nums) or [1] * len(frames)
         result = await self.stages.vision_encoder(VisionEncoderRequest(
             images=np.array(frames, dtype=np.object_), max_slice_nums=np.asarray(slices, np.int64)))
         per_slice = result.embeds.shape[1]
-        ids: list[int] = []
-        for n in result.slices:
-            ids += [tk.image, *([tk.audio_placeholder] * per_slice), tk.image_end]
-            for _ in range(int(n) - 1):
-                ids += [tk.slice, *([tk.audio_placeholder] * per_slice), tk.slice_end]
+        grids = [(int(rows), int(cols)) if rows else None for rows, cols in result.grids]
+        ids = [image_ids(self.preset.tokens, self.tokenizer.encode, grid, per_slice, first_index + i, layout)
+               for i, grid in enumerate(grids)]
         embeds = result.embeds.reshape(-1, result.embeds.shape[-1])
         return ids, embeds, int(result.slices.sum())
 
@@ -344,6 +344,7 @@ class DuplexPipeline:
         embeds: list[np.ndarray] = []
         new = messages[len(history):]
         n_audio = n_vision = 0
+        n_images = sum(len(m.images) for m in messages[: len(history)])  # the prompt's images number on
         if "llm" not in state.started:
             system = opts.system_prompt
             if new and new[0].role == "system":  # (a welcome line may have nothing before it)
@@ -354,18 +355,22 @@ class DuplexPipeline:
             n_audio += len(prefix)
         for m in new:
             ids += [tk.im_start, *enc(f"{m.role}\n")]
+            parts: list[str | list[int]] = []  # the message's content: its images, its text, its audio
             if m.images:
-                vision_ids, vision, _ = await self._vision(list(m.images), [m.max_slice_nums] * len(m.images))
-                ids += vision_ids
+                vision_ids, vision, _ = await self._vision(list(m.images), [m.max_slice_nums] * len(m.images),
+                                                           CHAT, n_images)
+                parts += vision_ids
                 embeds.append(vision)
                 n_vision += len(vision)
-            ids += enc(m.text)
+                n_images += len(m.images)
+            if m.text:
+                parts.append(m.text)
             if m.audio is not None and len(m.audio):
                 emb = (await self.stages.audio_encoder(AudioEncoderRequest(m.audio))).embeds
                 embeds.append(emb)
                 n_audio += len(emb)
-                ids += [tk.audio_start, *([tk.audio_placeholder] * len(emb)), tk.audio_end]
-            ids += [tk.im_end, *enc("\n")]
+                parts.append([tk.audio_start, *([tk.audio_placeholder] * len(emb)), tk.audio_end])
+            ids += [*_lines(parts, enc), tk.im_end, *enc("\n")]
         ids += [tk.im_start, *enc("assistant\n")]
         usage = {"input_text_tokens": len(ids) - n_audio - n_vision, "input_audio_tokens": n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": 0, "output_speech_tokens": 0}
@@ -433,6 +438,22 @@ def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: b
         return {}
     state.voice_sent = voice
     return {"default_voice": True} if voice is None else {"voice": voice}
+
+
+def _lines(parts: list[str | list[int]], encode: Callable[[str], list[int]]) -> list[int]:
+    """A message's content parts joined by line breaks, as the reference's chat joins them (`"\n".join`).
+    The text between two runs of ids is encoded as one string, as the reference's tokenizer splits its
+    prompt only at special tokens."""
+    ids: list[int] = []
+    text = ""
+    for i, part in enumerate(parts):
+        text += "\n" if i else ""
+        if isinstance(part, str):
+            text += part
+            continue
+        ids += [*(encode(text) if text else []), *part]
+        text = ""
+    return ids + (encode(text) if text else [])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -85,7 +85,12 @@ class VisionEncoderRequest:
 @dataclass
 class VisionEncoderResult:
     embeds: np.ndarray = tensor(np.float32, 3)  # [slices of all images, 64, llm hidden]
-    slices: np.ndarray = tensor(np.int64, 1)  # slices per image (the overview included)
+    grids: np.ndarray = tensor(np.int64, 2)  # [images, 2] HD slices per image (rows, cols); (0, 0): the overview alone
+
+    @property
+    def slices(self) -> np.ndarray:
+        """Slices per image, the overview included."""
+        return (1 + self.grids.prod(axis=1)).astype(np.int64) if len(self.grids) else np.zeros(0, np.int64)
 
 
 # ---- llm ----

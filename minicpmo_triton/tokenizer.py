@@ -11,7 +11,7 @@ from .model_config import PresetConfig
 TINY_SPECIALS = (
     "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<unit>", "</unit>",
     "<image>", "</image>", "<slice>", "</slice>", "<|tts_bos|>", "<|listen|>", "<|speak|>",
-    "<|turn_eos|>", "<|chunk_eos|>", "<|chunk_tts_eos|>", "<|tts_pad|>", "<|audio|>",
+    "<|turn_eos|>", "<|chunk_eos|>", "<|chunk_tts_eos|>", "<|tts_pad|>", "<|audio|>", "<image_id>", "</image_id>",
 )
 
 

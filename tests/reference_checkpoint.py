@@ -207,7 +207,8 @@ STAGE_BUILDERS: dict[str, Builder] = {
 SPECIAL_STRINGS = {
     "im_start": "<|im_start|>", "im_end": "<|im_end|>", "audio_start": "<|audio_start|>",
     "audio_end": "<|audio_end|>", "unit": "<unit>", "unit_end": "</unit>", "image": "<image>",
-    "image_end": "</image>", "slice": "<slice>", "slice_end": "</slice>", "tts_bos": "<|tts_bos|>",
+    "image_end": "</image>", "slice": "<slice>", "slice_end": "</slice>", "image_id": "<image_id>",
+    "image_id_end": "</image_id>", "tts_bos": "<|tts_bos|>",
     "listen": "<|listen|>", "speak": "<|speak|>", "turn_eos": "<|turn_eos|>", "chunk_eos": "<|chunk_eos|>",
     "chunk_tts_eos": "<|chunk_tts_eos|>", "tts_pad": "<|tts_pad|>", "audio_placeholder": "<unk>",
 }

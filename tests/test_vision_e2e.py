@@ -30,7 +30,7 @@ def test_slicing_follows_the_image() -> None:
     assert slice_grid(640, 480, 4, 448) == (1, 2)  # 1.5 slices' worth -> 2, side by side
     assert slice_grid(1344, 448, 9, 448) == (1, 3)
     # the overview and two slices, each resized keeping its aspect ratio to about 448x448 px, patch-aligned
-    slices = image_slices(base64.b64decode(jpeg(640, 480)), 4)
+    slices = image_slices(base64.b64decode(jpeg(640, 480)), 4).slices
     assert [(s.rows, s.cols) for s in slices] == [(28, 37), (39, 26), (39, 26)]
     assert all(s.pixels.shape == (3, 14, s.rows * s.cols * 14) for s in slices)
 
@@ -84,4 +84,28 @@ async def test_turn_based_image_content(gateway, triton) -> None:
     assert done["type"] == "response.done", done
     assert done["chunk_usage"]["input_vision_tokens"] == 192
     await ws.close()
+    assert triton.wait_live(lambda lv: not any(lv.values())) == {"duplex": 0, "llm": 0, "tts": 0, "token2wav": 0}
+
+
+@pytest.mark.asyncio
+async def test_turn_based_images_carry_their_ids_and_row_breaks(gateway, triton) -> None:
+    """Two images in one message, the first a 2x3 grid of HD slices: the prompt holds, beside the same text
+    turn without images, the reference's `<image_id>N</image_id>`, `<image>`/`<slice>` markers, the line
+    break between the grid's two rows and those joining the message's parts."""
+    async def turn(images: list[str]) -> dict:
+        ws, _ = await open_session(gateway.ws, mode="turn_based")
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": "Compare."}]
+        await ws.send(json.dumps({"type": "input.append", "input": {"max_slice_nums": 9, "max_new_tokens": 2,
+                                                                    "messages": [{"role": "user", "content": parts}]}}))
+        done = (await recv_until(ws, lambda e: e["type"] in ("response.done", "error")))[-1]
+        await ws.close()
+        assert done["type"] == "response.done", done
+        return done["chunk_usage"]
+
+    plain, pictured = await turn([]), await turn([jpeg(1344, 896, 2), jpeg(320, 240, 3)])
+    assert pictured["input_vision_tokens"] == 64 * (1 + 6 + 1)
+    ids = 2 * 3  # <image_id>, one digit (tiny's byte tokenizer), </image_id>
+    markers = 2 * (1 + 6 + 1)  # <image></image>, <slice></slice> x 6, <image></image>
+    breaks = 1 + 2  # between the grid's rows; image | image | text
+    assert pictured["input_text_tokens"] - plain["input_text_tokens"] == ids + markers + breaks
     assert triton.wait_live(lambda lv: not any(lv.values())) == {"duplex": 0, "llm": 0, "tts": 0, "token2wav": 0}

@@ -357,7 +357,9 @@ def test_slicing_follows_the_reference(size: tuple[int, int], max_slice_nums: in
     grid = ref_get_sliced_grid(size, max_slice_nums)
     assert slice_grid(width, height, max_slice_nums, 448) == (None if grid is None else (grid[1], grid[0]))
     expected = ref_preprocess(Image.open(io.BytesIO(data)), max_slice_nums)
-    got = image_slices(data, max_slice_nums)
+    sliced = image_slices(data, max_slice_nums)
+    assert sliced.grid == slice_grid(width, height, max_slice_nums, 448)
+    got = sliced.slices
     assert [(s.rows, s.cols) for s in got] == [tgt for _, tgt in expected]  # tgt_sizes
     for s, (pixels, _) in zip(got, expected, strict=True):
         np.testing.assert_allclose(s.pixels, pixels, atol=1e-6)
@@ -396,7 +398,7 @@ def test_position_table_is_the_checkpoint_tensor(reference) -> None:
 
 def test_an_image_too_narrow_for_the_engine_is_a_bad_image() -> None:
     """1x16000 px: the reference would make one slice of 4048 patches, past the engine's 2048."""
-    assert [(s.rows, s.cols) for s in image_slices(_png(4, 4000, 1), 9)][0] == (1012, 1)  # 1000:1 still serves
+    assert [(s.rows, s.cols) for s in image_slices(_png(4, 4000, 1), 9).slices][0] == (1012, 1)  # 1000:1 still serves
     with pytest.raises(ImageError, match="too narrow"):
         image_slices(_png(1, 16_000, 1), 9)
 

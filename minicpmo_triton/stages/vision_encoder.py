@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..engines import Engine
-from ..images import Slice, image_slices, navit_position_ids
+from ..images import Slice, SlicedImage, image_slices, navit_position_ids
 from ..model_config import VisionDims
 from ..stage_io import VisionEncoderRequest, VisionEncoderResult
 from .base import isolated
@@ -29,7 +29,7 @@ class VisionEncoderStage:
         self.engine = engine
         self.dims = dims
 
-    def _slices(self, request: VisionEncoderRequest) -> list[list[Slice]]:
+    def _slices(self, request: VisionEncoderRequest) -> list[SlicedImage]:
         if len(request.max_slice_nums) not in (0, len(request.images)):
             raise ValueError("vision_encoder: one max_slice_nums per image")
         caps = request.max_slice_nums if len(request.max_slice_nums) else np.ones(len(request.images), np.int64)
@@ -39,7 +39,7 @@ class VisionEncoderStage:
 
     def run(self, requests: list[VisionEncoderRequest]) -> list[VisionEncoderResult | Exception]:
         results: list[VisionEncoderResult | Exception] = [VisionEncoderResult() for _ in requests]
-        work: list[tuple[int, list[list[Slice]]]] = []
+        work: list[tuple[int, list[SlicedImage]]] = []
         for i, request in enumerate(requests):
             try:
                 images = self._slices(request)
@@ -53,15 +53,16 @@ class VisionEncoderStage:
                 results[i] = out
         return results
 
-    def _encode(self, requests: list[list[list[Slice]]]) -> list[VisionEncoderResult]:
+    def _encode(self, requests: list[list[SlicedImage]]) -> list[VisionEncoderResult]:
         """Every slice of every request's images, `batch_slices` at a time."""
-        slices = [s for images in requests for image in images for s in image]
+        slices = [s for images in requests for image in images for s in image.slices]
         step = self.dims.batch_slices
         embeds = np.concatenate([self.engine.run(batch_inputs(slices[k:k + step], self.dims))["embeds"]
                                  for k in range(0, len(slices), step)])
         out, start = [], 0
         for images in requests:
-            counts = np.array([len(image) for image in images], np.int64)
-            out.append(VisionEncoderResult(embeds=embeds[start:start + counts.sum()], slices=counts))
-            start += int(counts.sum())
+            n = sum(len(image.slices) for image in images)
+            grids = np.array([image.grid or (0, 0) for image in images], np.int64).reshape(-1, 2)
+            out.append(VisionEncoderResult(embeds=embeds[start:start + n], grids=grids))
+            start += n
         return out
