@@ -6,8 +6,9 @@ attached to, its journal), the receive loop, the send path and the close.
 - `running(...)`: a `Session` for a dialect's state, ended when the block ends, whatever ends it (the
   Triton sequence is ended in `Session.close`, once). A resumable session outlives its first socket:
   the block waits out its disconnect grace.
-- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state, and
-  what it decides comes back as `Effects`, carried out here.
+- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state (a big
+  one in a worker thread), and what it decides comes back as `Effects`, carried out here. Every call into
+  the state holds the session's state lock: one call at a time, in the order they were made.
 
 With `resumable` (the Realtime dialects), each server event gets the next `server_event_seq` and goes
 into the journal before it is sent, so a client that reconnects with `session.resume` is replayed what it
