@@ -87,6 +87,11 @@ class EngineState:
     """Epochs fence output: a step planned before a barge-in is of an older epoch, and none of its
     events reach the client, however late they arrive."""
 
+    # A client frame of this many bytes or more (characters: JSON carrying base64 audio is ASCII) is decided
+    # in a worker thread by the shell, its work holding the event loop longer than the hand-off costs;
+    # None: every frame is cheap to decide.
+    offload_frame_bytes: ClassVar[int | None] = None
+
     session_id: str
     epoch: int = 0
     started: bool = False  # the first step (with the session's options) has been sent

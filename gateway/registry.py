@@ -32,6 +32,7 @@ class LiveSession(Protocol):
     owner: str  # the principal (gateway.auth) that opened it
     state: _State
     started_at: float
+    offloaded: int  # client frames decided in a worker thread
 
     async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
 
@@ -44,6 +45,7 @@ class Gateway:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.ready = False
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
+        self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
 
     @property
@@ -53,6 +55,10 @@ class Gateway:
     @property
     def stale_dropped(self) -> int:
         return self.stale_dropped_closed + sum(s.state.stale_dropped for s in self.sessions.values())
+
+    @property
+    def offloaded(self) -> int:
+        return self.offloaded_closed + sum(s.offloaded for s in self.sessions.values())
 
     # ---- slots: taken by shell.admitted, given back by it (one place) ----
     def reserve(self) -> None:
@@ -95,6 +101,7 @@ class Gateway:
     def forget(self, session: LiveSession) -> None:
         if self.sessions.pop(session.session_id, None) is not None:
             self.stale_dropped_closed += session.state.stale_dropped
+            self.offloaded_closed += session.offloaded
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:

@@ -103,6 +103,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             "max_sessions": settings.max_sessions,
             "queue_length": gw.queue_length,
             "stale_deltas_dropped": gw.stale_dropped,
+            "frames_offloaded": gw.offloaded,  # client frames big enough to be decided in a worker thread
         }
         who = caller(request)
         if who is not None:

@@ -6,8 +6,9 @@ attached to, its journal), the receive loop, the send path and the close.
 - `running(...)`: a `Session` for a dialect's state, ended when the block ends, whatever ends it (the
   Triton sequence is ended in `Session.close`, once). A resumable session outlives its first socket:
   the block waits out its disconnect grace.
-- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state, and
-  what it decides comes back as `Effects`, carried out here.
+- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state (a big
+  one in a worker thread), and what it decides comes back as `Effects`, carried out here. Every call into
+  the state holds the session's state lock: one call at a time, in the order they were made.
 
 With `resumable` (the Realtime dialects), each server event gets the next `server_event_seq` and goes
 into the journal before it is sent, so a client that reconnects with `session.resume` is replayed what it
@@ -23,13 +24,15 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from minicpmo_triton.duplex_contract import ChatInput, StepInput
 from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, describe
 
 from .auth import ANONYMOUS
+from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .engine import Effects, EngineState, PlannedStep, ServerEvent
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
@@ -48,6 +51,8 @@ log = logging.getLogger("gateway")
 
 QUEUE_UPDATE_S = 3.0
 SOCKET_CLOSE_S = 30.0  # a slow consumer's close handshake: the library gives up on it well before
+
+T = TypeVar("T")
 
 
 # Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
@@ -151,6 +156,10 @@ class Session:
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
         self.resume_token = secrets.token_urlsafe(24)
         self._send_lock = asyncio.Lock()
+        # The state is pure but not thread-safe, and a big frame is decided in a worker thread: every call
+        # into the state holds this lock, so step events wait for that frame and no two calls overlap.
+        self._state_lock = asyncio.Lock()
+        self.offloaded = 0  # client frames decided in a worker thread
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -214,9 +223,9 @@ class Session:
         self._socket_closing = asyncio.get_running_loop().create_task(close_socket())
         self._spawn(self.close("slow_consumer", emit=False))
 
-    def _control(self, event_type: str, **fields: Any) -> str:
+    def _control(self, event: ServerEvent) -> str:
         """A per-attachment event: it carries the current seq but is not journaled (replays do not repeat it)."""
-        return json.dumps({"type": event_type, "event_id": new_id("event"), **fields, "server_event_seq": self.seq})
+        return json.dumps({**event.encode(), "server_event_seq": self.seq})
 
     async def apply(self, fx: Effects) -> None:
         if fx.cancel:
@@ -226,7 +235,8 @@ class Session:
             try:
                 self._queue.put_nowait(step)
             except asyncio.QueueFull:
-                await self.emit([self.state.error_event(self.state.backpressure(self.settings.max_pending_steps))])
+                await self.emit([await self.locked(self._error, self.state.backpressure(
+                    self.settings.max_pending_steps))])
         if fx.close:
             self._spawn(self.close(fx.close))
 
@@ -240,22 +250,57 @@ class Session:
         if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
             log.info("session %s: background task failed: %s", self.session_id, describe(task.exception()))
 
+    # ---- the state: one call at a time ----
+    async def locked(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` on the loop, once no other call into the state (a frame in a worker thread) runs."""
+        async with self._state_lock:
+            return call(*args)
+
+    def _error(self, err: ProtocolError) -> ServerEvent:
+        return self.state.error_event(err)
+
+    def _on_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
+        """The state's answer to one frame, on whichever thread decides it; a refusal is answered with its
+        error (the error comes back too: one with a close code ends the session)."""
+        try:
+            return self.state.on_text(text), None
+        except ProtocolError as err:
+            return Effects([self.state.error_event(err)]), err
+        except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
+            log.error("session %s: a client event failed: %s", self.session_id, describe(exc))
+            return Effects([self.state.error_event(ProtocolError(
+                "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))]), None
+
+    async def _decide_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
+        """A frame of `state.offload_frame_bytes` or more is decided in a worker thread: its decoding,
+        resampling and VAD would hold the loop longer than the hand-off costs (docs/realtime.md). Smaller
+        frames (a barge-in's 100 ms) are decided inline: a hand-off would only make them later."""
+        limit = self.state.offload_frame_bytes
+        if limit is None or len(text) < limit:
+            return await self.locked(self._on_frame, text)
+        await self._state_lock.acquire()
+        self.offloaded += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(None, self._on_frame, text)
+            outcome = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the thread goes on, and the state is its own until it is done
+            work.add_done_callback(lambda _: self._state_lock.release())
+            raise
+        except BaseException:
+            self._state_lock.release()
+            raise
+        # Released here, not as the thread ends: the caller queues this frame's events to be sent before it
+        # yields, so a step event decided after the frame is sent after it too.
+        self._state_lock.release()
+        return outcome
+
     # ---- in ----
     async def handle(self, text: str) -> None:
         """One client frame: answered, applied, or refused with a coded error."""
-        try:
-            fx = self.state.on_text(text)
-        except ProtocolError as err:
-            await self.emit([self.state.error_event(err)])
-            if err.close_code is not None:
-                await self.close("protocol_error", message=err.message, ws_code=err.close_code)
-            return
-        except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
-            log.error("session %s: a client event failed: %s", self.session_id, describe(exc))
-            await self.emit([self.state.error_event(ProtocolError(
-                "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))])
-            return
+        fx, err = await self._decide_frame(text)
         await self.apply(fx)
+        if err is not None and err.close_code is not None:
+            await self.close("protocol_error", message=err.message, ws_code=err.close_code)
 
     # ---- steps: one at a time, in order ----
     @property
@@ -280,18 +325,22 @@ class Session:
                 self.fail("backend_error", str(exc))
                 return
 
+    def _request(self, step: PlannedStep) -> StepInput | ChatInput | None:
+        return self.state.prepare(step) if self.state.wanted(step) else None
+
     async def _run_step(self, step: PlannedStep) -> None:
-        if not self.state.wanted(step):
+        request = await self.locked(self._request, step)
+        if request is None:
             return
-        async for ev in self.triton.step(self.state.prepare(step)):
+        async for ev in self.triton.step(request):
             if ev.kind == "error":
                 if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self.apply(self.state.on_step_error(step, ev.code, ev.message))
+                    await self.apply(await self.locked(self.state.on_step_error, step, ev.code, ev.message))
                 else:
                     self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
                 return
-            await self.apply(self.state.on_step_event(step, ev))
-        await self.apply(self.state.on_step_end(step))
+            await self.apply(await self.locked(self.state.on_step_event, step, ev))
+        await self.apply(await self.locked(self.state.on_step_end, step))
 
     def lost(self) -> None:
         """Triton went away (its stream broke): the client is told `backend_unavailable`, retryable, and the
@@ -304,7 +353,7 @@ class Session:
         self._spawn(self._end_unavailable(err))
 
     async def _end_unavailable(self, err: ProtocolError) -> None:
-        await self.emit([self.state.error_event(err)])
+        await self.emit([await self.locked(self._error, err)])
         await self.close("backend_unavailable", message=err.message, ws_code=CLOSE_TRY_AGAIN)
 
     def fail(self, reason: str, message: str) -> None:
@@ -322,18 +371,16 @@ class Session:
             self.ws = ws
             if old is not None and old is not ws:
                 with contextlib.suppress(Exception):
-                    await old.send_text(self._control("session.replaced", session_id=self.session_id))
+                    await old.send_text(self._control(Replaced(self.session_id)))
                     await old.close(code=CLOSE_NORMAL, reason="replaced")
             if after_seq is None or self.journal is None:
                 return
             self.resume_token = secrets.token_urlsafe(24)
             missed = self.journal.since(after_seq)
             if missed is None:
-                await ws.send_text(self._control("session.resync_required", session_id=self.session_id,
-                                                 reason="journal_gap", resume_token=self.resume_token))
+                await ws.send_text(self._control(ResyncRequired(self.session_id, "journal_gap", self.resume_token)))
                 return
-            await ws.send_text(self._control("session.resumed", session_id=self.session_id,
-                                             resume_token=self.resume_token, replayed=len(missed)))
+            await ws.send_text(self._control(Resumed(self.session_id, self.resume_token, len(missed))))
             for text in missed:
                 await ws.send_text(text)
 
@@ -381,7 +428,7 @@ class Session:
                 log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
             if emit:
                 try:
-                    await self.emit(self.state.on_close(reason, message))
+                    await self.emit(await self.locked(self.state.on_close, reason, message))
                 except Exception:  # noqa: BLE001 (the client may be gone)
                     log.debug("session %s: closed event not delivered", self.session_id)
             ws, self.ws = self.ws, None
@@ -421,7 +468,7 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
     gw.add(session)
     try:
         await session.attach(ws)
-        await session.emit(state.created())
+        await session.emit(await session.locked(state.created))
         yield session
         await session.wait_closed()
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)

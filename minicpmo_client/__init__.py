@@ -18,6 +18,7 @@ from .events import (
     Closed,
     Error,
     Listening,
+    ReplyEvent,
     ReplyStarted,
     Resumed,
     TranscriptDelta,
@@ -30,6 +31,6 @@ from .voice import VoiceCheck, check_voice
 
 __all__ = [
     "AudioChunk", "Backoff", "BargeIn", "ClientError", "ClientEvent", "Closed", "ConversationState", "Error",
-    "Listening", "ReplyStarted", "Resumed", "Session", "TranscriptDelta", "TurnFinal", "UserTurn", "VoiceCheck",
-    "check_voice", "connect",
+    "Listening", "ReplyEvent", "ReplyStarted", "Resumed", "Session", "TranscriptDelta", "TurnFinal", "UserTurn",
+    "VoiceCheck", "check_voice", "connect",
 ]

@@ -23,11 +23,17 @@ class ClientError(Exception):
 
 
 @dataclass(frozen=True)
-class AudioChunk:
+class ReplyEvent:
+    """An event about one reply of the assistant, named by its response id."""
+
+    response_id: str
+
+
+@dataclass(frozen=True)
+class AudioChunk(ReplyEvent):
     """Reply audio: float32 mono in [-1, 1] at `sample_rate`. Each reply ends with an empty chunk
     whose `is_final` is set (only for replies that had audio)."""
 
-    response_id: str
     pcm: np.ndarray
     sample_rate: int
     is_final: bool = False
@@ -38,17 +44,14 @@ class AudioChunk:
 
 
 @dataclass(frozen=True)
-class ReplyStarted:
+class ReplyStarted(ReplyEvent):
     """The assistant opened a reply (it is about to speak)."""
-
-    response_id: str
 
 
 @dataclass(frozen=True)
-class TranscriptDelta:
+class TranscriptDelta(ReplyEvent):
     """Words of the assistant's reply, as they are made (they lead their audio)."""
 
-    response_id: str
     text: str
 
 
@@ -72,19 +75,17 @@ class UserTurn:
 
 
 @dataclass(frozen=True)
-class BargeIn:
+class BargeIn(ReplyEvent):
     """A reply was cut: by the caller's speech (`barge_in`), `interrupt()` (`client_cancelled`), ..."""
 
-    response_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class TurnFinal:
+class TurnFinal(ReplyEvent):
     """A reply ended. `transcript` is what was said (cut to what was heard after a barge-in);
     `latency_ms`: from the caller's last input before the reply to its first audio (None without audio)."""
 
-    response_id: str
     transcript: str
     had_audio: bool
     status: str  # completed | cancelled | incomplete | failed

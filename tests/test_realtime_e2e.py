@@ -83,6 +83,27 @@ async def test_an_openai_turn_with_server_vad(gateway, speech) -> None:
     await c.close()
 
 
+async def test_a_whole_utterance_in_one_append_is_decided_off_the_loop(gateway, speech) -> None:
+    """A recording uploaded as one append (3 s of speech + 1 s of silence at 24 kHz): its VAD would hold the
+    event loop, so the gateway decides it in a worker thread; the turn is the one 100 ms appends make."""
+    c, _ = await open_session(gateway.realtime, max_output_tokens=8,
+                              audio={"input": {"turn_detection": {"type": "server_vad"}}})
+    audio = np.concatenate([speech("Good morning. What will the weather be like tomorrow?"), np.zeros(16_000)])
+    assert len(audio) <= 5 * 16_000  # within one append's limit
+    before = gateway.health()["frames_offloaded"]
+    await c.append(audio)
+    done = await c.until("response.done")
+    assert gateway.health()["frames_offloaded"] == before + 1
+    assert done["response"]["status"] in ("completed", "incomplete")
+    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+             "input_audio_buffer.committed", "conversation.item.added", "response.created", "response.done"]
+    positions = [index(c.events, t) for t in order]
+    assert positions == sorted(positions), [c.events[i]["type"] for i in positions]
+    seqs = [e["server_event_seq"] for e in c.events]
+    assert seqs == list(range(1, 1 + len(seqs)))
+    await c.close()
+
+
 async def test_model_native_listen_and_speak(gateway, speech) -> None:
     c, _ = await open_session(gateway.realtime, audio={"input": {"format": {"type": "audio/pcm", "rate": 16000}},
                                                        "output": {"format": {"type": "audio/pcm", "rate": 16000}}})

@@ -19,7 +19,7 @@ from ..audio import encode_f32_base64
 from ..engine import Effects, EngineState, PlannedStep, ServerEvent
 from ..inputs import InputAppend, parse_append, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
-from .realtime_events import RealtimeEvent, answer, closed_event, error_event, parse_event
+from .realtime_events import RealtimeEvent, SessionEvent, answer, closed_event, error_event, parse_event
 
 MODES = ("audio", "video")
 
@@ -38,12 +38,10 @@ class Queued(RealtimeEvent, type="session.queued"):
 QueueUpdate = Queued.retyped("QueueUpdate", "session.queue_update")
 
 
-class QueueDone(RealtimeEvent, type="session.queue_done"):
-    session_id: str
+QueueDone = SessionEvent.retyped("QueueDone", "session.queue_done")  # a slot is the caller's: its session's id
 
 
-class SessionCreated(RealtimeEvent, type="session.created"):
-    session_id: str
+class SessionCreated(SessionEvent, type="session.created"):
     mode: str
     prompt_length: int
 

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -53,11 +53,17 @@ MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat mess
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
 CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
+# Frames this long are decided off the event loop. Per second of audio an append costs 5-9 ms of Silero VAD
+# (12-17 ms with both cores busy), 0.2 ms of resampling, 0.1 ms of decoding; a thread hand-off 0.2 ms, but
+# 5-8 ms at its p99 (`python -m bench.frame_cost`, docs/realtime.md). 64,000 characters is an append of 1 s
+# at 24 kHz (1.5 s at 16 kHz): its VAD outweighs even a slow hand-off. Smaller frames (clients stream
+# 20-100 ms; a barge-in is decided on one) stay inline, where a hand-off would only make them later.
+OFFLOAD_FRAME_BYTES = 64_000
 CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
                 "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
 
-# Work that is not protocol comes in as callables (the shell runs the state off the event loop):
+# Work that is not protocol comes in as callables (the shell decides big frames off the event loop):
 SpeechProbabilities = Callable[[np.ndarray], list[float]]  # 16 kHz audio -> one speech probability per VAD window
 Resampling = Callable[[int, int], Callable[[np.ndarray], np.ndarray]]  # (rate in, rate out) -> a stream resampler
 
@@ -79,6 +85,7 @@ class Response:
 
 @dataclass
 class OpenAIRealtimeState(EngineState):
+    offload_frame_bytes: ClassVar[int | None] = OFFLOAD_FRAME_BYTES
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
     vad: SpeechProbabilities | None = None
     resampling: Resampling = StreamResampler

@@ -87,18 +87,19 @@ class PlaybackAcknowledged(RealtimeEvent, type="playback.acknowledged"):
     history_committed: bool
 
 
-class ResponseSpeak(RealtimeEvent, type="response.speak"):
-    """Extension (duplex): the model decided to speak."""
+class TurnEvent(RealtimeEvent):
+    """Extension (duplex): who has the turn, for a response in an epoch."""
 
     response_id: str
     epoch: int
 
 
-class ResponseListen(RealtimeEvent, type="response.listen"):
-    """Extension (duplex): the model listens again."""
+ResponseSpeak = TurnEvent.retyped("ResponseSpeak", "response.speak")  # the model decided to speak
 
-    response_id: str
-    epoch: int
+
+class ResponseListen(TurnEvent, type="response.listen"):
+    """The model listens again."""
+
     end_of_turn: bool
 
 
@@ -138,23 +139,25 @@ class ContentPartAdded(ContentEvent, type="response.content_part.added"):
 ContentPartDone = ContentPartAdded.retyped("ContentPartDone", "response.content_part.done")
 
 
-class OutputAudioDelta(ContentEvent, type="response.output_audio.delta"):
-    delta: str  # base64 audio/pcm at the session's output rate
+class Delta(ContentEvent):
+    """A piece of the content part as it is made: words, or base64 audio/pcm at the session's output rate."""
+
+    delta: str
+
+
+class OutputAudioDelta(Delta, type="response.output_audio.delta"):
     metadata: Json
 
 
 OutputAudioDone = ContentEvent.retyped("OutputAudioDone", "response.output_audio.done")
-
-
-class TranscriptDelta(ContentEvent, type="response.output_audio_transcript.delta"):
-    delta: str
+TranscriptDelta = Delta.retyped("TranscriptDelta", "response.output_audio_transcript.delta")
 
 
 class TranscriptDone(ContentEvent, type="response.output_audio_transcript.done"):
     transcript: str
 
 
-TextDelta = TranscriptDelta.retyped("TextDelta", "response.output_text.delta")
+TextDelta = Delta.retyped("TextDelta", "response.output_text.delta")
 
 
 class TextDone(ContentEvent, type="response.output_text.done"):

@@ -49,6 +49,26 @@ class Error(RealtimeEvent, type="error"):
     error: dict[str, Any]
 
 
+class SessionEvent(RealtimeEvent):
+    """An event about the session as a whole, named by its id."""
+
+    session_id: str
+
+
+# What the shell tells one socket when a session is resumed (per attachment: not journaled).
+Replaced = SessionEvent.retyped("Replaced", "session.replaced")  # to the socket another one took over from
+
+
+class ResyncRequired(SessionEvent, type="session.resync_required"):
+    reason: str  # journal_gap: what the client missed is no longer held
+    resume_token: str
+
+
+class Resumed(SessionEvent, type="session.resumed"):
+    resume_token: str
+    replayed: int  # server events sent again, in order, right after this one
+
+
 class SessionClosed(RealtimeEvent, Closed):
     pass
 
