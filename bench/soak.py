@@ -15,17 +15,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import tempfile
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import websockets
-from common import ROOT, make_speech, serving_stack  # noqa: E402 (bench/ scripts run as files)
+from common import ROOT, Stack, make_speech, serving_stack  # noqa: E402 (bench/ scripts run as files)
 from load import tree_rss_mib  # noqa: E402
 
 from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample  # noqa: E402
@@ -146,52 +149,103 @@ async def soak(base: str, sessions: int, concurrency: int, speech: list[np.ndarr
     return outcomes
 
 
+def settle(stack: Stack, http: str) -> tuple[dict[str, float], int]:
+    """Wait until no sequence is live in any stage and the gateway holds no session (resumable sessions whose
+    socket went without session.close wait out their 30 s resume grace)."""
+    deadline = time.monotonic() + 30
+    while (left := live(stack.triton.ports.metrics_url)) and any(left.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while (active := httpx.get(f"{http}/health", timeout=5).json()["active_sessions"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left, active
+
+
+def probe(pid: int, path: Path) -> dict[str, Any]:
+    """bench/gateway_probe.py's report of what the gateway holds (it writes it on SIGUSR1)."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.2)
+    return {}
+
+
+def show_probe(report: dict[str, Any], before: dict[str, Any] | None) -> None:
+    heap = report.get("heap", {})
+    print(f"    gateway holds: {report.get('asyncio_tasks')} asyncio tasks, {report.get('threads_native')} threads "
+          f"({report.get('threads_python')} Python), tables {report.get('tables')}; glibc heap "
+          f"{heap.get('in_use_mib', 0):.1f} MiB in use, {heap.get('free_mib', 0):.1f} MiB free in "
+          f"{heap.get('arena_mib', 0):.1f} MiB of arenas, {heap.get('mmap_mib', 0):.1f} MiB mmapped"
+          + (f"; Python traced {report['traced_mib']:.1f} MiB" if "traced_mib" in report else ""))
+    if before is not None:
+        grown = Counter(report.get("objects", {}))
+        grown.subtract(before.get("objects", {}))
+        print(f"    objects grown since the last round: {dict((k, v) for k, v in grown.most_common(8) if v > 0)}")
+    for line in report.get("growth", [])[:8]:
+        print(f"    traced growth: {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--sessions", type=int, default=200, help="sessions per round")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="trace the gateway's Python allocations (slower, and its RSS then includes the traces)")
+    parser.add_argument("--malloc-arena-max", type=int,
+                        help="the gateway's MALLOC_ARENA_MAX (glibc's default if unset)")
     args = parser.parse_args()
+    env = {"SOAK_PROBE_TRACEMALLOC": "1" if args.tracemalloc else "0"}
+    if args.malloc_arena_max is not None:
+        env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         speech = make_speech(work, 3)
-        with serving_stack(ROOT / "model_repository", work, max_sessions=64) as stack:
+        report_path = work / "probe.json"
+        env["SOAK_PROBE_REPORT"] = str(report_path)
+        with serving_stack(ROOT / "model_repository", work, max_sessions=64,
+                           gateway_main=[str(ROOT / "bench" / "gateway_probe.py")], env=env) as stack:
             assert stack.gateway is not None
+            gateway_pid = stack.gateway.pid
             base = stack.ws_url.removesuffix("/backend")
             http = base.replace("ws://", "http://")
             triton_pid = stack.triton.pid or 0
+            print(f"{args.rounds} round(s) of {args.sessions} sessions, concurrency {args.concurrency}; gateway "
+                  f"MALLOC_ARENA_MAX={env.get('MALLOC_ARENA_MAX', 'unset')}; RSS gateway idle "
+                  f"{tree_rss_mib(gateway_pid):.0f} MB, triton + stubs {tree_rss_mib(triton_pid):.0f} MB", flush=True)
+            before = probe(gateway_pid, report_path)
+            warm: dict[str, float] = {}
+            last_gw = 0.0
+            for r in range(args.rounds):
+                async def run(seed: int) -> Counter[str]:
+                    on_warm = asyncio.Event()
+                    task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, seed, on_warm))
+                    if not warm:
+                        await on_warm.wait()
+                        warm.update(gateway=tree_rss_mib(gateway_pid), triton=tree_rss_mib(triton_pid))
+                    return await task
 
-            async def run() -> tuple[Counter[str], dict[str, float]]:
-                warm = asyncio.Event()
-                task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, args.seed, warm))
-                await warm.wait()
-                rss = {"gateway_warm": tree_rss_mib(stack.gateway.pid), "triton_warm": tree_rss_mib(triton_pid)}
-                return await task, rss
-
-            started = time.monotonic()
-            outcomes, rss = asyncio.run(run())
-            elapsed = time.monotonic() - started
-            deadline = time.monotonic() + 30
-            while (left := live(stack.triton.ports.metrics_url)) and any(left.values()) and \
-                    time.monotonic() < deadline:
-                time.sleep(0.5)
-            # Realtime sessions whose socket went without session.close wait out their resume grace (30 s)
-            deadline = time.monotonic() + 60
-            while (health := httpx.get(f"{http}/health", timeout=5).json())["active_sessions"] and \
-                    time.monotonic() < deadline:
-                time.sleep(0.5)
-            settled_s = time.monotonic() - started - elapsed
-            rss["gateway_end"] = tree_rss_mib(stack.gateway.pid)
-            rss["triton_end"] = tree_rss_mib(triton_pid)
-    print(f"{args.sessions} sessions in {elapsed:.0f} s, concurrency {args.concurrency}")
-    for key, count in sorted(outcomes.items()):
-        print(f"  {key}: {count}")
-    print(f"live sequences after: {left}; gateway active sessions: {health['active_sessions']} "
-          f"({settled_s:.0f} s after the last session: resume graces expire)")
-    print(f"RSS gateway: {rss['gateway_warm']:.0f} MB after 20 sessions -> {rss['gateway_end']:.0f} MB at the end "
-          f"(x{rss['gateway_end'] / rss['gateway_warm']:.2f})")
-    print(f"RSS triton + stubs: {rss['triton_warm']:.0f} MB -> {rss['triton_end']:.0f} MB "
-          f"(x{rss['triton_end'] / rss['triton_warm']:.2f})")
+                started = time.monotonic()
+                outcomes = asyncio.run(run(args.seed + r * args.sessions))
+                elapsed = time.monotonic() - started
+                left, active = settle(stack, http)
+                settled_s = time.monotonic() - started - elapsed
+                gw, tr = tree_rss_mib(gateway_pid), tree_rss_mib(triton_pid)
+                report = probe(gateway_pid, report_path)
+                print(f"round {r + 1}: {args.sessions} sessions in {elapsed:.0f} s: "
+                      + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())))
+                print(f"    after {settled_s:.0f} s: live sequences {left}; gateway active sessions {active}")
+                print(f"    RSS gateway {gw:.0f} MB (x{gw / warm['gateway']:.2f} of {warm['gateway']:.0f} MB after "
+                      f"the first 20 sessions" + (f", x{gw / last_gw:.2f} of the last round" if last_gw else "")
+                      + f"); triton + stubs {tr:.0f} MB (x{tr / warm['triton']:.2f})", flush=True)
+                show_probe(report, before)
+                before, last_gw = report, gw
 
 
 if __name__ == "__main__":
