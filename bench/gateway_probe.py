@@ -1,5 +1,6 @@
 """The gateway (`python -m gateway.serve ARGS`) with a memory probe, for bench/soak.py: on SIGUSR1 it writes
-what it holds to the JSON file named by SOAK_PROBE_REPORT. Bench-only: the product has no such hook.
+what it holds to the JSON file named by SOAK_PROBE_REPORT (on SIGUSR2: after malloc_trim). Bench-only: the
+product has no such hook.
 
     SOAK_PROBE_REPORT=/tmp/probe.json python bench/gateway_probe.py --triton-url ... --port ...
 
@@ -11,10 +12,12 @@ shows), and with SOAK_PROBE_TRACEMALLOC=1 the Python allocations that grew most 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -48,6 +51,36 @@ def heap() -> dict[str, float]:
     mib = 1 << 20
     return {"arena_mib": m.arena / mib, "mmap_mib": m.hblkhd / mib, "in_use_mib": m.uordblks / mib,
             "free_mib": m.fordblks / mib}
+
+
+def arenas() -> list[dict[str, float]]:
+    """malloc_info's per-arena figures (MiB): what each arena took from the system and what of it is free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return []
+    path = f"/tmp/gateway_probe_malloc_{os.getpid()}.xml"
+    f = libc.fopen(path.encode(), b"w")
+    libc.malloc_info(0, f)
+    libc.fclose(f)
+    xml = Path(path).read_text()
+    os.unlink(path)
+    out = []
+    for heap_xml in re.findall(r'<heap nr="\d+">(.*?)</heap>', xml, re.S):
+        free = sum(int(n) for n in re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', heap_xml))
+        current = re.search(r'<system type="current" size="(\d+)"', heap_xml)
+        out.append({"system_mib": int(current.group(1)) / (1 << 20) if current else 0.0, "free_mib": free / (1 << 20)})
+    return out
+
+
+def trim() -> None:
+    """Give the arenas' free pages back to the system (what RSS is left is then what is in use)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def objects_by_type() -> Counter[str]:
@@ -93,6 +126,8 @@ def report(path: Path) -> dict[str, Any]:
         "threads_native": len(os.listdir("/proc/self/task")),
         "tables": tables(),
         "heap": heap(),
+        "arenas": arenas(),
+        "objects_total": len(gc.get_objects()),
         "objects": dict(objects_by_type().most_common(60)),
     }
     if tracemalloc.is_tracing():
@@ -111,6 +146,7 @@ def main() -> int:
     if os.environ.get("SOAK_PROBE_TRACEMALLOC") == "1":
         tracemalloc.start(1)
     signal.signal(signal.SIGUSR1, lambda signum, frame: report(path))
+    signal.signal(signal.SIGUSR2, lambda signum, frame: (trim(), report(path)))
     return serve.main(sys.argv[1:])
 
 

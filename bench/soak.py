@@ -162,10 +162,10 @@ def settle(stack: Stack, http: str) -> tuple[dict[str, float], int]:
     return left, active
 
 
-def probe(pid: int, path: Path) -> dict[str, Any]:
-    """bench/gateway_probe.py's report of what the gateway holds (it writes it on SIGUSR1)."""
+def probe(pid: int, path: Path, sig: int = signal.SIGUSR1) -> dict[str, Any]:
+    """bench/gateway_probe.py's report of what the gateway holds (SIGUSR1; SIGUSR2: after malloc_trim)."""
     path.unlink(missing_ok=True)
-    os.kill(pid, signal.SIGUSR1)
+    os.kill(pid, sig)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -177,11 +177,14 @@ def probe(pid: int, path: Path) -> dict[str, Any]:
 
 def show_probe(report: dict[str, Any], before: dict[str, Any] | None) -> None:
     heap = report.get("heap", {})
-    print(f"    gateway holds: {report.get('asyncio_tasks')} asyncio tasks, {report.get('threads_native')} threads "
+    print(f"    gateway holds: {report.get('objects_total')} objects tracked by gc, "
+          f"{report.get('asyncio_tasks')} asyncio tasks, {report.get('threads_native')} threads "
           f"({report.get('threads_python')} Python), tables {report.get('tables')}; glibc heap "
           f"{heap.get('in_use_mib', 0):.1f} MiB in use, {heap.get('free_mib', 0):.1f} MiB free in "
           f"{heap.get('arena_mib', 0):.1f} MiB of arenas, {heap.get('mmap_mib', 0):.1f} MiB mmapped"
           + (f"; Python traced {report['traced_mib']:.1f} MiB" if "traced_mib" in report else ""))
+    print("    arenas (MiB from the system / free): "
+          + ", ".join(f"{a['system_mib']:.1f}/{a['free_mib']:.1f}" for a in report.get("arenas", [])))
     if before is not None:
         grown = Counter(report.get("objects", {}))
         grown.subtract(before.get("objects", {}))
@@ -198,12 +201,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--tracemalloc", action="store_true",
                         help="trace the gateway's Python allocations (slower, and its RSS then includes the traces)")
-    parser.add_argument("--malloc-arena-max", type=int,
-                        help="the gateway's MALLOC_ARENA_MAX (glibc's default if unset)")
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the gateway's environment, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
     args = parser.parse_args()
     env = {"SOAK_PROBE_TRACEMALLOC": "1" if args.tracemalloc else "0"}
-    if args.malloc_arena_max is not None:
-        env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    env.update(item.split("=", 1) for item in args.gateway_env)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         speech = make_speech(work, 3)
@@ -216,19 +218,21 @@ def main() -> None:
             base = stack.ws_url.removesuffix("/backend")
             http = base.replace("ws://", "http://")
             triton_pid = stack.triton.pid or 0
-            print(f"{args.rounds} round(s) of {args.sessions} sessions, concurrency {args.concurrency}; gateway "
-                  f"MALLOC_ARENA_MAX={env.get('MALLOC_ARENA_MAX', 'unset')}; RSS gateway idle "
+            print(f"{args.rounds} round(s) of {args.sessions} sessions, concurrency {args.concurrency}; gateway env "
+                  f"{args.gateway_env or 'as is'}; RSS gateway idle "
                   f"{tree_rss_mib(gateway_pid):.0f} MB, triton + stubs {tree_rss_mib(triton_pid):.0f} MB", flush=True)
             before = probe(gateway_pid, report_path)
             warm: dict[str, float] = {}
-            last_gw = 0.0
+            last_gw = last_anon = 0.0
             for r in range(args.rounds):
                 async def run(seed: int) -> Counter[str]:
                     on_warm = asyncio.Event()
                     task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, seed, on_warm))
                     if not warm:
                         await on_warm.wait()
-                        warm.update(gateway=tree_rss_mib(gateway_pid), triton=tree_rss_mib(triton_pid))
+                        warm.update(gateway=tree_rss_mib(gateway_pid), triton=tree_rss_mib(triton_pid),
+                                    gateway_anon=tree_rss_mib(gateway_pid, "RssAnon"),
+                                    triton_anon=tree_rss_mib(triton_pid, "RssAnon"))
                     return await task
 
                 started = time.monotonic()
@@ -237,6 +241,7 @@ def main() -> None:
                 left, active = settle(stack, http)
                 settled_s = time.monotonic() - started - elapsed
                 gw, tr = tree_rss_mib(gateway_pid), tree_rss_mib(triton_pid)
+                gw_anon, tr_anon = tree_rss_mib(gateway_pid, "RssAnon"), tree_rss_mib(triton_pid, "RssAnon")
                 report = probe(gateway_pid, report_path)
                 print(f"round {r + 1}: {args.sessions} sessions in {elapsed:.0f} s: "
                       + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())))
@@ -244,8 +249,16 @@ def main() -> None:
                 print(f"    RSS gateway {gw:.0f} MB (x{gw / warm['gateway']:.2f} of {warm['gateway']:.0f} MB after "
                       f"the first 20 sessions" + (f", x{gw / last_gw:.2f} of the last round" if last_gw else "")
                       + f"); triton + stubs {tr:.0f} MB (x{tr / warm['triton']:.2f})", flush=True)
+                print(f"    anonymous (heap, stacks; RssAnon): gateway {gw_anon:.0f} MB "
+                      f"(x{gw_anon / warm['gateway_anon']:.2f}"
+                      + (f", x{gw_anon / last_anon:.2f} of the last round" if last_anon else "")
+                      + f"); triton + stubs {tr_anon:.0f} MB (x{tr_anon / warm['triton_anon']:.2f})", flush=True)
                 show_probe(report, before)
-                before, last_gw = report, gw
+                before, last_gw, last_anon = report, gw, gw_anon
+            report = probe(gateway_pid, report_path, signal.SIGUSR2)
+            print(f"after malloc_trim(0): RSS gateway {tree_rss_mib(gateway_pid):.0f} MB, anonymous "
+                  f"{tree_rss_mib(gateway_pid, 'RssAnon'):.0f} MB")
+            show_probe(report, None)
 
 
 if __name__ == "__main__":
