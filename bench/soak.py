@@ -1,13 +1,17 @@
 """A bounded soak: many sessions over a few minutes, mixed dialects, some hostile; then nothing may be left.
 
-    .venv/bin/python bench/soak.py --sessions 200 --concurrency 8
+    .venv/bin/python bench/soak.py --sessions 200 --rounds 3 --concurrency 8
 
 Each session is one of: /backend full_duplex (two 1 s appends, then close), OpenAI Realtime (one append,
 session.close), MiniCPM-o ?mode=audio (session.update, one append, session.close), or hostile (binary and
-deep JSON frames, out-of-bound audio, a lone surrogate, a client that vanishes mid-step). Printed after:
-sessions by kind and outcome, live sequences per stage and active gateway sessions (both must be 0), and
-the RSS of the gateway and of Triton with its stubs (its process group) after warm-up and at the end.
-Not a timed test: the figures are for reading.
+deep JSON frames, out-of-bound audio, a lone surrogate, a client that vanishes mid-step). Printed after
+each round, once everything has settled: sessions by kind and outcome, live sequences per stage and active
+gateway sessions (both must be 0), the RSS (and its anonymous part) of the gateway and of Triton with its
+stubs against the first 20 sessions' and the last round's (a leak grows every round; an allocator that
+keeps what a peak freed stops after a round or two), and what the gateway holds (bench/gateway_probe.py:
+gc-tracked objects, asyncio tasks, threads, its tables, glibc's heap in use and free). At the end, the
+gateway's RSS after malloc_trim(0): what is left is what is in use. Not a timed test: the figures are for
+reading (`--tracemalloc` adds the Python allocations that grew most per round).
 """
 
 from __future__ import annotations
@@ -193,10 +197,26 @@ def show_probe(report: dict[str, Any], before: dict[str, Any] | None) -> None:
         print(f"    traced growth: {line}")
 
 
+def memory(gateway_pid: int, triton_pid: int) -> dict[str, float]:
+    """RSS and its anonymous part (heap and stacks: what a leak grows; the rest is mapped libraries' pages,
+    which the kernel drops and reads back as the machine's memory comes and goes), MB."""
+    return {f"{name} {field}": tree_rss_mib(pid, field) for name, pid in (("gateway", gateway_pid),
+                                                                           ("triton", triton_pid))
+            for field in ("VmRSS", "RssAnon")}
+
+
+def show_memory(now: dict[str, float], warm: dict[str, float], last: dict[str, float] | None) -> None:
+    for name, what in (("gateway", "gateway"), ("triton", "triton + stubs")):
+        print(f"    {what}: " + ", ".join(
+            f"{'RSS' if field == 'VmRSS' else 'anonymous'} {now[key]:.0f} MB (x{now[key] / warm[key]:.2f} of the "
+            f"first 20 sessions'" + (f", x{now[key] / last[key]:.2f} of the last round's" if last else "") + ")"
+            for field in ("VmRSS", "RssAnon") for key in [f"{name} {field}"]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=200, help="sessions per round")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--tracemalloc", action="store_true",
@@ -214,50 +234,40 @@ def main() -> None:
         with serving_stack(ROOT / "model_repository", work, max_sessions=64,
                            gateway_main=[str(ROOT / "bench" / "gateway_probe.py")], env=env) as stack:
             assert stack.gateway is not None
-            gateway_pid = stack.gateway.pid
+            pids = (stack.gateway.pid, stack.triton.pid or 0)
             base = stack.ws_url.removesuffix("/backend")
-            http = base.replace("ws://", "http://")
-            triton_pid = stack.triton.pid or 0
+            idle = memory(*pids)
             print(f"{args.rounds} round(s) of {args.sessions} sessions, concurrency {args.concurrency}; gateway env "
-                  f"{args.gateway_env or 'as is'}; RSS gateway idle "
-                  f"{tree_rss_mib(gateway_pid):.0f} MB, triton + stubs {tree_rss_mib(triton_pid):.0f} MB", flush=True)
-            before = probe(gateway_pid, report_path)
+                  f"{args.gateway_env or 'as is'}; idle: " + ", ".join(f"{k} {v:.0f} MB" for k, v in idle.items()),
+                  flush=True)
+            before = probe(pids[0], report_path)
             warm: dict[str, float] = {}
-            last_gw = last_anon = 0.0
+            last: dict[str, float] | None = None
             for r in range(args.rounds):
                 async def run(seed: int) -> Counter[str]:
                     on_warm = asyncio.Event()
                     task = asyncio.create_task(soak(base, args.sessions, args.concurrency, speech, seed, on_warm))
                     if not warm:
                         await on_warm.wait()
-                        warm.update(gateway=tree_rss_mib(gateway_pid), triton=tree_rss_mib(triton_pid),
-                                    gateway_anon=tree_rss_mib(gateway_pid, "RssAnon"),
-                                    triton_anon=tree_rss_mib(triton_pid, "RssAnon"))
+                        warm.update(memory(*pids))
                     return await task
 
                 started = time.monotonic()
                 outcomes = asyncio.run(run(args.seed + r * args.sessions))
                 elapsed = time.monotonic() - started
-                left, active = settle(stack, http)
+                left, active = settle(stack, base.replace("ws://", "http://"))
                 settled_s = time.monotonic() - started - elapsed
-                gw, tr = tree_rss_mib(gateway_pid), tree_rss_mib(triton_pid)
-                gw_anon, tr_anon = tree_rss_mib(gateway_pid, "RssAnon"), tree_rss_mib(triton_pid, "RssAnon")
-                report = probe(gateway_pid, report_path)
+                now = memory(*pids)
+                report = probe(pids[0], report_path)
                 print(f"round {r + 1}: {args.sessions} sessions in {elapsed:.0f} s: "
                       + ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())))
                 print(f"    after {settled_s:.0f} s: live sequences {left}; gateway active sessions {active}")
-                print(f"    RSS gateway {gw:.0f} MB (x{gw / warm['gateway']:.2f} of {warm['gateway']:.0f} MB after "
-                      f"the first 20 sessions" + (f", x{gw / last_gw:.2f} of the last round" if last_gw else "")
-                      + f"); triton + stubs {tr:.0f} MB (x{tr / warm['triton']:.2f})", flush=True)
-                print(f"    anonymous (heap, stacks; RssAnon): gateway {gw_anon:.0f} MB "
-                      f"(x{gw_anon / warm['gateway_anon']:.2f}"
-                      + (f", x{gw_anon / last_anon:.2f} of the last round" if last_anon else "")
-                      + f"); triton + stubs {tr_anon:.0f} MB (x{tr_anon / warm['triton_anon']:.2f})", flush=True)
+                show_memory(now, warm, last)
                 show_probe(report, before)
-                before, last_gw, last_anon = report, gw, gw_anon
-            report = probe(gateway_pid, report_path, signal.SIGUSR2)
-            print(f"after malloc_trim(0): RSS gateway {tree_rss_mib(gateway_pid):.0f} MB, anonymous "
-                  f"{tree_rss_mib(gateway_pid, 'RssAnon'):.0f} MB")
+                before, last = report, now
+            report = probe(pids[0], report_path, signal.SIGUSR2)
+            print(f"after malloc_trim(0) in the gateway (its allocator's free pages given back): RSS "
+                  f"{tree_rss_mib(pids[0]):.0f} MB, anonymous {tree_rss_mib(pids[0], 'RssAnon'):.0f} MB")
             show_probe(report, None)
 
 
