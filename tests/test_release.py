@@ -158,5 +158,8 @@ async def test_sessions_leave_nothing_behind(triton, speech) -> None:
         for _ in range(ROUNDS):
             await asyncio.gather(*(kind(base, audio) for kind in KINDS))
             await settled(app, triton)
-        after = held(app)
+        # A socket's handler may still be finishing its close after its session was forgotten: a moment's grace.
+        deadline = asyncio.get_running_loop().time() + 10
+        while (after := held(app)) != idle and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
     assert after == idle, (idle, after)
