@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -51,17 +52,21 @@ class Stack:
 
 
 @contextlib.contextmanager
-def serving_stack(model_repository: Path, work: Path, max_sessions: int) -> Iterator[Stack]:
-    """tritonserver and a gateway process in front of it, both stopped on exit."""
+def serving_stack(model_repository: Path, work: Path, max_sessions: int,
+                  gateway_main: list[str] | None = None, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """tritonserver and a gateway process in front of it, both stopped on exit. `gateway_main` replaces
+    `-m gateway.serve` (bench/gateway_probe.py wraps it); `env` is added to the gateway's environment."""
     server = TritonServer(model_repository, work_dir=work / "triton", log_path=work / "triton.log")
     server.start()
     gateway = None
     try:
         server.wait_ready()
         port = free_port()
-        gateway = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", server.ports.grpc_url,
-                                    "--port", str(port), "--max-sessions", str(max_sessions)],
-                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gateway = subprocess.Popen([sys.executable, *(gateway_main or ["-m", "gateway.serve"]),
+                                    "--triton-url", server.ports.grpc_url, "--port", str(port),
+                                    "--max-sessions", str(max_sessions)],
+                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

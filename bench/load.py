@@ -71,8 +71,10 @@ def metrics(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and its children (tritonserver + its Python stubs)."""
+def tree_rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of a process and its children (tritonserver + its Python stubs). `field`: a line of
+    /proc/PID/status, e.g. RssAnon (the heap and stacks: what a leak grows), without RssFile (mapped libraries'
+    pages, which the kernel drops and reads back as the machine's memory comes and goes)."""
     pids = [pid]
     try:
         children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
@@ -83,7 +85,7 @@ def tree_rss_mib(pid: int) -> float:
     for p in pids:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     total += int(line.split()[1])
         except OSError:
             pass

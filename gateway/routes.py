@@ -264,4 +264,5 @@ def create_app(settings: Settings | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gw
+    app.state.session_counts = counts
     return app
