@@ -104,7 +104,7 @@ def tables() -> dict[str, int]:
             out["gateway.sessions"] = len(obj.sessions)
             out["gateway.waiters"] = obj.queue_length
         elif isinstance(obj, SessionCounts):
-            out["session_counts"] = len(obj._counts)
+            out[f"session_counts.{obj.code}"] = len(obj._counts)
         elif isinstance(obj, RateLimit):
             out["resume_limiter"] = len(obj._seen)
     return out

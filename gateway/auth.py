@@ -15,6 +15,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from urllib.parse import unquote_plus
 
 from .wire import CLOSE_POLICY, CLOSE_TRY_AGAIN, ProtocolError
 
@@ -58,16 +59,18 @@ def origin_allowed(allowed: tuple[str, ...], origin: str | None) -> bool:
 
 
 class SessionCounts:
-    """Live sessions per principal, against `limit` (0: no limit)."""
+    """Live sessions per holder (a principal, an address), against `limit` (0: no limit); past it `code`."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, code: str = "key_session_limit", holder: str = "this key") -> None:
         self.limit = limit
+        self.code = code
+        self.holder = holder
         self._counts: dict[str, int] = {}
 
     def take(self, who: str) -> None:
         held = self._counts.get(who, 0)
         if self.limit and held >= self.limit:
-            raise ProtocolError("key_session_limit", f"this key holds {held} sessions, its limit; close one first",
+            raise ProtocolError(self.code, f"{self.holder} holds {held} sessions, its limit; close one first",
                                 close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True)
         self._counts[who] = held + 1
 
@@ -109,12 +112,22 @@ class RateLimit:
             del self._seen[other]  # callers gone quiet: the table stays bounded
 
 
-_KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"']*")
+_QUERY = re.compile(r"\?([^\s\"']*)")
+
+
+def _redacted_query(match: re.Match[str]) -> str:
+    """A query string with the value of every parameter that Starlette would read as `key` (its name
+    percent- or plus-decoded: `?%6Bey=` is `?key=`) replaced by `***`."""
+    parts = []
+    for part in match[1].split("&"):
+        name, sep, _ = part.partition("=")
+        parts.append(f"{name}=***" if sep and unquote_plus(name) == "key" else part)
+    return "?" + "&".join(parts)
 
 
 def redact(text: str) -> str:
-    """A logged URL without its `?key=` value."""
-    return _KEY_IN_QUERY.sub(r"\1***", text)
+    """A logged line without the value of any `key` query parameter, however its name is encoded."""
+    return _QUERY.sub(_redacted_query, text)
 
 
 class RedactKeys(logging.Filter):

@@ -8,6 +8,7 @@ A dialect is an `EngineState`: client text in (`on_text`), step events in (`on_s
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, Self, dataclass_transform
 
@@ -16,6 +17,7 @@ import numpy as np
 from minicpmo_triton.duplex_contract import ChatInput, StepEvent, StepInput, VoiceRefs
 from minicpmo_triton.duplex_options import DuplexOptions
 
+from .limits import Limits
 from .wire import ProtocolError, Usage
 
 UNIT = 16_000  # one duplex step: 1 s of 16 kHz audio
@@ -98,6 +100,8 @@ class EngineState:
     usage: Usage = field(default_factory=Usage)
     stale_dropped: int = 0
     voice: dict[str, np.ndarray] = field(default_factory=dict)  # ref_audio / tts_ref_audio, 16 kHz
+    limits: Limits = field(default_factory=Limits)  # the cost model per caller, checked as input comes in
+    charge_voice: Callable[[np.ndarray], None] = lambda audio: None  # a new voice reference, within its budget
 
     # ---- what the shell asks of every dialect ----
     def options(self) -> DuplexOptions:

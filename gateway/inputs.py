@@ -10,11 +10,15 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64, decode_pcm16_base64, resample
+from minicpmo_triton.pcm import pcm_problem
+
+from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64, decode_pcm16_base64, read_wav, resample
+from .limits import Limits, identifier, image_pixels
 from .wire import ProtocolError
 
 MAX_APPEND_SECONDS = 5
@@ -59,19 +63,38 @@ def voice_ref(name: str, data: Any, close_code: int | None, fmt: str = "f32", ra
         audio = VOICE_FORMATS[fmt](data, int(VOICE_SECONDS[1] * rate))
     except AudioDecodeError as exc:
         raise ProtocolError("invalid_voice", f"{name}: {exc}", close_code=close_code) from exc
-    if len(audio) < VOICE_SECONDS[0] * rate:
-        raise ProtocolError("invalid_voice", f"{name} must be at least {VOICE_SECONDS[0]} s", close_code=close_code)
+    check_reference(name, audio, rate, close_code)
     return resample(audio, rate, INPUT_RATE)
 
 
-def check_voice(body: Any) -> dict[str, Any]:
-    """`POST /v1/voices/check`: `{voice: name}` or `{audio, format, sample_rate}` judged as a session's voice
+def check_reference(name: str, audio: np.ndarray, rate: int, close_code: int | None) -> None:
+    """A reference's length within VOICE_SECONDS and its samples clean PCM, else `invalid_voice`."""
+    if not VOICE_SECONDS[0] * rate <= len(audio) <= VOICE_SECONDS[1] * rate:
+        raise ProtocolError("invalid_voice", f"{name} must be {VOICE_SECONDS[0]} to {VOICE_SECONDS[1]:.0f} s",
+                            close_code=close_code)
+    if problem := pcm_problem(audio):
+        raise ProtocolError("invalid_voice", f"{name}: {problem}", close_code=close_code)
+
+
+def check_voice(body: Any, voices_dir: Path | None = None) -> dict[str, Any]:
+    """`POST /v1/voices/check`: `{voice: name}` (a built-in voice, or `<name>.wav` in the model server's voice
+    folder, read and judged as a reference) or `{audio, format, sample_rate}` judged as a session's voice
     reference would be; the answer's body, else `invalid_voice` (or `invalid_payload`)."""
     body = as_object(body, "the request body")
     if body.get("voice") is not None:
-        if body["voice"] not in VOICE_NAMES:
-            raise ProtocolError("invalid_voice", f"no voice named {body['voice']!r}; known: {', '.join(VOICE_NAMES)}")
-        return {"ok": True, "voice": body["voice"], "duration_s": None, "sample_rate": None}
+        name = identifier(body["voice"], "voice", "invalid_voice")
+        if name in VOICE_NAMES:
+            return {"ok": True, "voice": name, "duration_s": None, "sample_rate": None}
+        path = voices_dir / f"{name}.wav" if voices_dir is not None else None
+        if path is None or not path.is_file():
+            known = [*VOICE_NAMES, *(sorted(p.stem for p in voices_dir.glob("*.wav")) if voices_dir else [])]
+            raise ProtocolError("invalid_voice", f"no voice named {name!r}; known: {', '.join(known)}")
+        try:
+            audio = read_wav(path)
+        except Exception as exc:  # noqa: BLE001 (soundfile's errors are not one type)
+            raise ProtocolError("invalid_voice", f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
+        check_reference(name, audio, INPUT_RATE, None)
+        return {"ok": True, "voice": name, "duration_s": round(len(audio) / INPUT_RATE, 3), "sample_rate": INPUT_RATE}
     rate, fmt = body.get("sample_rate", INPUT_RATE), body.get("format", "f32")
     if not isinstance(rate, int) or isinstance(rate, bool):
         raise ProtocolError("invalid_voice", "sample_rate must be 16000 or 24000")
@@ -90,16 +113,18 @@ def _audio_field(payload: dict[str, Any]) -> str | None:
 
 
 def image_bytes(data: str) -> bytes:
+    """An image's bytes: valid base64, within MAX_IMAGE_BYTES, of a format the server decodes."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ProtocolError("bad_image", f"an image is not valid base64: {exc}") from exc
     if not raw or len(raw) > MAX_IMAGE_BYTES:
         raise ProtocolError("bad_image", f"an image must be 1 byte to {MAX_IMAGE_BYTES // (1 << 20)} MiB")
+    image_pixels(raw)  # its header only: the format allow-list
     return raw
 
 
-def _frames(payload: dict[str, Any]) -> list[bytes]:
+def _frames(payload: dict[str, Any], limits: Limits) -> list[bytes]:
     frames = first(payload.get("frame_base64_list"), payload.get("video_frames"), payload.get("frames")) or []
     if not isinstance(frames, list):
         raise ProtocolError("invalid_payload", "frames must be a list")
@@ -111,6 +136,7 @@ def _frames(payload: dict[str, Any]) -> list[bytes]:
         out.append(image_bytes(data))
     if len(out) > MAX_FRAMES:
         raise ProtocolError("invalid_payload", f"at most {MAX_FRAMES} frames per input")
+    limits.images(out, "frames", MAX_FRAMES)
     return out
 
 
@@ -125,7 +151,7 @@ def slices(value: Any, n_frames: int) -> list[int]:
     return values
 
 
-def parse_append(payload: dict[str, Any]) -> InputAppend:
+def parse_append(payload: dict[str, Any], limits: Limits | None = None) -> InputAppend:
     """One second (at most MAX_APPEND_SECONDS) of base64 float32 16 kHz audio, with its frames and hints."""
     hints = payload.get("hints") or {}
     if not isinstance(hints, dict):
@@ -137,7 +163,7 @@ def parse_append(payload: dict[str, Any]) -> InputAppend:
             audio = decode_f32_base64(encoded, MAX_APPEND_SECONDS * INPUT_RATE)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc)) from exc
-    frames = _frames(payload)
+    frames = _frames(payload, limits or Limits())
     if audio is None or len(audio) == 0:
         raise ProtocolError("missing_field", "full_duplex input.append requires audio (base64 float32 16 kHz)")
     force = first(payload.get("force_listen"), hints.get("force_listen"), False)

@@ -1,17 +1,16 @@
 """The gateway's sessions: slots (one limit for every dialect), a FIFO of callers waiting for one,
-the live sessions by id, and whether Triton's entry model is ready."""
+the live sessions by id, and whether the backend is healthy (every stage: gateway/stage_health.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
-from tritonclient.grpc import aio as grpcaio
-
 from .settings import Settings
-from .triton.client import ENTRY_MODEL
+from .stage_health import StageHealth
 from .wire import CLOSE_GOING_AWAY
 
 
@@ -36,6 +35,9 @@ class LiveSession(Protocol):
 
     async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
 
+    def lost(self) -> None:
+        """The backend broke under it: the client is told `backend_unavailable` and the session ends."""
+
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
@@ -44,6 +46,8 @@ class Gateway:
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.ready = False
+        self.backend_state, self.backend_why = "loading", ""  # stage_health's verdict and why
+        self.heal: Callable[[], None] | None = None  # restarts the backend (set by gateway.serve, which owns it)
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
@@ -105,16 +109,17 @@ class Gateway:
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
-        client = grpcaio.InferenceServerClient(self.settings.triton_url)
-        try:
-            while True:
-                try:
-                    self.ready = bool(await client.is_model_ready(ENTRY_MODEL))
-                except Exception:  # noqa: BLE001 (not up yet, or gone: report `loading`)
-                    self.ready = False
-                await asyncio.sleep(1.0 if self.ready else 0.25)
-        finally:
-            await client.close()
+        """Every stage's health (gateway/stage_health.py): /health, and the sessions of a backend that broke."""
+        s = self.settings
+        await StageHealth(s.triton_url, s.health_period_s, s.health_timeout_s, s.step_timeout_s, self._backend_is,
+                          self._tell_sessions, heal=lambda: self.heal() if self.heal is not None else None).watch()
+
+    def _backend_is(self, state: str, why: str) -> None:
+        self.ready, self.backend_state, self.backend_why = state == "ready", state, why
+
+    def _tell_sessions(self) -> None:
+        for session in list(self.sessions.values()):
+            session.lost()
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

@@ -29,10 +29,13 @@ from starlette.websockets import WebSocket
 from minicpmo_triton.errors import describe
 
 from . import inputs, page
-from .auth import RateLimit, SessionCounts, origin_allowed, presented_key, principal, unauthorized
+from .auth import origin_allowed, presented_key, principal, unauthorized
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
 from .dialects.realtime_events import error_event as realtime_error
+from .fairness import Quotas, ResumeFailures, VoiceBudget
+from .http_body import bounded_body
+from .limits import TOO_LARGE
 from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
@@ -69,12 +72,18 @@ def _as_event(text: str) -> dict[str, Any]:
     return msg if isinstance(msg, dict) else {}
 
 
+def address(conn: HTTPConnection) -> str:
+    """The client's address (uvicorn takes it from X-Forwarded-For only when the peer is a trusted proxy)."""
+    return conn.client.host if conn.client else "?"
+
+
 def create_app(settings: Settings | None = None) -> Starlette:
     settings = settings or Settings.from_env()
     gw = Gateway(settings)
 
-    counts = SessionCounts(settings.max_sessions_per_key)
-    resumes = RateLimit(settings.resume_attempts, settings.resume_window_s)
+    quotas = Quotas(settings.max_sessions_per_key, settings.max_sessions_per_address)
+    resumes = ResumeFailures(settings.resume_attempts, settings.resume_window_s)
+    voices = VoiceBudget(settings.voice_budget_s, settings.voice_window_s)
 
     def caller(conn: HTTPConnection) -> str | None:
         """The caller's principal; None when keys are configured and it presented none of them."""
@@ -99,6 +108,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         body: dict[str, Any] = {
             "status": "ready" if gw.ready else "loading",
             "backend": "triton",
+            "backend_state": gw.backend_state,  # ready | loading | unresponsive | broken (gateway/stage_health.py)
+            **({"backend_reason": gw.backend_why} if gw.backend_why else {}),
             "active_sessions": gw.active_sessions,
             "max_sessions": settings.max_sessions,
             "queue_length": gw.queue_length,
@@ -129,9 +140,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
         return JSONResponse({"ok": True, "session_id": session_id, "closed": True})
 
     async def resume_as(ws: WebSocket, msg: dict[str, Any], who: str) -> None:
-        host = ws.client.host if ws.client else "?"
-        resumes.check(f"{who}@{host}")
-        await resume(gw, ws, msg, who)
+        async with resumes.counted(who, address(ws)):
+            await resume(gw, ws, msg, who)
 
     async def voices_check(request: Request) -> JSONResponse:
         """A voice reference checked as a session would check it (same limits, same codes), before any session."""
@@ -140,16 +150,15 @@ def create_app(settings: Settings | None = None) -> Starlette:
         except ProtocolError as err:
             return http_refusal(err)
         try:
-            body = await request.body()
-            if len(body) > settings.ws_max_size:
-                raise ProtocolError("invalid_payload", f"the body is over {settings.ws_max_size} bytes")
+            body = await bounded_body(request, settings.ws_max_size)
             try:
                 data = parse_json(body)  # the JSON limits every frame gets
             except ValueError as exc:
                 raise ProtocolError("invalid_json", f"the body is not valid JSON: {exc}") from exc
-            return JSONResponse(inputs.check_voice(data))
+            return JSONResponse(inputs.check_voice(data, settings.voices_dir))
         except ProtocolError as err:
-            return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, 400)
+            return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}},
+                                413 if err.code == TOO_LARGE else 400)
 
     def check_ready() -> None:
         if not gw.ready:
@@ -165,10 +174,15 @@ def create_app(settings: Settings | None = None) -> Starlette:
                 text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
             except (asyncio.TimeoutError, Disconnected):
                 raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
-            init = backend.parse_init(backend.loads(text))
+            init = backend.parse_init(backend.loads(text), settings.limits)
+            charge = voices.charger(who, address(ws))
+            refs = backend.voice_refs(init)
+            for ref in refs.values():
+                charge(ref)
             state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
-                                         voice=backend.voice_refs(init), named_voice=init.voice_name)
-            with counts.held(who):
+                                         voice=refs, named_voice=init.voice_name, limits=settings.limits,
+                                         charge_voice=charge)
+            with quotas.held(who, address(ws)):
                 async with admitted(gw, ws), running(gw, state, ws, resumable=False, owner=who) as session:
                     await serve(session, ws)
         except ProtocolError as err:
@@ -193,7 +207,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
                     raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
                                         "type", close_code=CLOSE_POLICY)
             else:
-                with counts.held(who):
+                with quotas.held(who, address(ws)):
                     msg = await (openai_session(ws, who) if mode is None else minicpm_session(ws, mode, who))
             if msg is not None:  # the first event resumed another session: this socket goes on with it
                 await resume_as(ws, msg, who)
@@ -207,12 +221,12 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     async def openai_session(ws: WebSocket, who: str) -> dict[str, Any] | None:
         """Returns the first event when it is `session.resume` (this fresh session is then dropped)."""
-        state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad())
+        state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad(), limits=settings.limits)
         async with admitted(gw, ws), running(gw, state, ws, resumable=True, owner=who) as session:
             try:
-                text = await receive_text(ws, settings.idle_timeout_s, settings.test_faults)
+                text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)  # the first-event deadline
             except asyncio.TimeoutError:
-                await session.close("timeout")
+                await session.close("init_timeout", ws_code=CLOSE_POLICY)
                 return None
             except Disconnected:
                 session.detach(ws)
@@ -236,7 +250,8 @@ def create_app(settings: Settings | None = None) -> Starlette:
             msg = _as_event(text)
             if msg.get("type") == "session.resume":
                 return msg
-            state = minicpm.MiniCPMRealtimeState(session_id, mode=mode)
+            state = minicpm.MiniCPMRealtimeState(session_id, mode=mode, limits=settings.limits,
+                                                 charge_voice=voices.charger(who, address(ws)))
             async with running(gw, state, ws, resumable=True, owner=who) as session:
                 await serve(session, ws, text)
         return None
@@ -264,5 +279,5 @@ def create_app(settings: Settings | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gw
-    app.state.session_counts = counts
+    app.state.quotas = quotas
     return app

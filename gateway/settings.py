@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from .limits import Limits
 
 TEST_FAULTS_PHRASE = "raise-on-fault-frames-in-tests"
 
@@ -32,9 +34,18 @@ class Settings:
     # Access (docs/security.md): no keys means an open server (every caller is one anonymous principal).
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # browsers' Origin; empty: any (requests without Origin always pass)
-    max_sessions_per_key: int = 0  # 0: only max_sessions bounds a key
+    max_sessions_per_key: int = 16  # with keys configured (0: only max_sessions bounds a key)
+    max_sessions_per_address: int = 16  # per client address, keys or not (0: no limit)
     resume_attempts: int = 10  # session.resume attempts per caller (principal and address) ...
     resume_window_s: float = 60.0  # ... per this window
+    limits: Limits = field(default_factory=Limits)  # the cost model per caller (gateway/limits.py)
+    voice_budget_s: float = 120.0  # seconds of new voice references a caller may send ...
+    voice_window_s: float = 600.0  # ... per this window (gateway/fairness.py: VoiceBudget)
+    voices_dir: Path | None = None  # the model server's named voices (MINICPMO_VOICES_DIR), for /v1/voices/check
+    # Health (gateway/stage_health.py): every stage probed each health_period_s; a backend that answers no
+    # probe for health_timeout_s is not ready, and its sessions are told `backend_unavailable`.
+    health_period_s: float = 1.0
+    health_timeout_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -60,6 +71,13 @@ class Settings:
             max_sessions_per_key=int(env.get("MINICPMO_MAX_SESSIONS_PER_KEY", d.max_sessions_per_key)),
             resume_attempts=int(env.get("MINICPMO_RESUME_ATTEMPTS", d.resume_attempts)),
             resume_window_s=float(env.get("MINICPMO_RESUME_WINDOW_S", d.resume_window_s)),
+            max_sessions_per_address=int(env.get("MINICPMO_MAX_SESSIONS_PER_ADDRESS", d.max_sessions_per_address)),
+            limits=Limits.from_env(env),
+            voice_budget_s=float(env.get("MINICPMO_VOICE_BUDGET_S", d.voice_budget_s)),
+            voice_window_s=float(env.get("MINICPMO_VOICE_WINDOW_S", d.voice_window_s)),
+            voices_dir=Path(env["MINICPMO_VOICES_DIR"]) if env.get("MINICPMO_VOICES_DIR") else None,
+            health_period_s=float(env.get("MINICPMO_HEALTH_PERIOD_S", d.health_period_s)),
+            health_timeout_s=float(env.get("MINICPMO_HEALTH_TIMEOUT_S", d.health_timeout_s)),
         )
 
 

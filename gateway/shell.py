@@ -34,6 +34,7 @@ from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, describe
 from .auth import ANONYMOUS
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .engine import Effects, EngineState, PlannedStep, ServerEvent
+from .fairness import Activity, paced
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
@@ -311,11 +312,11 @@ class Session:
         while self._closing is None:
             step = await self._queue.get()
             try:
-                await asyncio.wait_for(self._run_step(step), self.settings.step_timeout_s)
+                await self._run_step(step)
             except asyncio.CancelledError:
                 raise
             except asyncio.TimeoutError:
-                self.fail("step_timeout", f"a step took over {self.settings.step_timeout_s:.0f} s")
+                self.fail("step_timeout", f"a step made no progress for {self.settings.step_timeout_s:.0f} s")
                 return
             except TritonUnavailable:
                 self.lost()
@@ -332,7 +333,8 @@ class Session:
         request = await self.locked(self._request, step)
         if request is None:
             return
-        async for ev in self.triton.step(request):
+        # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
+        async for ev in paced(self.triton.step(request), self.settings.step_timeout_s):
             if ev.kind == "error":
                 if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
                     await self.apply(await self.locked(self.state.on_step_error, step, ev.code, ev.message))
@@ -481,12 +483,13 @@ async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: boo
 
 async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> None:
     """The receive loop: frames go to the session until the socket goes, idles out or is taken over."""
+    activity = Activity(session.settings.idle_timeout_s)  # heartbeats are not activity
     try:
         if pending is not None:
             await session.handle(pending)
         while not session.closed and session.ws is ws:
             try:
-                text = await receive_text(ws, session.settings.idle_timeout_s, session.settings.test_faults)
+                text = await receive_text(ws, activity.remaining_s(), session.settings.test_faults)
             except asyncio.TimeoutError:
                 await session.close("timeout")
                 return
@@ -495,6 +498,7 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return
             if session.ws is not ws:
                 return  # another socket took the session over
+            activity.heard(text)
             await session.handle(text)
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
         log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))

@@ -20,6 +20,7 @@ class Code:
     INVALID_CHAT = "invalid_chat"  # ditto
     INVALID_AUDIO = "invalid_audio"
     INVALID_CONFIG = "invalid_config"  # the session ends with this reason
+    INVALID_VOICE = "invalid_voice"  # ditto (a named voice whose file is not a usable reference)
     INVALID_INPUT = "invalid_input"
     NUMERIC_ERROR = "numeric_error"
     SEQUENCE_NOT_STARTED = "sequence_not_started"
@@ -30,7 +31,8 @@ class Code:
 # Codes that are the client's input: refused, the session goes on (its state untouched).
 CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
 # Codes that end the session with that reason instead of `backend_error`.
-CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config"}
+CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config",
+                 Code.INVALID_VOICE: "invalid_voice"}
 
 STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)

@@ -21,6 +21,8 @@ import numpy as np
 from .errors import StepError
 
 MAX_PIXELS = 4096 * 4096  # larger images are refused before they are decoded (decompression bombs)
+# The only formats opened (the gateway refuses others at the edge): PIL would hand an EPS to Ghostscript.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 
 
 class ImageError(StepError, ValueError):
@@ -107,7 +109,7 @@ def _decode(data: bytes) -> object:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
                 if img.width * img.height > MAX_PIXELS:
                     raise ImageError(f"image of {img.width}x{img.height} is over {MAX_PIXELS} pixels")
                 return img.convert("RGB")

@@ -42,6 +42,7 @@ STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5
 CHAT_CHUNK_TOKENS = 16  # a turn-based reply streams in chunks of this many tokens
 CHARS_PER_SECOND = 14  # how much speech (25 tokens/s) the TTS makes for a chunk of turn-based text
+VISION_BATCH_IMAGES = 4  # images per vision_encoder request (a duplex step's most)
 
 
 Ready = Callable[[], Awaitable[None]]
@@ -95,15 +96,23 @@ class DuplexPipeline:
         state.started.add(stage)
         return StageCall(request, corr_id, start=start)
 
+    async def _stage(self, state: DuplexSession, stage: str, corr_id: int, request: Any,
+                     ready: Ready | None = None) -> Any:
+        """A stateful stage's call. A refused first call left no state there (stages.base): the next call starts
+        the stage again (the LLM with its system prompt)."""
+        call = self._call(state, stage, corr_id, request)
+        try:
+            if ready is not None:
+                return await self.stages.llm(call, ready=ready)
+            return await getattr(self.stages, stage)(call)
+        except StepError:
+            if call.start:
+                state.started.discard(stage)
+            raise
+
     async def _llm(self, state: DuplexSession, corr_id: int, request: LlmRequest, ready: Ready | None = None
                    ) -> LlmResult:
-        call = self._call(state, "llm", corr_id, request)
-        try:
-            return await self.stages.llm(call, ready=ready)
-        except StepError:
-            if call.start:  # a refused first call: the next one starts the LLM again, system prompt and all
-                state.started.discard("llm")
-            raise
+        return await self._stage(state, "llm", corr_id, request, ready)
 
     def _named(self, voice: VoiceRefs) -> VoiceRefs:
         """A named voice is the TTS reference unless the session sent its own."""
@@ -166,13 +175,19 @@ class DuplexPipeline:
         ends = {"llm": (self.stages.llm, LlmRequest(decode=False)),
                 "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
                 "token2wav": (self.stages.token2wav, Token2WavRequest())}
+        failed: Exception | None = None
         for stage in STATEFUL_STAGES:
             if stage in state.started:
                 fn, request = ends[stage]
-                if stage == "llm":
-                    await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
-                await fn(StageCall(request, corr_id, end=True))
+                try:
+                    if stage == "llm":
+                        await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
+                    await fn(StageCall(request, corr_id, end=True))
+                except Exception as exc:  # noqa: BLE001 (every later stage still gets its END; the first failure is told)
+                    failed = failed or exc
         state.started.clear()
+        if failed is not None:
+            raise failed
 
     async def _spoken_turn(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, t0: float) -> None:
         """A whole spoken turn now, one duplex unit per second of silence from the caller (MiniCPM-o's own
@@ -184,16 +199,19 @@ class DuplexPipeline:
         todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos] if inp.say else [tk.speak]
         budget = len(todo) if inp.say else inp.answer_tokens
         unit = replace(inp, audio=np.zeros(16_000, np.float32), respond=True, say="", answer_tokens=0)
-        produced, cancels = 0, state.cancels
+        produced, said, cancels = 0, 1, state.cancels
         for _ in range(budget + 2):  # every unit decodes at least one token, or ends the turn
-            ending = produced >= budget
+            # `say` ends with its text (its last forced token is <|turn_eos|>), however many tokens the units'
+            # own terminators took; a unit that said none of it ends the turn rather than loop
+            ending = said == 0 if inp.say else produced >= budget
             async with self.llm_meet.member() as member:
                 llm = await self._step(corr_id, state, replace(unit, force_listen=ending),
                                        self._timed(emit, t0, member), member, forced=todo)
             if llm is None or llm.is_listen or llm.end_of_turn or state.cancels != cancels:
                 return
             produced += len(llm.generated)
-            todo = todo[_common_prefix(todo, [int(t) for t in llm.generated]):]
+            said = _common_prefix(todo, [int(t) for t in llm.generated])
+            todo = todo[said:]
             # only the first unit carries the context, the rollback and the images
             unit = StepInput(audio=unit.audio, respond=True)
 
@@ -271,16 +289,16 @@ class DuplexPipeline:
             await emit(StepEvent("text", text=text, metrics=dict(metrics)))
         turn_start = llm.turn_start or not state.tts_turn_open
         t = time.perf_counter()
-        tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
+        tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
-        )))
+        ))
         metrics["cost_tts_ms"] = _ms(t)
         t = time.perf_counter()
-        wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
+        wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
             **_voice_to_send(state, state.voice.tts, turn_start),
-        )))
+        ))
         metrics["cost_token2wav_ms"] = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
         usage["output_speech_tokens"] = len(tts.speech_tokens)
@@ -313,14 +331,18 @@ class DuplexPipeline:
         """Each image's token ids in `layout` (numbered from `first_index`), all their slices' embeddings
         and the number of slices."""
         slices = list(max_slice_nums) or [1] * len(frames)
-        result = await self.stages.vision_encoder(VisionEncoderRequest(
-            images=np.array(frames, dtype=np.object_), max_slice_nums=np.asarray(slices, np.int64)))
-        per_slice = result.embeds.shape[1]
-        grids = [(int(rows), int(cols)) if rows else None for rows, cols in result.grids]
+        # At most VISION_BATCH_IMAGES a request: each is a bounded piece of the shared encoder's work, and other
+        # sessions' frames are encoded between them.
+        results = [await self.stages.vision_encoder(VisionEncoderRequest(
+            images=np.array(frames[k:k + VISION_BATCH_IMAGES], dtype=np.object_),
+            max_slice_nums=np.asarray(slices[k:k + VISION_BATCH_IMAGES], np.int64)))
+            for k in range(0, len(frames), VISION_BATCH_IMAGES)]
+        per_slice = results[0].embeds.shape[1]
+        grids = [(int(rows), int(cols)) if rows else None for r in results for rows, cols in r.grids]
         ids = [image_ids(self.preset.tokens, self.tokenizer.encode, grid, per_slice, first_index + i, layout)
                for i, grid in enumerate(grids)]
-        embeds = result.embeds.reshape(-1, result.embeds.shape[-1])
-        return ids, embeds, int(result.slices.sum())
+        embeds = np.concatenate([r.embeds.reshape(-1, r.embeds.shape[-1]) for r in results])
+        return ids, embeds, sum(int(r.slices.sum()) for r in results)
 
     async def _chat(self, corr_id: int, state: DuplexSession, chat: ChatInput, emit: Emit) -> None:
         t0 = time.perf_counter()
@@ -420,13 +442,13 @@ class DuplexPipeline:
                      n_chars: int, voice: np.ndarray | None) -> tuple[np.ndarray, int]:
         """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
         n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
-        tts = await self.stages.tts(self._call(state, "tts", corr_id, TtsRequest(
+        tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed)))
-        wav = await self.stages.token2wav(self._call(state, "token2wav", corr_id, Token2WavRequest(
+            seed=state.options.seed))
+        wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
-            **_voice_to_send(state, voice, turn_start))))
+            **_voice_to_send(state, voice, turn_start)))
         return wav.waveform, len(tts.speech_tokens)
 
 

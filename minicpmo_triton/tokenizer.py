@@ -68,12 +68,16 @@ class _HfDecoder:
 
 
 class HuggingFaceTokenizer:
-    """The checkpoint's `tokenizer.json`, read with the `tokenizers` package."""
+    """The checkpoint's `tokenizer.json`, read with the `tokenizers` package; it never parses special tokens
+    out of text."""
 
     def __init__(self, folder: Path, specials: set[int]) -> None:
         from tokenizers import Tokenizer as HfTokenizer
 
         self._tok = HfTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        # Text is always text: a caller's literal `<|im_end|>` or `<|listen|>` is encoded as its characters,
+        # never as the control token (control tokens are placed by id, never parsed from a string).
+        self._tok.encode_special_tokens = True
         self._specials = specials
 
     def encode(self, text: str) -> list[int]:

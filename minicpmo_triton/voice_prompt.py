@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from .engines import Engine, load_engine
+from .errors import Code, StepError
+from .pcm import pcm_problem
 
 SAMPLE_RATE = 16000
 PROMPT_RATE = 24000
@@ -29,6 +31,7 @@ S3_TOKENIZER = "speech_tokenizer_v2_25hz"  # speech_tokenizer_v2_25hz.onnx
 UP_RATE = 2  # mel frames per S3 token
 VOICES_DIR_ENV = "MINICPMO_VOICES_DIR"  # named voices: <folder>/<name>.wav
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+MIN_VOICE_S = 0.5  # a reference shorter than this is refused (the gateway's bound too)
 MAX_S3_FRAMES = 3000  # the tokenizer's window: 30 s of 10 ms frames (longer references are cut)
 
 
@@ -176,6 +179,17 @@ class VoiceFeaturizer:
 
 
 
+def _usable(name: str, path: Path) -> np.ndarray:
+    try:
+        audio = read_wav(path)
+    except Exception as exc:  # noqa: BLE001 (soundfile's errors are not one type)
+        raise StepError(Code.INVALID_VOICE, f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
+    if len(audio) < MIN_VOICE_S * SAMPLE_RATE or (problem := pcm_problem(audio)):
+        raise StepError(Code.INVALID_VOICE, f"the voice {name!r} is not a usable reference: "
+                        f"{problem or f'under {MIN_VOICE_S} s'}")
+    return audio
+
+
 class VoiceLibrary:
     """Named voices: `<folder>/<name>.wav` (any rate, mono or not), read once as 16 kHz references.
 
@@ -188,6 +202,8 @@ class VoiceLibrary:
         self._lock = threading.Lock()
 
     def get(self, name: str) -> np.ndarray | None:
+        """The voice's 16 kHz reference; None when there is no such file. A file that is not a usable reference
+        (unreadable, under MIN_VOICE_S, not clean PCM) is `invalid_voice` for the session that names it."""
         if self.folder is None or not VOICE_NAME.fullmatch(name):  # a name, never a path
             return None
         with self._lock:
@@ -195,7 +211,7 @@ class VoiceLibrary:
                 path = self.folder / f"{name}.wav"
                 if not path.is_file():
                     return None
-                self._voices[name] = read_wav(path)
+                self._voices[name] = _usable(name, path)
             return self._voices[name]
 
     def names(self) -> list[str]:

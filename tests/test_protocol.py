@@ -41,10 +41,13 @@ def test_input_append_accepts_every_audio_alias(key: str) -> None:
 
 
 def test_input_append_reads_frames_and_hints() -> None:
+    from .test_caller_costs import png
+
+    one, two = png(8, 8), png(4, 4)
     parsed = parse_client_message(msg({"type": "input.append", "input": {
-        "audio": {"data": encode_f32_base64(AUDIO)}, "frames": ["AAAA", {"data": "BBBB"}],
+        "audio": {"data": encode_f32_base64(AUDIO)}, "frames": [one, {"data": two}],
         "hints": {"force_listen": True, "max_slice_nums": 2}}}))
-    assert parsed.frames == [b"\x00\x00\x00", b"\x04\x10\x41"]  # base64-decoded once, here
+    assert parsed.frames == [base64.b64decode(one), base64.b64decode(two)]  # base64-decoded once, here
     assert parsed.force_listen and parsed.max_slice_nums == [2, 2]
 
 

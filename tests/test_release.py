@@ -69,8 +69,9 @@ def held(app: Starlette) -> dict[str, Any]:
     gw = app.state.gateway
     tasks = Counter(task.get_coro().__qualname__ for task in asyncio.all_tasks())
     objects = Counter(cls.__name__ for obj in gc.get_objects() for cls in PER_SESSION if isinstance(obj, cls))
+    quotas = app.state.quotas
     return {"sessions": len(gw.sessions), "reserved": gw._reserved, "queue": gw.queue_length,
-            "per_key": len(app.state.session_counts._counts), "tasks": tasks, "objects": objects}
+            "per_key": len(quotas.keys._counts) + len(quotas.addresses._counts), "tasks": tasks, "objects": objects}
 
 
 async def backend_clean(base: str, audio: np.ndarray) -> None:

@@ -1,7 +1,15 @@
-"""`python -m gateway.serve` keeps its tritonserver: kill -9 it, and live sessions are told
-`backend_unavailable` (retryable, close 1013), /health says `loading`, the dead server's process group
-(its Python stubs) is gone with no zombie, and a new Triton is started; /health is `ready` again and new
-sessions work."""
+"""`python -m gateway.serve` keeps its tritonserver, and every stage in it (gateway/stage_health.py):
+
+- kill -9 Triton: live sessions are told `backend_unavailable` (retryable, close 1013), /health says `loading`,
+  the dead server's process group (its Python stubs) is gone with no zombie, and a new Triton is started;
+  /health is `ready` again and new sessions work;
+- stop Triton (SIGSTOP): /health is not ready within the health bound and live sessions are told
+  `backend_unavailable`; once it runs again, /health is ready;
+- kill -9 one stage's stub under a running Triton (what the OOM killer picks first): /health is not ready, live
+  sessions are told `backend_unavailable`, Triton is restarted whole (nothing of the old one left) and new
+  sessions speak again.
+
+One `gateway.serve` for the module (the tests run in order; the last one stops it)."""
 
 from __future__ import annotations
 
@@ -16,13 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 
 from gateway.triton import free_port, free_ports
 
 from .conftest import REPO, ensure_exported
-from .helpers import init_message
+from .helpers import append_message, init_message, recv_until
 
 
 def group(pgid: int) -> list[tuple[int, str, str]]:
@@ -64,16 +73,20 @@ def triton_pid(log: Path) -> int:
     return int(found[-1])
 
 
-@pytest.fixture
-def served(tmp_path: Path):
+HEALTH = {"MINICPMO_HEALTH_PERIOD_S": "0.5", "MINICPMO_HEALTH_TIMEOUT_S": "3"}  # not ready within ~4 s
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
     ensure_exported()
+    tmp_path = tmp_path_factory.mktemp("served")
     port, ports = free_port(), free_ports()
     log = tmp_path / "serve.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.serve", "--port", str(port), "--triton-log", str(tmp_path / "triton.log"),
              "--triton-ports", f"{ports.http},{ports.grpc},{ports.metrics}"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **HEALTH})
     try:
         deadline = time.monotonic() + 300
         while "gateway on ws://" not in log.read_text() and time.monotonic() < deadline:
@@ -126,12 +139,94 @@ async def test_serve_restarts_a_triton_that_died(served) -> None:
         await again.send(init_message())
         assert json.loads(await again.recv())["type"] == "session.created"
     print(f"told backend_unavailable {told_after_s:.2f} s after kill -9")
+
+
+async def told_unavailable(ws: websockets.ClientConnection, timeout_s: float) -> tuple[list[dict], int]:
+    """What a session hears until the server closes it, and the close code."""
+    events = []
+    with pytest.raises(websockets.ConnectionClosed) as info:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                events.append(json.loads(await ws.recv()))
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors and errors[0]["error"]["code"] == "backend_unavailable", events
+    assert errors[0]["error"]["retryable"] is True and events[-1]["reason"] == "backend_unavailable", events
+    return events, info.value.rcvd.code
+
+
+async def not_ready_within(port: int, bound_s: float) -> float:
+    started = time.monotonic()
+    await asyncio.to_thread(wait_status, port, "loading", bound_s)
+    return time.monotonic() - started
+
+
+async def speaks(port: int) -> None:
+    """A new session's first step runs every stage it needs: the LLM answers."""
+    async with websockets.connect(f"ws://127.0.0.1:{port}/backend") as ws:
+        await ws.send(init_message())
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(append_message(np.zeros(16_000, np.float32), "in_0"))
+        events = await recv_until(ws, lambda e: e.get("chunk_usage") is not None or e["type"] == "error", 60)
+        assert events[-1]["type"] == "response.output.delta", events
+
+
+async def test_a_hung_triton_is_not_ready_and_its_sessions_are_told(served) -> None:
+    process, port, log = served
+    await asyncio.to_thread(wait_status, port, "ready", 300)
+    pid = current_triton(log)
+    ws = await websockets.connect(f"ws://127.0.0.1:{port}/backend")
+    await ws.send(init_message())
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        after_s = await not_ready_within(port, 10)
+        assert health(port)["backend_state"] == "unresponsive", health(port)
+        _, code = await told_unavailable(ws, 30)
+        assert code == 1013
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await asyncio.to_thread(wait_status, port, "ready", 60)
+    print(f"/health not ready {after_s:.1f} s after SIGSTOP")
+    await speaks(port)
+
+
+async def test_a_dead_stage_stub_is_healed(served) -> None:
+    process, port, log = served
+    await asyncio.to_thread(wait_status, port, "ready", 300)
+    before = current_triton(log)
+    stubs = [pid for pid, _, _ in group(before) if "/llm/" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(stubs) == 1, group(before)
+    ws = await websockets.connect(f"ws://127.0.0.1:{port}/backend")
+    await ws.send(init_message())
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    os.kill(stubs[0], signal.SIGKILL)
+    after_s = await not_ready_within(port, 10)
+    _, code = await told_unavailable(ws, 30)
+    assert code == 1013
+    await asyncio.to_thread(wait_status, port, "ready", 300)
+    assert group(before) == [], group(before)  # the old server and its stubs: gone, no zombie
+    assert current_triton(log) != before
+    await speaks(port)
+    text = log.read_text()
+    assert "Stub process 'llm_0_0' is not healthy" in text and "Traceback" not in text
+    print(f"/health not ready {after_s:.1f} s after kill -9 of the llm stub")
+
+
+def test_a_clean_stop_leaves_nothing(served) -> None:
+    process, port, log = served
+    last = current_triton(log)
     process.send_signal(signal.SIGINT)
     process.wait(timeout=60)
-    assert group(second) == [], group(second)  # a clean stop leaves nothing either
+    assert group(last) == [], group(last)
 
 
 def triton_pid_from_log(log: Path) -> int:
     found = re.findall(r"tritonserver restarted \(pid (\d+)\)", log.read_text())
+    assert found, log.read_text()[-3000:]
+    return int(found[-1])
+
+
+def current_triton(log: Path) -> int:
+    found = re.findall(r"tritonserver (?:ready|restarted) \(pid (\d+)\)", log.read_text())
     assert found, log.read_text()[-3000:]
     return int(found[-1])

@@ -20,11 +20,11 @@ from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
 from ..engine import Closed, Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
+from ..limits import Limits, identifier
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_CHAT_AUDIO_SECONDS = 60
 
 
 # ---- client events ----
@@ -74,7 +74,7 @@ def loads(text: str | bytes) -> dict[str, Any]:
     return data
 
 
-def parse_init(message: dict[str, Any]) -> SessionInit:
+def parse_init(message: dict[str, Any], limits: Limits | None = None) -> SessionInit:
     if message["type"] != "session.init":
         raise ProtocolError("invalid_first_message",
                             f"the first message must be session.init, got {message['type']!r}",
@@ -88,6 +88,8 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
     prompt = first(payload.get("system_prompt"), payload.get("instructions"))
     if prompt is not None and not isinstance(prompt, str):
         raise ProtocolError("invalid_payload", "system_prompt must be a string", close_code=CLOSE_POLICY)
+    if prompt is not None:
+        (limits or Limits()).prompt(prompt, "system_prompt", CLOSE_POLICY)
     config = first(payload.get("config"), payload.get("duplex")) or {}
     if not isinstance(config, dict):
         raise ProtocolError("invalid_payload", "config must be an object", close_code=CLOSE_POLICY)
@@ -109,12 +111,7 @@ def parse_init(message: dict[str, Any]) -> SessionInit:
 
 def voice_name(value: Any) -> str:
     """A named voice: a short name (the model server maps it to a file of its voice folder), else refused."""
-    if value is None:
-        return ""
-    if not isinstance(value, str) or len(value) > 64:
-        raise ProtocolError("invalid_voice", "voice.name must be a string of at most 64 characters",
-                            close_code=CLOSE_POLICY)
-    return value
+    return "" if value is None else identifier(value, "voice.name", "invalid_voice", CLOSE_POLICY)
 
 
 def voice_refs(init: SessionInit) -> dict[str, np.ndarray]:
@@ -131,29 +128,30 @@ def init_options(init: SessionInit) -> DuplexOptions:
         raise ProtocolError("invalid_config", str(exc), close_code=CLOSE_POLICY) from exc
 
 
-def parse_input_append(message: dict[str, Any]) -> ClientMessage:
+def parse_input_append(message: dict[str, Any], limits: Limits) -> ClientMessage:
     payload = as_object(message.get("input"), "input.append's `input`")
     if isinstance(payload.get("context"), dict) and payload["context"].get("text"):
-        return parse_input_context({"input_id": payload.get("input_id"), "context": payload["context"]})
-    return parse_append(payload)
+        return parse_input_context({"input_id": payload.get("input_id"), "context": payload["context"]}, limits)
+    return parse_append(payload, limits)
 
 
-def parse_input_context(message: dict[str, Any]) -> InputContext:
+def parse_input_context(message: dict[str, Any], limits: Limits) -> InputContext:
     context = as_object(message.get("context"), "input.context's `context`")
     text = context.get("text")
     if not isinstance(text, str) or not text.strip():
         raise ProtocolError("missing_field", "input.context requires a non-empty context.text")
+    limits.text(text, "context.text")
     input_id = message.get("input_id")
     return InputContext(
         input_id=str(input_id) if input_id is not None else None,
         text=text.strip(),
-        kind=str(context.get("kind") or "tool_result"),
+        kind=identifier(context.get("kind") or "tool_result", "context.kind"),
         operation_id=context.get("operation_id"),
         respond=bool(context.get("respond", True)),
     )
 
 
-def _chat_message(raw: Any, max_slice_nums: int) -> ChatMessage:
+def _chat_message(raw: Any, max_slice_nums: int, limits: Limits) -> ChatMessage:
     m = as_object(raw, "each message")
     role = m.get("role")
     if role not in CHAT_ROLES:
@@ -185,13 +183,14 @@ def _chat_message(raw: Any, max_slice_nums: int) -> ChatMessage:
         if not isinstance(audio, str):
             raise ProtocolError("bad_audio", "message audio must be base64 float32 16 kHz")
         try:
-            audio = decode_f32_base64(audio, MAX_CHAT_AUDIO_SECONDS * INPUT_RATE)
+            audio = decode_f32_base64(audio, limits.audio_samples(INPUT_RATE))
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc)) from exc
-    return ChatMessage(role, "".join(text), audio, tuple(images), max_slice_nums)
+    limits.images(images, "messages.content")
+    return ChatMessage(role, limits.text("".join(text), "messages.content"), audio, tuple(images), max_slice_nums)
 
 
-def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
+def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
     payload = as_object(message.get("input"), "input.append's `input`")
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -206,7 +205,8 @@ def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
     input_id = payload.get("input_id")
     image_opts = payload.get("image") if isinstance(payload.get("image"), dict) else {}
     n_slices = slices(first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums")), 1)[0]
-    parsed = [_chat_message(m, n_slices) for m in messages]
+    parsed = [_chat_message(m, n_slices, limits) for m in messages]
+    limits.conversation(len(parsed), sum(len(m.text.encode("utf-8")) + len(m.key()[2]) for m in parsed))
     tts_ref = first(payload.get("tts_ref_audio"), tts.get("ref_audio_data"), tts.get("ref_audio"))
     voice = None if tts_ref is None else voice_ref("tts_ref_audio", tts_ref, None)  # refused now; the session goes on
     return ChatTurn(
@@ -219,14 +219,16 @@ def parse_chat_turn(message: dict[str, Any]) -> ChatTurn:
     )
 
 
-def parse_client_message(message: dict[str, Any], mode: str = "full_duplex") -> ClientMessage:
+def parse_client_message(message: dict[str, Any], mode: str = "full_duplex", limits: Limits | None = None
+                         ) -> ClientMessage:
     kind = message["type"]
+    limits = limits or Limits()
     if kind == "input.append":
-        return parse_chat_turn(message) if mode == "turn_based" else parse_input_append(message)
+        return parse_chat_turn(message, limits) if mode == "turn_based" else parse_input_append(message, limits)
     if kind == "input.context" and mode == "turn_based":
         raise ProtocolError("unsupported_event", "input.context is for full_duplex; add a message instead")
     if kind == "input.context":
-        return parse_input_context(message)
+        return parse_input_context(message, limits)
     if kind == "session.init":
         raise ProtocolError("already_initialized", "session.init may only be the first message")
     if kind == "session.close":
@@ -324,10 +326,12 @@ class BackendState(EngineState):
                                self.usage.snapshot())]
 
     def on_text(self, text: str) -> Effects:
-        return self.on_client(parse_client_message(loads(text), self.mode))
+        return self.on_client(parse_client_message(loads(text), self.mode, self.limits))
 
     def on_client(self, msg: ClientMessage) -> Effects:
         if isinstance(msg, ChatTurn):
+            if msg.tts_ref_audio is not None:
+                self.charge_voice(msg.tts_ref_audio)
             req: StepInput | ChatInput = ChatInput(msg.messages, msg.max_new_tokens, msg.generate_audio,
                                                    tts_ref_audio=msg.tts_ref_audio)
             return Effects(steps=[PlannedStep("chat", req, self.epoch, response_id=new_response_id(), cause=msg)])

@@ -18,6 +18,7 @@ from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions,
 from ..audio import encode_f32_base64
 from ..engine import Effects, EngineState, PlannedStep, ServerEvent
 from ..inputs import InputAppend, parse_append, voice_ref
+from ..limits import Limits
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
 from .realtime_events import RealtimeEvent, SessionEvent, answer, closed_event, error_event, parse_event
 
@@ -87,13 +88,13 @@ class Heartbeat:
 ClientEvent = SessionUpdate | InputAppend | SessionClose | Heartbeat  # InputAppend: input_audio_buffer.append
 
 
-def decode_client(msg: dict[str, Any]) -> ClientEvent:
+def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEvent:
     kind = msg["type"]
     if kind == "session.update":
         return SessionUpdate(msg.get("session"))
     if kind == "input_audio_buffer.append":
         try:
-            return parse_append({k: v for k, v in msg.items() if k != "type"})
+            return parse_append({k: v for k, v in msg.items() if k != "type"}, limits)
         except ProtocolError as exc:
             raise _client_error(exc) from None
     if kind == "session.close":
@@ -126,7 +127,7 @@ class MiniCPMRealtimeState(EngineState):
     def on_client(self, msg: dict[str, Any]) -> Effects:
         if msg["type"] not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
             raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
-        event = decode_client(msg)
+        event = decode_client(msg, self.limits)
         if isinstance(event, SessionUpdate):
             return self._configure(event.session)
         if isinstance(event, InputAppend):
@@ -150,13 +151,15 @@ class MiniCPMRealtimeState(EngineState):
             if not isinstance(instructions, str):
                 raise ProtocolError("invalid_payload", "instructions must be a string", "session.instructions",
                                     error_type="client_error")
-            self.instructions = instructions
+            self.instructions = self.limits.prompt(instructions, "session.instructions")
         voice_config = session.get("voice_config") if isinstance(session.get("voice_config"), dict) else {}
         self.model = {**(session.get("config") if isinstance(session.get("config"), dict) else {}), **voice_config}
         try:
             self.options()
             self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)
                           for name in ("ref_audio", "tts_ref_audio") if session.get(name) is not None}
+            for ref in self.voice.values():
+                self.charge_voice(ref)
         except InvalidOptions as exc:
             # the init's ranges: refused, the session waits for a valid session.update
             raise ProtocolError("invalid_config", str(exc), "session", error_type="client_error") from exc

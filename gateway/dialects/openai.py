@@ -17,7 +17,6 @@ LLM's context back to that point with the next step.
 from __future__ import annotations
 
 import base64
-import binascii
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from ..audio import (
     resample,
 )
 from ..engine import UNIT, Effects, EngineState, PlannedStep, ServerEvent
-from ..inputs import MAX_APPEND_SECONDS, MAX_FRAMES
+from ..inputs import MAX_APPEND_SECONDS, MAX_FRAMES, image_bytes
 from ..overlap import OverlapDecision, OverlapPolicy, rms
 from ..vad import WINDOW_MS, SpeechSegmenter
 from ..wire import ProtocolError, Usage, new_id
@@ -49,7 +48,6 @@ from .openai_config import RealtimeConfig, apply_update, max_output_tokens
 from .openai_conversation import Conversation, Item
 from .realtime_events import answer, closed_event, error_event, parse_event
 
-MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 REPLAY_UNITS = 8  # how many seconds of caller audio a rollback may hear again
 CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
@@ -151,7 +149,7 @@ class OpenAIRealtimeState(EngineState):
         return _HANDLERS[type(event)](self, event)
 
     def _session_update(self, msg: oe.SessionUpdate) -> Effects:
-        config = apply_update(self.config, msg.session, self.started)
+        config = apply_update(self.config, msg.session, self.started, self.limits)
         if config.turn_detection.type == "server_vad" and self.vad is None:
             raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
                                 "session.audio.input.turn_detection.type")
@@ -184,10 +182,11 @@ class OpenAIRealtimeState(EngineState):
                 out.steps.append(self._duplex_step(unit))
             return out
         self._buffer.append(audio)
-        if sum(len(a) for a in self._buffer) > MAX_BUFFER_SECONDS * INPUT_RATE:
+        if sum(len(a) for a in self._buffer) > self.limits.audio_samples(INPUT_RATE):
             self._buffer.pop()
-            raise ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
-                                "commit or clear it (this append was dropped)")
+            most = self.limits.item_audio_s
+            raise ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {most:.0f} s; commit or "
+                                "clear it (this append was dropped)")
         if self.config.turn_detection.type != "server_vad":
             return out
         for vad_ev in vad_events:
@@ -265,8 +264,10 @@ class OpenAIRealtimeState(EngineState):
         audio = _committable(np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.float32))
         self._buffer = []
         item = Item(item_id or new_id("item"), "user", audio=audio)
+        evicted = self._room(item)
         previous, _ = self.conversation.add(item)
         return Effects([
+            *evicted,
             oe.BufferCommitted(item.id, previous),
             oe.ItemAdded(previous, item.to_dict()),
             oe.ItemDone(item.to_dict()),
@@ -291,7 +292,9 @@ class OpenAIRealtimeState(EngineState):
             self._add_part(item, part)
         if not item.text and item.audio is None and not item.images:
             raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
-        out = Effects()
+        self.limits.text(item.text, "item.content.text")
+        self.limits.images([base64.b64decode(i) for i in item.images], "item.content")
+        out = Effects(self._room(item))
         if role == "assistant" and item.text:
             self._to_say = item  # said by the next response.create; in duplex it enters the context only then
         if self.config.duplex:
@@ -318,19 +321,16 @@ class OpenAIRealtimeState(EngineState):
         elif kind == "input_audio" and isinstance(part.get("audio"), str):
             rate = self.config.input_rate
             try:
-                audio = resample(decode_pcm16_base64(part["audio"], 60 * rate), rate, INPUT_RATE)
+                audio = resample(decode_pcm16_base64(part["audio"], self.limits.audio_samples(rate)), rate, INPUT_RATE)
             except AudioDecodeError as exc:
                 raise ProtocolError("bad_audio", str(exc), "item.content.audio") from exc
             item.audio = _whole_tenths(audio)
         elif kind == "input_image":
             url = part.get("image_url")
             data = url.split(",", 1)[-1] if isinstance(url, str) else part.get("image")
-            try:
-                if not isinstance(data, str) or not base64.b64decode(data, validate=True):
-                    raise ValueError("empty")
-            except (binascii.Error, ValueError) as exc:
-                raise ProtocolError("bad_image", "input_image needs a base64 image or data URL", "item.content") \
-                    from exc
+            if not isinstance(data, str):
+                raise ProtocolError("bad_image", "input_image needs a base64 image or data URL", "item.content")
+            image_bytes(data)  # its size, and a format the server decodes
             item.images.append(data)
         else:
             raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
@@ -379,6 +379,7 @@ class OpenAIRealtimeState(EngineState):
         """Duplex: instructions prompt the model (it decides whether to speak); without them the model
         speaks now: an assistant message waiting to be voiced is said as is, else it answers in voice."""
         if isinstance(instructions, str) and instructions.strip():
+            self.limits.text(instructions, "response.instructions")
             return StepInput.of_context(Context(instructions.strip(), "instructions", respond=True))
         if self._to_say is not None:
             item, self._to_say = self._to_say, None
@@ -392,6 +393,7 @@ class OpenAIRealtimeState(EngineState):
         say = self._to_say is not None and bool(items) and items[-1] is self._to_say
         if not items or (items[-1].role == "assistant" and not say):
             raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
+        self._room(Item("", "assistant"))  # the reply's item
         if say:  # the response's item holds the words from now on
             self._said.add(self._to_say.id)
             self._to_say = None
@@ -440,6 +442,20 @@ class OpenAIRealtimeState(EngineState):
     def _heartbeat(self, msg: oe.ClientEvent) -> Effects:
         return Effects()
 
+    def _room(self, item: Item) -> list[ServerEvent]:
+        """Room for `item` in the conversation (limits.conversation). A duplex conversation is only a record (the
+        model's context is its KV cache): it keeps its latest items, the older ones deleted. A turn-based one is
+        what each response sends: the caller deletes items, else `conversation_full`."""
+        limits, conversation = self.limits, self.conversation
+        if not self.config.duplex:
+            limits.conversation(len(conversation.items) + 1, conversation.nbytes() + item.nbytes)
+            return []
+        limits.conversation(1, item.nbytes)
+        gone = conversation.keep_latest(limits.conversation_items - 1)
+        while conversation.items and conversation.nbytes() + item.nbytes > limits.conversation_bytes:
+            gone += self.conversation.keep_latest(len(self.conversation.items) - 1)
+        return [oe.ItemDeleted(item_id) for item_id in gone]
+
     # ---- responses ----
     def _open_response(self, now: float) -> Effects:
         item = self.conversation.new_item("assistant", status="in_progress", spoken=self.config.audio_out)
@@ -447,11 +463,12 @@ class OpenAIRealtimeState(EngineState):
             self.past_responses.add(self.response.id)
         kv, unit = self._last_listen
         self.response = Response(new_id("resp"), item, self.epoch, kv_before=kv, unit_before=unit)
+        evicted = self._room(item)
         previous, _ = self.conversation.add(item)
         r = self.response
         part = {"type": "output_audio" if self.config.audio_out else "output_text",
                 "transcript" if self.config.audio_out else "text": ""}
-        events: list[ServerEvent] = []
+        events: list[ServerEvent] = [*evicted]
         if self.config.duplex:
             events.append(oe.ResponseSpeak(r.id, self.epoch))
         events += [

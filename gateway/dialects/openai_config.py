@@ -14,6 +14,7 @@ from typing import Any
 
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
+from ..limits import Limits, identifier
 from ..overlap import POLICIES, OverlapSettings
 from ..wire import ProtocolError
 
@@ -122,7 +123,7 @@ def max_output_tokens(value: Any, param: str) -> int:
     return _number(value, int, param, 1, MAX_OUTPUT_TOKENS)
 
 
-def apply_update(config: RealtimeConfig, session: Any, started: bool) -> RealtimeConfig:
+def apply_update(config: RealtimeConfig, session: Any, started: bool, limits: Limits | None = None) -> RealtimeConfig:
     """`session.update`'s `session` over the current config. `started`: audio has reached the model,
     so what is fixed at the Triton sequence's start (model options, instructions, duplex or not) stays."""
     if not isinstance(session, dict):
@@ -144,9 +145,10 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
             raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
                                 "session.output_modalities")
         changes["output_modalities"] = ("audio",) if "audio" in modalities else ("text",)
+    limits = limits or Limits()
     voice = audio_out.get("voice", session.get("voice"))
-    if voice is not None:
-        changes["voice"] = str(voice)
+    if voice is not None:  # echoed in every response: a name, not a payload
+        changes["voice"] = identifier(voice, "session.audio.output.voice", "invalid_value")
     if "turn_detection" in audio_in or "turn_detection" in session:
         raw = audio_in["turn_detection"] if "turn_detection" in audio_in else session["turn_detection"]
         td = _turn_detection(raw, config.turn_detection, "session.audio.input.turn_detection")
@@ -178,9 +180,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool) -> Realtim
 
     fixed: dict[str, Any] = {}
     if session.get("instructions") is not None:
-        if not isinstance(session["instructions"], str):
-            raise ProtocolError("invalid_value", "instructions must be a string", "session.instructions")
-        fixed["instructions"] = session["instructions"]
+        fixed["instructions"] = limits.prompt(session["instructions"], "session.instructions")
     extra = session.get("extra_body") if isinstance(session.get("extra_body"), dict) else {}
     model = {k: v for k, v in {**session, **extra}.items() if k in MODEL_KEYS and v is not None}
     if model:

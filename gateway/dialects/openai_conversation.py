@@ -73,6 +73,12 @@ class Item:
         self.unvoiced = ""
         return end_ms
 
+    @property
+    def nbytes(self) -> int:
+        """What the item holds in memory (and ships with a turn-based response): text, audio, images."""
+        audio = 0 if self.audio is None else self.audio.nbytes
+        return len(self.text.encode("utf-8")) + audio + sum(len(i) * 3 // 4 for i in self.images)
+
     def to_dict(self) -> dict[str, Any]:
         if self.role == "assistant":
             content = [{"type": "output_audio", "transcript": self.text} if self.spoken
@@ -105,6 +111,14 @@ class Conversation:
 
     def delete(self, item_id: Any) -> None:
         self.items.remove(self.get(item_id))
+
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def keep_latest(self, count: int) -> list[str]:
+        """Forget all but the latest `count` items; the ids forgotten."""
+        gone, self.items = self.items[: max(0, len(self.items) - count)], self.items[-count:] if count else []
+        return [item.id for item in gone]
 
     def new_item(self, role: str, **kw: Any) -> Item:
         return Item(new_id("item"), role, **kw)

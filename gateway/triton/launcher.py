@@ -228,6 +228,12 @@ class TritonServer:
                 pass
         self.reap()
 
+    def kill(self) -> None:
+        """Kill the whole server now (its stubs with it); whoever waits on the process (the supervisor) reaps it."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
     def reap(self) -> None:
         """Whatever is left of the server: its process group (the Python backend stubs it forked) killed, the
         process itself waited for (no zombie)."""

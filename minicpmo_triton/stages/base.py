@@ -1,5 +1,5 @@
-"""What every stateful stage shares: START creates state, END frees it, the rest look it up; one bad row
-fails alone."""
+"""What every stateful stage shares: START creates state, END frees it (a refused START leaves none), the rest
+look it up; one bad row fails alone."""
 
 from __future__ import annotations
 
@@ -122,6 +122,8 @@ class SequenceStage(Generic[Req, Res, State]):
         work: list[tuple[int, Req, State]] = []
         for i, call in enumerate(calls):
             try:
+                if call.end and not call.start and self.is_noop(call.request) and call.corr_id not in self.store:
+                    continue  # an END for state that is gone (refused at its START, or idled out): nothing to free
                 state = self.store.start(call.corr_id, self.new_state(call)) if call.start \
                     else self.store.get(call.corr_id)
                 if self.is_noop(call.request):
@@ -140,8 +142,9 @@ class SequenceStage(Generic[Req, Res, State]):
 
             for (i, _, _), out in zip(work, isolated(self.compute, items, undo), strict=True):
                 results[i] = out
-        for call in calls:
-            if call.end:
+        for call, result in zip(calls, results, strict=True):
+            # A refused START leaves no state (the caller starts again, or not at all): nothing waits for a TTL.
+            if call.end or (call.start and isinstance(result, Exception)):
                 self.store.end(call.corr_id)
         return results
 

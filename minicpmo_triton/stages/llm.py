@@ -52,6 +52,10 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
         self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
+        # Any token but a control token may be teacher-forced: caller text holds newlines and accents that
+        # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
+        self.forcible = np.ones(d.vocab, bool)
+        self.forcible[sorted(set(vars(preset.tokens).values()))] = False
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
         return LlmSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
@@ -134,7 +138,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 return None
             logits = dec.adjust(out["logits"])
             forced = items[row][0].forced_ids
-            if len(dec.generated) < len(forced) and np.isfinite(logits[forced[len(dec.generated)]]):
+            if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
                 token = int(forced[len(dec.generated)])  # teacher forcing, where the chunk's rules allow the token
             else:
                 apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
@@ -176,6 +180,11 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 cached_tokens=cached,
             ))
         return results
+
+    def _may_force(self, logits: np.ndarray, token: int) -> bool:
+        """The chunk's rules allow `token` now, or it is plain text and the rules leave a choice (they do not
+        force a terminator)."""
+        return bool(np.isfinite(logits[token])) or (self.forcible[token] and np.count_nonzero(np.isfinite(logits)) > 1)
 
     def _roll_back(self, sess: LlmSession, length: int) -> None:
         """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the

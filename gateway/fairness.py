@@ -1,0 +1,139 @@
+"""Fair sharing of the session slots (pure code): no one caller holds them all, or holds one it does not use.
+
+- `Quotas`: concurrent sessions per key (when keys are configured: with none, every caller is the one
+  anonymous principal, and a per-key limit would be a server-wide one) and per client address.
+- `Activity`: the idle clock of a session. Heartbeats keep a socket open but are not activity: a session that
+  only sends heartbeats is closed once `idle_timeout_s` passed since its last real event.
+- `paced`: a step's budget is per event: work split into chunks (a long text spoken chunk by chunk) goes on
+  as long as each chunk comes within the budget; a step that stalls is cut.
+- `VoiceBudget`: seconds of new voice references per caller (principal and address) per window: each new one
+  costs the shared token2wav stage a voice prompt (about 3 s of compute for 30 s of reference on 2 CPU cores,
+  every session's audio waiting behind it); a reference the caller sent within the window is free (cached).
+- `ResumeFailures`: only a resume that fails counts against the caller's resume rate, so bogus attempts by one
+  caller never refuse another caller's real resume from the same address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .audio import INPUT_RATE
+from .auth import ANONYMOUS, RateLimit, SessionCounts
+from .wire import ProtocolError, parse_json
+
+T = TypeVar("T")
+HEARTBEAT = "session.heartbeat"  # both Realtime dialects' keep-alive
+_HEARTBEAT_MAX_CHARS = 512  # a heartbeat is a small frame; a big one is read as activity without parsing it
+
+
+class Quotas:
+    """Per-key and per-address session counts, both held for a session's life."""
+
+    def __init__(self, per_key: int, per_address: int) -> None:
+        self.keys = SessionCounts(per_key)
+        self.addresses = SessionCounts(per_address, "address_session_limit", "this client address")
+
+    @contextlib.contextmanager
+    def held(self, who: str, address: str) -> Iterator[None]:
+        with self.addresses.held(address):
+            if who == ANONYMOUS:  # no keys configured: the address is the only way to tell callers apart
+                yield
+                return
+            with self.keys.held(who):
+                yield
+
+
+def is_heartbeat(text: str) -> bool:
+    if len(text) > _HEARTBEAT_MAX_CHARS or HEARTBEAT not in text:
+        return False
+    try:
+        msg = parse_json(text)
+    except ValueError:
+        return False
+    return isinstance(msg, dict) and msg.get("type") == HEARTBEAT
+
+
+class Activity:
+    """When the session last did something other than a heartbeat; how long it may still wait for a frame."""
+
+    def __init__(self, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self._last = clock()
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.idle_timeout_s - (self.clock() - self._last))
+
+    def heard(self, text: str) -> None:
+        if not is_heartbeat(text):
+            self._last = self.clock()
+
+
+ChargeVoice = Callable[[np.ndarray], None]  # a 16 kHz voice reference a caller sends: refused past its budget
+
+
+class VoiceBudget:
+    def __init__(self, seconds: float, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self.window_s = window_s
+        self.clock = clock
+        self._spent: dict[str, deque[tuple[float, bytes, float]]] = {}  # caller -> (when, which, seconds)
+
+    def charge(self, caller: str, audio: np.ndarray) -> None:
+        now = self.clock()
+        for who in [w for w, spent in self._spent.items() if spent and now - spent[-1][0] > self.window_s]:
+            del self._spent[who]  # callers gone quiet: the table stays bounded
+        spent = self._spent.setdefault(caller, deque())
+        while spent and now - spent[0][0] > self.window_s:
+            spent.popleft()
+        key = hashlib.sha256(np.ascontiguousarray(audio, np.float32).tobytes()).digest()
+        if any(k == key for _, k, _ in spent):
+            return  # sent within the window: its prompt is cached
+        seconds = len(audio) / INPUT_RATE
+        if sum(s for _, _, s in spent) + seconds > self.seconds:
+            raise ProtocolError("rate_limited", f"new voice references: at most {self.seconds:.0f} s per "
+                                f"{self.window_s:.0f} s per caller; reuse one, or wait", "voice",
+                                error_type="server_error", retryable=True)
+        spent.append((now, key, seconds))
+
+    def charger(self, who: str, address: str) -> ChargeVoice:
+        return lambda audio: self.charge(f"{who}@{address}", audio)
+
+
+class ResumeFailures:
+    """`session.resume` attempts: a valid one always goes through; failed ones are counted per caller
+    (principal and address), and past `attempts` per `window_s` they are answered `rate_limited`."""
+
+    RESUME_FAILURES = ("session_resume_expired", "invalid_resume_token", "invalid_value")
+
+    def __init__(self, attempts: int, window_s: float) -> None:
+        self.rate = RateLimit(attempts, window_s)
+
+    @contextlib.asynccontextmanager
+    async def counted(self, who: str, address: str) -> Any:
+        try:
+            yield
+        except ProtocolError as err:
+            if err.code in self.RESUME_FAILURES:
+                self.rate.check(f"{who}@{address}")  # raises rate_limited past the limit
+            raise
+
+
+async def paced(events: AsyncIterator[T], gap_s: float) -> AsyncIterator[T]:
+    """`events`, each within `gap_s` of the one before (the first within `gap_s` of the start); past it,
+    asyncio.TimeoutError."""
+    it = aiter(events)
+    while True:
+        try:
+            event = await asyncio.wait_for(anext(it), gap_s)
+        except StopAsyncIteration:
+            return
+        yield event

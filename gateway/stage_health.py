@@ -1,0 +1,195 @@
+"""Health that tells the truth: the gateway watches every stage, not only Triton's word for its entry model.
+
+Every `health_period_s`:
+- liveness: Triton's server-live and each model's readiness (its HTTP/gRPC front end answers these itself: a
+  stopped or hung Triton answers nothing);
+- one probe per stage model (a request its Python stub must answer: a no-op START+END for the stateful stages, a
+  tenth of a second of silence for the audio encoder, no images for the vision encoder, an empty START+END step
+  for the entry model). A stub killed under the server (the OOM killer's first pick) answers an error while
+  Triton still calls the model ready.
+
+Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet); `unresponsive` (no liveness answer for
+`health_timeout_s`); `broken` (a probe answered an error, or none answered for `step_timeout_s`). Unless ready,
+/health says not ready; on unresponsive or broken every live session is told `backend_unavailable` (retryable)
+and ended, once; on broken the gateway heals when it owns Triton (`heal`: gateway.serve kills Triton's process
+group, and its supervisor starts a new one), once until the backend is ready again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import aio as grpcaio
+
+from minicpmo_triton.duplex_contract import StepInput
+from minicpmo_triton.stage_io import (
+    AudioEncoderRequest,
+    LlmRequest,
+    Token2WavRequest,
+    TtsRequest,
+    VisionEncoderRequest,
+    encode,
+)
+
+from .triton.client import ENTRY_MODEL, TritonSession, next_correlation_id
+
+log = logging.getLogger("gateway.health")
+
+STATEFUL_PROBES: dict[str, Any] = {"llm": LlmRequest(decode=False), "tts": TtsRequest(n_tokens=0),
+                                   "token2wav": Token2WavRequest()}
+STATELESS_PROBES: dict[str, Any] = {"audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)),
+                                    "vision_encoder": VisionEncoderRequest()}
+MODELS = (ENTRY_MODEL, *STATEFUL_PROBES, *STATELESS_PROBES)
+_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
+           np.dtype(np.object_): "BYTES"}
+
+
+@dataclass(frozen=True)
+class Report:
+    """One round of checks: liveness answered (None: no answer in time), models ready, probe failures (stage ->
+    why), probes all answered."""
+
+    live: bool | None
+    models_ready: bool = False
+    failed: dict[str, str] = field(default_factory=dict)
+    probes_answered: bool = False
+
+
+@dataclass
+class Verdict:
+    """What the rounds so far say (pure: reports and times in, a state out)."""
+
+    timeout_s: float  # no liveness answer this long: unresponsive
+    hang_s: float  # no probe round answered this long while the models say ready: broken
+    state: str = "loading"  # ready | loading | unresponsive | broken
+    why: str = ""
+    _last_live: float = field(default_factory=time.monotonic)
+    _last_probed: float = field(default_factory=time.monotonic)
+
+    def observe(self, report: Report, now: float) -> str:
+        if report.live:
+            self._last_live = now
+        if not report.models_ready or not report.live:
+            self._last_probed = now  # the hang clock runs only while the models claim to be ready
+        elif report.probes_answered and not report.failed:
+            self._last_probed = now
+        if report.failed:
+            self.state, self.why = "broken", "; ".join(f"{m}: {why}" for m, why in sorted(report.failed.items()))
+        elif now - self._last_probed > self.hang_s:
+            self.state, self.why = "broken", f"no stage probe answered for {self.hang_s:.0f} s"
+        elif now - self._last_live > self.timeout_s:
+            self.state, self.why = "unresponsive", f"Triton answered nothing for {self.timeout_s:.0f} s"
+        elif report.live and report.models_ready and report.probes_answered:
+            self.state, self.why = "ready", ""
+        elif report.live is not None:
+            self.state, self.why = "loading", "models loading" if report.live else "Triton is not up"
+        return self.state
+
+
+def _inputs(request: Any) -> list[grpcclient.InferInput]:
+    out = []
+    for name, value in encode(request).items():
+        if value.size == 0 and not isinstance(request, VisionEncoderRequest):
+            continue  # optional: the stage's default
+        arr = value[None]
+        t = grpcclient.InferInput(name, list(arr.shape), _DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+async def _probe(client: grpcaio.InferenceServerClient, url: str, model: str) -> None:
+    """One request the model's stub must answer; raises what it answered instead."""
+    if model == ENTRY_MODEL:
+        session = TritonSession(url)
+        await session.open()
+        try:
+            async for event in session.step(StepInput(), end=True):
+                if event.kind == "error":
+                    raise RuntimeError(f"{event.code}: {event.message}")
+        finally:
+            await session.close()  # its own START+END step ended the sequence
+    elif model in STATEFUL_PROBES:
+        await client.infer(model, _inputs(STATEFUL_PROBES[model]), sequence_id=next_correlation_id(),
+                           sequence_start=True, sequence_end=True)
+    else:
+        await client.infer(model, _inputs(STATELESS_PROBES[model]))
+
+
+async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: float) -> Report:
+    """One round: liveness and readiness, then (when ready) every stage's probe, each bounded by `timeout_s`."""
+    async def readiness() -> tuple[bool, bool]:
+        live = bool(await client.is_server_live())
+        return live, live and all(await asyncio.gather(*(client.is_model_ready(m) for m in MODELS)))
+
+    try:
+        live, ready = await asyncio.wait_for(readiness(), timeout_s)
+    except asyncio.TimeoutError:
+        return Report(live=None)
+    except Exception:  # noqa: BLE001 (refused, reset: Triton is not up)
+        return Report(live=False)
+    if not ready:
+        return Report(live=live)
+    failed: dict[str, str] = {}
+
+    async def probe(model: str) -> None:
+        try:
+            await _probe(client, url, model)
+        except Exception as exc:  # noqa: BLE001 (any answer but success is the stage's failure)
+            failed[model] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(probe(m) for m in MODELS)), timeout_s)
+    except asyncio.TimeoutError:
+        return Report(live=True, models_ready=True, failed=failed, probes_answered=False)
+    return Report(live=True, models_ready=True, failed=failed, probes_answered=True)
+
+
+class StageHealth:
+    """The watch loop: rounds of `check`, the verdict, and what follows from it."""
+
+    def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
+                 on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
+                 heal: Callable[[], None] | None = None) -> None:
+        self.url = url
+        self.period_s = period_s
+        self.timeout_s = timeout_s
+        self.verdict = Verdict(timeout_s, hang_s)
+        self.on_change = on_change
+        self.tell_sessions = tell_sessions
+        self.heal = heal
+        self._told = False
+        self._healed = False
+
+    def apply(self, report: Report, now: float) -> None:
+        before = self.verdict.state
+        state = self.verdict.observe(report, now)
+        if state != before:
+            log.warning("backend %s -> %s%s", before, state, f" ({self.verdict.why})" if self.verdict.why else "")
+        self.on_change(state, self.verdict.why)
+        if state == "ready":
+            self._told = self._healed = False
+            return
+        if state in ("unresponsive", "broken") and not self._told:
+            self._told = True
+            self.tell_sessions()
+        if state == "broken" and self.heal is not None and not self._healed:
+            self._healed = True
+            log.error("a stage is broken (%s): restarting Triton", self.verdict.why)
+            self.heal()
+
+    async def watch(self) -> None:
+        client = grpcaio.InferenceServerClient(self.url)
+        try:
+            while True:
+                self.apply(await check(client, self.url, self.timeout_s), time.monotonic())
+                await asyncio.sleep(self.period_s)
+        finally:
+            await client.close()
