@@ -30,7 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 @dataclass(frozen=True)
 class Limits:
     prompt_bytes: int = 2048  # a system prompt / session instructions (prefilled with the first step)
-    text_bytes: int = 4096  # one text: a context or tool result, a typed message, a text to say, instructions
+    text_bytes: int = 2048  # one text: a context or tool result, a typed message, a text to say, instructions
     conversation_items: int = 256  # items an OpenAI-dialect conversation (or a turn_based turn) holds
     conversation_bytes: int = 16 << 20  # their text, audio and images together
     images_per_message: int = 8  # a chat message / conversation item (a duplex step: inputs.MAX_FRAMES)

@@ -9,7 +9,8 @@ Every `health_period_s`:
   Triton still calls the model ready.
 
 Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet); `unresponsive` (no liveness answer for
-`health_timeout_s`); `broken` (a probe answered an error, or none answered for `step_timeout_s`). Unless ready,
+`health_timeout_s`); `broken` (a probe answered an error two rounds in a row, or none answered for
+`step_timeout_s`; probes merely slow behind real work change nothing before that). Unless ready,
 /health says not ready; on unresponsive or broken every live session is told `backend_unavailable` (retryable)
 and ended, once; on broken the gateway heals when it owns Triton (`heal`: gateway.serve kills Triton's process
 group, and its supervisor starts a new one), once until the backend is ready again.
@@ -70,8 +71,10 @@ class Verdict:
     hang_s: float  # no probe round answered this long while the models say ready: broken
     state: str = "loading"  # ready | loading | unresponsive | broken
     why: str = ""
+    failed_rounds: int = 2  # a stage that fails this many rounds in a row is broken (one may be a fluke)
     _last_live: float = field(default_factory=time.monotonic)
     _last_probed: float = field(default_factory=time.monotonic)
+    _failing: int = 0
 
     def observe(self, report: Report, now: float) -> str:
         if report.live:
@@ -80,7 +83,8 @@ class Verdict:
             self._last_probed = now  # the hang clock runs only while the models claim to be ready
         elif report.probes_answered and not report.failed:
             self._last_probed = now
-        if report.failed:
+        self._failing = self._failing + 1 if report.failed else 0
+        if self._failing >= self.failed_rounds:
             self.state, self.why = "broken", "; ".join(f"{m}: {why}" for m, why in sorted(report.failed.items()))
         elif now - self._last_probed > self.hang_s:
             self.state, self.why = "broken", f"no stage probe answered for {self.hang_s:.0f} s"
@@ -88,6 +92,8 @@ class Verdict:
             self.state, self.why = "unresponsive", f"Triton answered nothing for {self.timeout_s:.0f} s"
         elif report.live and report.models_ready and report.probes_answered:
             self.state, self.why = "ready", ""
+        elif report.live and report.models_ready:
+            pass  # probes still queued behind real work (a busy server): the state stands until the hang bound
         elif report.live is not None:
             self.state, self.why = "loading", "models loading" if report.live else "Triton is not up"
         return self.state

@@ -27,9 +27,14 @@ class OnnxEngine:
         self._session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self._outputs = [o.name for o in self._session.get_outputs()]
         self.input_names = [i.name for i in self._session.get_inputs()]
+        # The CPU arena gives back what a run no longer uses when it ends: one long prefill (its attention
+        # grows as the square of its length) no longer keeps its peak for the life of the process (an 8000-token
+        # prefill of `tiny` left the stub at 3.3 GB; with this, 0.17 GB; small steps ran no slower).
+        self._run_options = ort.RunOptions()
+        self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self._outputs, self._session.run(self._outputs, feeds), strict=True))
+        return dict(zip(self._outputs, self._session.run(self._outputs, feeds, self._run_options), strict=True))
 
 
 class TensorRTEngine:
