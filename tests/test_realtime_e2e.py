@@ -381,9 +381,14 @@ async def test_items_with_text_and_an_image(gateway) -> None:
     done = await c.until("response.done")
     details = done["response"]["usage"]["input_token_details"]
     assert details["image_tokens"] == 64 and details["text_tokens"] > 0  # one overview slice: 64 tokens
-    # An image that does not decode is the stages' finding: a coded error, the response failed, the session on.
+    # What is no image at all is refused at the door (a coded error, no item); an image whose header reads but whose
+    # data does not decode is the stages' finding: a coded error, the response failed, the session on.
     await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
         {"type": "input_image", "image_url": "data:image/jpeg;base64,aGVsbG8gd29ybGQ="}]})
+    assert (await c.until("error"))["error"]["code"] == "bad_image"
+    truncated = base64.b64encode(base64.b64decode(jpeg(640, 480))[:2000]).decode()
+    await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{truncated}"}]})
     bad = (await c.until("conversation.item.done"))["item"]
     await c.send("response.create")
     assert (await c.until("error"))["error"]["code"] == "bad_image"
