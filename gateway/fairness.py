@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -35,7 +36,9 @@ _HEARTBEAT_MAX_CHARS = 512  # a heartbeat is a small frame; a big one is read as
 
 
 class Quotas:
-    """Per-key and per-address session counts, both held for a session's life."""
+    """Per-key and per-address session counts, both held for a session's life. Loopback is not counted per
+    address: it is this machine (a benchmark, or a reverse proxy that does not say whose request it forwards; one
+    that does, with X-Forwarded-For, has each client counted)."""
 
     def __init__(self, per_key: int, per_address: int) -> None:
         self.keys = SessionCounts(per_key)
@@ -43,12 +46,19 @@ class Quotas:
 
     @contextlib.contextmanager
     def held(self, who: str, address: str) -> Iterator[None]:
-        with self.addresses.held(address):
-            if who == ANONYMOUS:  # no keys configured: the address is the only way to tell callers apart
-                yield
-                return
-            with self.keys.held(who):
-                yield
+        with contextlib.ExitStack() as held:
+            if not _loopback(address):
+                held.enter_context(self.addresses.held(address))
+            if who != ANONYMOUS:  # no keys configured: the address is the only way to tell callers apart
+                held.enter_context(self.keys.held(who))
+            yield
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def is_heartbeat(text: str) -> bool:

@@ -8,6 +8,7 @@ so START goes with a stage's first call and END reaches each started stage exact
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -98,8 +99,9 @@ class DuplexPipeline:
 
     async def _stage(self, state: DuplexSession, stage: str, corr_id: int, request: Any,
                      ready: Ready | None = None) -> Any:
-        """A stateful stage's call. A refused first call left no state there (stages.base): the next call starts
-        the stage again (the LLM with its system prompt)."""
+        """A stateful stage's call. A refused first call is ENDed at once (the state its START made is freed, not
+        left to the TTL) and not counted as a start: the next call starts the stage again (the LLM with its
+        system prompt)."""
         call = self._call(state, stage, corr_id, request)
         try:
             if ready is not None:
@@ -108,7 +110,17 @@ class DuplexPipeline:
         except StepError:
             if call.start:
                 state.started.discard(stage)
+                with contextlib.suppress(Exception):  # the refusal is what the caller is told
+                    await self._end_stage(stage, corr_id)
             raise
+
+    async def _end_stage(self, stage: str, corr_id: int) -> None:
+        fn, request = {"llm": (self.stages.llm, LlmRequest(decode=False)),
+                       "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
+                       "token2wav": (self.stages.token2wav, Token2WavRequest())}[stage]
+        if stage == "llm":
+            await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
+        await fn(StageCall(request, corr_id, end=True))
 
     async def _llm(self, state: DuplexSession, corr_id: int, request: LlmRequest, ready: Ready | None = None
                    ) -> LlmResult:
@@ -172,17 +184,11 @@ class DuplexPipeline:
 
     async def end(self, corr_id: int, state: DuplexSession) -> None:
         self.sessions.end(corr_id)
-        ends = {"llm": (self.stages.llm, LlmRequest(decode=False)),
-                "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
-                "token2wav": (self.stages.token2wav, Token2WavRequest())}
         failed: Exception | None = None
         for stage in STATEFUL_STAGES:
             if stage in state.started:
-                fn, request = ends[stage]
                 try:
-                    if stage == "llm":
-                        await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
-                    await fn(StageCall(request, corr_id, end=True))
+                    await self._end_stage(stage, corr_id)
                 except Exception as exc:  # noqa: BLE001 (every later stage still gets its END; the first failure is told)
                     failed = failed or exc
         state.started.clear()

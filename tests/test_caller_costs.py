@@ -174,6 +174,8 @@ def test_sessions_per_address_and_per_key() -> None:
         assert (err.code, err.close_code, err.retryable) == ("key_session_limit", 1013, True)
     with quotas.held("key_a", "10.0.0.1"), quotas.held("key_b", "10.0.0.1"):  # all given back
         pass
+    with quotas.held(ANONYMOUS, "127.0.0.1"), quotas.held(ANONYMOUS, "127.0.0.1"), quotas.held(ANONYMOUS, "::1"):
+        pass  # this machine: not counted per address
     d = Settings()
     assert 0 < d.max_sessions_per_key < d.max_sessions and 0 < d.max_sessions_per_address < d.max_sessions
 

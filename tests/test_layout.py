@@ -9,9 +9,11 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
-    {"engine", "inputs", "registry", "triton", "auth", "triton.supervisor"},
-    {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
+    {"wire"},
+    {"limits"},
+    {"settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
+    {"engine", "inputs", "triton", "auth", "triton.supervisor", "http_body", "stage_health"},
+    {"registry", "fairness", "dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
     {"dialects.openai_events"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
     {"routes"},

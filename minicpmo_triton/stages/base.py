@@ -1,5 +1,5 @@
-"""What every stateful stage shares: START creates state, END frees it (a refused START leaves none), the rest
-look it up; one bad row fails alone."""
+"""What every stateful stage shares: START creates state, END frees it (an END for state already gone frees
+nothing and fails nothing), the rest look it up; one bad row fails alone."""
 
 from __future__ import annotations
 
@@ -142,9 +142,8 @@ class SequenceStage(Generic[Req, Res, State]):
 
             for (i, _, _), out in zip(work, isolated(self.compute, items, undo), strict=True):
                 results[i] = out
-        for call, result in zip(calls, results, strict=True):
-            # A refused START leaves no state (the caller starts again, or not at all): nothing waits for a TTL.
-            if call.end or (call.start and isinstance(result, Exception)):
+        for call in calls:
+            if call.end:
                 self.store.end(call.corr_id)
         return results
 
