@@ -61,6 +61,7 @@ def _jpeg() -> str:
 BOMB = _b64(_png(20_000, 20_000))  # 400 Mpixels: PIL's DecompressionBombError
 HUGE = _b64(_png(5000, 5000))  # over the stage's 16 Mpixel bound
 NOT_AN_IMAGE = _b64(b"this is not an image at all")
+EPS = _b64(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")  # a format no stage opens
 SECOND = np.sin(np.linspace(0, 440 * 2 * np.pi, 16_000)).astype(np.float32) * 0.3
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG_NUMBER = '{"type": "x", "n": ' + "7" * 20_000 + "}"
@@ -127,6 +128,13 @@ def _cases() -> list[Case]:
         "invalid_voice", 1008)
     add("backend_init_voice_too_short", "/backend", (),
         (init_message(GREEDY, ref_audio_base64=encode_f32_base64(SECOND[:800])),), "invalid_voice", 1008)
+    # the cost model's bounds (gateway/limits.py)
+    add("backend_init_prompt_too_long", "/backend", (), (init_message(GREEDY, system_prompt="p" * 3000),),
+        "input_too_large", 1008)
+    add("backend_init_voice_name_a_path", "/backend", (), (init_message(GREEDY, voice={"name": "../x"}),),
+        "invalid_voice", 1008)
+    add("backend_context_too_long", "/backend", (INIT,), (json.dumps(
+        {"type": "input.context", "input_id": "c", "context": {"text": "t" * 3000}}),), "input_too_large", STAYS)
 
     # /backend, after session.init
     for name, frame in not_json.items():
@@ -145,7 +153,8 @@ def _cases() -> list[Case]:
                         "over_5_s": encode_f32_base64(np.zeros(16_000 * 6, np.float32))}.items():
         add(f"backend_audio_{name}", "/backend", (INIT,), (backend_append(audio),), "bad_audio", STAYS)
     good = encode_f32_base64(SECOND)
-    for name, frame in {"not_base64": "%%%", "not_an_image": NOT_AN_IMAGE, "bomb": BOMB, "huge": HUGE}.items():
+    for name, frame in {"not_base64": "%%%", "not_an_image": NOT_AN_IMAGE, "bomb": BOMB, "huge": HUGE,
+                        "eps": EPS}.items():
         add(f"backend_image_{name}", "/backend", (INIT,), (backend_append(good, video_frames=[frame]),),
             "bad_image", STAYS)
     add("backend_too_many_frames", "/backend", (INIT,), (backend_append(good, video_frames=[_jpeg()] * 5),),
@@ -162,7 +171,7 @@ def _cases() -> list[Case]:
     add("turn_surrogate", "/backend", (TURN_INIT,),
         ('{"type": "input.append", "input": {"input_id": "t", "messages": [{"role": "user", '
          '"content": "' + LONE + '"}]}}',), "invalid_json", 1003)
-    for name, image in {"bomb": BOMB, "not_an_image": NOT_AN_IMAGE}.items():
+    for name, image in {"bomb": BOMB, "not_an_image": NOT_AN_IMAGE, "eps": EPS}.items():
         add(f"turn_image_{name}", "/backend", (TURN_INIT,),
             (turn([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "?"}]}]),),
             "bad_image", STAYS)
@@ -197,12 +206,19 @@ def _cases() -> list[Case]:
     add("openai_event_too_large", rt, (), ('{"type": "x", "pad": "' + "a" * (MAX_EVENT_BYTES + 10) + '"}',),
         "event_too_large", STAYS)
     manual = json.dumps({"type": "session.update", "session": {"turn_detection": None}})
-    for name, image in {"bomb": BOMB, "not_an_image": NOT_AN_IMAGE}.items():
+    for name, image in {"bomb": BOMB, "not_an_image": NOT_AN_IMAGE, "eps": EPS}.items():  # refused at the door
         add(f"openai_image_{name}", rt, (manual,), (
             json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
                 {"type": "input_image", "image_url": f"data:image/png;base64,{image}"},
-                {"type": "input_text", "text": "what is this?"}]}}),
-            json.dumps({"type": "response.create"})), "bad_image", STAYS)
+                {"type": "input_text", "text": "what is this?"}]}}),), "bad_image", STAYS)
+    add("openai_voice_a_payload", rt, (), (json.dumps(
+        {"type": "session.update", "session": {"voice": "v" * 100_000}}),), "invalid_value", STAYS)
+    add("openai_instructions_too_long", rt, (), (json.dumps(
+        {"type": "session.update", "session": {"instructions": "i" * 3000}}),), "input_too_large", STAYS)
+    add("openai_item_too_many_images", rt, (manual,), (json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": f"data:image/jpeg;base64,{_jpeg()}"}] * 9}}),),
+        "input_too_large", STAYS)
     add("openai_bad_mode", rt + "?mode=audio_only", (), (), "invalid_mode", 1008)
     add("openai_resume_first_not_resume", rt + "?resume=1", (), (json.dumps({"type": "session.update"}),),
         "invalid_first_message", 1008)
@@ -234,9 +250,12 @@ def _cases() -> list[Case]:
     add("audio_frames_in_audio_mode", f"{rt}?mode=audio", (MINI_UPDATE,), (json.dumps(
         {"type": "input_audio_buffer.append", "audio": encode_f32_base64(SECOND), "video_frames": [_jpeg()]}),),
         "invalid_payload", STAYS)
+    add("audio_instructions_too_long", f"{rt}?mode=audio", (),
+        (json.dumps({"type": "session.update", "session": {"instructions": "i" * 3000}}),), "input_too_large", STAYS)
     add("audio_voice_not_base64", f"{rt}?mode=audio", (),
         (json.dumps({"type": "session.update", "session": {"ref_audio": "%%%"}}),), "invalid_voice", 1008)
-    for name, frame in {"not_base64": "%%%", "not_an_image": NOT_AN_IMAGE, "bomb": BOMB, "huge": HUGE}.items():
+    for name, frame in {"not_base64": "%%%", "not_an_image": NOT_AN_IMAGE, "bomb": BOMB, "huge": HUGE,
+                        "eps": EPS}.items():
         add(f"video_frame_{name}", f"{rt}?mode=video", (MINI_UPDATE,), (json.dumps(
             {"type": "input_audio_buffer.append", "audio": encode_f32_base64(SECOND), "video_frames": [frame]}),),
             "bad_image", STAYS)

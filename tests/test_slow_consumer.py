@@ -14,7 +14,7 @@ import websockets
 
 
 async def test_a_client_that_never_reads_is_closed(gateway_factory, tmp_path) -> None:
-    gw = gateway_factory(send_timeout_s="2")
+    gw = gateway_factory(send_timeout_s="2", max_prompt_bytes="100000")  # big instructions: big answers
     host, port = gw.http.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel buffers little for us
