@@ -53,9 +53,11 @@ class Stack:
 
 @contextlib.contextmanager
 def serving_stack(model_repository: Path, work: Path, max_sessions: int,
-                  gateway_main: list[str] | None = None, env: dict[str, str] | None = None) -> Iterator[Stack]:
+                  gateway_main: list[str] | None = None, env: dict[str, str] | None = None,
+                  gateway_log: Path | None = None) -> Iterator[Stack]:
     """tritonserver and a gateway process in front of it, both stopped on exit. `gateway_main` replaces
-    `-m gateway.serve` (bench/gateway_probe.py wraps it); `env` is added to the gateway's environment."""
+    `-m gateway.serve` (bench/gateway_probe.py wraps it); `env` is added to the gateway's environment;
+    `gateway_log` keeps its output."""
     server = TritonServer(model_repository, work_dir=work / "triton", log_path=work / "triton.log")
     server.start()
     gateway = None
@@ -65,7 +67,8 @@ def serving_stack(model_repository: Path, work: Path, max_sessions: int,
         gateway = subprocess.Popen([sys.executable, *(gateway_main or ["-m", "gateway.serve"]),
                                     "--triton-url", server.ports.grpc_url, "--port", str(port),
                                     "--max-sessions", str(max_sessions)],
-                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   cwd=ROOT, stdout=open(gateway_log, "ab") if gateway_log else subprocess.DEVNULL,  # noqa: SIM115
+                                   stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import io
 import json
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -243,8 +244,10 @@ class CleanRun:
 
 
 async def clean_pair(urls: Urls, speech: list[np.ndarray]) -> CleanRun:
-    """Two sessions streaming speech in real time, greedy; their step latencies and what they said."""
-    results = await asyncio.gather(*(converse(urls.backend, audio, realtime=True, config={"do_sample": False})
+    """Two sessions streaming speech in real time, greedy; their step latencies and what they said (each session
+    ends with its socket: an HTTP close would wait behind a busy backend)."""
+    results = await asyncio.gather(*(converse(urls.backend, audio, realtime=True, config={"do_sample": False},
+                                              quiet_s=3.0, close=False)
                                      for audio in speech[:2]))
     transcripts = [[(e["input_id"], e["kind"], e.get("text", "")) for e in r.events
                     if e.get("type") == "response.output.delta"] for r in results]
@@ -264,6 +267,33 @@ async def beside(urls: Urls, speech: list[np.ndarray], hostile: Hostile | None) 
     return run, (await task if task is not None else Counter())
 
 
+async def beside_process(urls: Urls, speech: list[np.ndarray], name: str | None) -> tuple[CleanRun, Outcome]:
+    """`beside`, the hostile caller in a process of its own: its own client-side work (a 12 MB frame to build)
+    does not hold the clean clients' event loop."""
+    if name is None:
+        return await beside(urls, speech, None)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.hostile", "--hostile", name, "--url", urls.backend.rsplit("/", 1)[0],
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent)
+    await asyncio.sleep(2.0)
+    try:
+        run = await clean_pair(urls, speech)
+    finally:
+        child.stdin.close()  # the child stops when its stdin closes
+    out, _ = await child.communicate()
+    return run, Counter(json.loads(out or b"{}"))
+
+
+async def run_hostile(name: str, base: str) -> None:
+    """The child of `beside_process`: run one hostile caller until stdin closes; print what it got."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(HOSTILE[name](Urls.of(base), stop))
+    await loop.run_in_executor(None, sys.stdin.read)
+    stop.set()
+    print(json.dumps(dict(await task)))
+
+
 def main() -> None:
     from gateway.triton import DEFAULT_MODEL_REPOSITORY
 
@@ -272,11 +302,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--only", nargs="*", choices=list(HOSTILE))
+    parser.add_argument("--gateway-log", type=Path, help="keep the gateway's log here")
+    parser.add_argument("--hostile", choices=list(HOSTILE), help=argparse.SUPPRESS)  # beside_process's child
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, serving_stack(DEFAULT_MODEL_REPOSITORY, Path(tmp), 64) as stack:
+    if args.hostile:
+        asyncio.run(run_hostile(args.hostile, args.url))
+        return
+    with tempfile.TemporaryDirectory() as tmp, serving_stack(DEFAULT_MODEL_REPOSITORY, Path(tmp), 64,
+                                                             gateway_log=args.gateway_log) as stack:
         speech = make_speech(Path(tmp), args.seconds)
         urls = Urls.of(stack.ws_url.rsplit("/", 1)[0])
-        solo, _ = asyncio.run(beside(urls, speech, None))
+        solo, _ = asyncio.run(beside_process(urls, speech, None))
         base = pct(solo.latencies_ms, 95)
         print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny, this machine)\n")
         print("| beside | p50 ms | p95 ms | max ms | p95 / solo p95 | same words | the hostile caller got |")
@@ -284,7 +321,11 @@ def main() -> None:
         print(f"| (alone) | {pct(solo.latencies_ms, 50):.0f} | {base:.0f} | {max(solo.latencies_ms):.0f} | 1.00 | "
               "- | - |")
         for name in args.only or HOSTILE:
-            run, got = asyncio.run(beside(urls, speech, HOSTILE[name]))
+            try:
+                run, got = asyncio.run(beside_process(urls, speech, name))
+            except Exception as exc:  # noqa: BLE001 (a row that broke says so; the next one runs)
+                print(f"| {name} | - | - | - | - | - | the clean pair failed: {type(exc).__name__} |", flush=True)
+                continue
             lat = run.latencies_ms
             same = "yes" if run.transcripts == solo.transcripts else "NO"
             got_text = ", ".join(f"{k} {v}" for k, v in sorted(got.items()))
