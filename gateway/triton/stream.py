@@ -1,0 +1,168 @@
+"""A session's stream to Triton (`TritonStream`): one gRPC stream to the `duplex` model with the session's
+correlation ID, which names its sequence in Triton.
+
+Steps go out in order on the stream; each step's streamed responses are routed back by request id
+until Triton's empty final response. `close()` sends the sequence END exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import aio as grpcaio
+
+from minicpmo_triton.duplex_contract import Cancel, Request, StepEvent, StepInput, decode_event, encode_request
+
+ENTRY_MODEL = "duplex"
+_FINAL = "triton_final_response"
+
+# Unique per gateway process and across restarts: random high bits, a counter below.
+_corr_ids = itertools.count((int.from_bytes(os.urandom(3), "big") << 32) + 1)
+
+
+def next_correlation_id() -> int:
+    return next(_corr_ids)
+
+
+class TritonStreamError(RuntimeError):
+    """The stream to Triton broke, or Triton rejected a step."""
+
+
+class TritonUnavailable(TritonStreamError):
+    """The stream to Triton is gone (Triton died or restarted): the sequence's state went with it."""
+
+
+_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
+           np.dtype(np.object_): "BYTES"}
+
+
+def build_inputs(req: Request) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, value in encode_request(req).items():
+        arr = value[None]  # the batch dimension
+        t = grpcclient.InferInput(name, list(arr.shape), _DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
+def parse_result(result: grpcclient.InferResult) -> StepEvent | None:
+    raw = result.as_numpy("event")
+    if raw is None:
+        return None  # the empty final response
+    return decode_event(raw, result.as_numpy("audio"))
+
+
+class TritonStream:
+    def __init__(self, url: str, corr_id: int | None = None, model: str = ENTRY_MODEL,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.url = url
+        self.on_lost = on_lost  # told once when the stream breaks before the sequence ended
+        self.model = model
+        self.corr_id = corr_id or next_correlation_id()
+        self._client: grpcaio.InferenceServerClient | None = None
+        self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._pending: OrderedDict[str, asyncio.Queue[StepEvent | Exception | None]] = OrderedDict()
+        self._reader: asyncio.Task[None] | None = None
+        self._step_no = 0
+        self.started = False
+        self.ended = False
+        self._broken: Exception | None = None
+
+    async def open(self) -> None:
+        self._client = grpcaio.InferenceServerClient(self.url)
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            while (item := await self._outbox.get()) is not None:
+                yield item
+
+        stream = self._client.stream_infer(requests())
+        self._reader = asyncio.create_task(self._read(stream))
+
+    async def _read(self, stream: Any) -> None:
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    # Triton's stream errors carry no request id: they belong to the oldest open step.
+                    if self._pending:
+                        _, q = self._pending.popitem(last=False)
+                        q.put_nowait(TritonStreamError(str(error)))
+                    continue
+                response = result.get_response()
+                q = self._pending.get(response.id)
+                if q is None:
+                    continue
+                event = parse_result(result)
+                if event is not None:
+                    q.put_nowait(event)
+                if response.parameters[_FINAL].bool_param:
+                    self._pending.pop(response.id, None)
+                    q.put_nowait(None)
+        except asyncio.CancelledError:  # closed by us (`close`): the steps still open learn the stream is gone
+            self._broken = TritonStreamError("the stream to Triton was closed")
+            raise
+        except Exception as exc:  # noqa: BLE001 (the stream is gone: every open step learns why)
+            self._broken = exc
+        finally:
+            self._broken = self._broken or TritonStreamError("the stream to Triton closed")
+            for q in self._pending.values():
+                q.put_nowait(TritonUnavailable(f"stream to Triton lost: {self._broken}"))
+            self._pending.clear()
+            if not self.ended and self.on_lost is not None:
+                self.on_lost()
+
+    def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | Exception | None]:
+        if self._broken is not None:
+            raise TritonUnavailable(f"stream to Triton lost: {self._broken}")
+        if self.ended:
+            raise TritonStreamError("the sequence has ended")
+        request_id = f"{self.corr_id}-{self._step_no}"
+        self._step_no += 1
+        q: asyncio.Queue[StepEvent | Exception | None] = asyncio.Queue()
+        self._pending[request_id] = q
+        self._outbox.put_nowait({
+            "model_name": self.model, "inputs": build_inputs(req), "request_id": request_id,
+            "sequence_id": self.corr_id, "sequence_start": not self.started, "sequence_end": end,
+            "parameters": {"triton_enable_empty_final_response": True},
+        })
+        self.started = True
+        self.ended = end
+        return q
+
+    async def step(self, req: Request, end: bool = False) -> AsyncIterator[StepEvent]:
+        """Send one step now; iterate its events (a coded `error` event ends the step)."""
+        q = self._send(req, end)
+        while (item := await q.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def cancel(self) -> None:
+        """Stop the step in flight: its remaining stages are skipped (its events still end normally)."""
+        if self.started and not self.ended and self._broken is None:
+            async for _ in self.step(Cancel()):
+                pass
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """End the Triton sequence (once) and close the stream."""
+        try:
+            if self.started and not self.ended and self._broken is None:
+                async def drain() -> None:
+                    async for _ in self.step(StepInput(), end=True):
+                        pass
+                await asyncio.wait_for(drain(), timeout_s)
+        finally:
+            self.ended = True
+            self._outbox.put_nowait(None)
+            if self._reader is not None:
+                await asyncio.wait({self._reader}, timeout=2.0)  # the reader sees the stream end (it logs nothing)
+                self._reader.cancel()  # a no-op once it has
+            if self._client is not None:
+                await self._client.close()
