@@ -98,7 +98,7 @@ async def converse(
             raise RuntimeError(f"session not created: {created}")
         result = ConversationResult(created["session_id"])
         chunks = [audio[i:i + INPUT_RATE] for i in range(0, len(audio), INPUT_RATE)]
-        by_id = {}
+        by_id: dict[str, ChunkTiming] = {}
         turn_started_at: float | None = None
         done = asyncio.Event()
         last_event_at = time.perf_counter()

@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from gateway.audio import decode_f32_base64
-from gateway.client import converse
+from minicpmo_client.backend import converse
 from minicpmo_triton.duplex_options import DuplexOptions
 from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.pipeline import StepEvent, StepInput

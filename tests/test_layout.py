@@ -9,20 +9,23 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
-    {"engine", "inputs", "registry", "triton", "auth", "triton.supervisor"},
-    {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page"},
+    {"dialects.state", "inputs", "registry", "triton", "auth", "triton.supervisor"},
+    {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
+    {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
+    {"endpoints"},
     {"routes"},
-    {"serve", "client", "triton.__main__"},
+    {"serve", "triton.__main__"},
 ]
 # What each dialect may import from the dialects package besides itself.
 DIALECTS = {
-    "dialects.backend": set(),
-    "dialects.minicpm": {"dialects.realtime_events"},
-    "dialects.openai": {"dialects.realtime_events", "dialects.openai_events", "dialects.openai_config",
-                        "dialects.openai_conversation"},
+    "dialects.backend": {"dialects.state"},
+    "dialects.minicpm": {"dialects.state", "dialects.realtime_events"},
+    "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
+                        "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
+                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
 }
 
 

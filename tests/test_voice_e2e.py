@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from gateway.audio import encode_f32_base64
-from gateway.client import converse
+from minicpmo_client.backend import converse
 
 from .helpers import GREEDY, SPEAKING_TEXT, audio_of, deltas, open_session, recv_until, transcript
 
