@@ -74,3 +74,12 @@ def test_no_import_runs_upward_or_across_dialects() -> None:
             assert _layer(target) < _layer(module), f"{module} imports {target}, a layer at or above its own"
             if module in DIALECTS and target.startswith("dialects."):
                 assert target in DIALECTS[module], f"{module} imports {target}, another dialect's module"
+
+
+def test_the_server_imports_no_client_library() -> None:
+    """The gateway serves clients; it never imports the client library (`minicpmo_client`)."""
+    for path in GATEWAY.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n.split(".")[0] == "minicpmo_client" for n in names), f"{path} imports the client library"
