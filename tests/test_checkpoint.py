@@ -322,7 +322,7 @@ def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None
     assert [e.kind for e in events[:3]] == ["listen"] * 3
     assert events[0].chunk_usage["input_text_tokens"] > 0  # the system prompt, through the HF tokenizer
     assert stages.llm_stage.live_sequences == 0
-    assert json.loads(json.dumps(events[0].metrics))["kv_cache_length"] > 10
+    assert json.loads(json.dumps(events[0].metrics.to_dict()))["kv_cache_length"] > 10
 
 
 def test_transformers_is_a_test_time_dependency_only() -> None:
