@@ -17,8 +17,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.audio import read_wav  # noqa: E402
-from gateway.triton import TritonServer, free_port  # noqa: E402
+from gateway.audio import read_wav  # noqa: E402 (after the sys.path line: run as a file)
+from gateway.triton import TritonServer, free_port  # noqa: E402 (after the sys.path line: run as a file)
 
 TEXTS = [
     "Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "

@@ -4,6 +4,7 @@ the live sessions by id, and whether Triton's entry model is ready."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from typing import Protocol
@@ -11,8 +12,10 @@ from typing import Protocol
 from tritonclient.grpc import aio as grpcaio
 
 from .settings import Settings
-from .triton.client import ENTRY_MODEL
+from .triton.stream import ENTRY_MODEL
 from .wire import CLOSE_GOING_AWAY
+
+log = logging.getLogger("gateway")
 
 
 class SessionLimitReached(Exception):
@@ -44,6 +47,7 @@ class Gateway:
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.ready = False
+        self._not_ready_why: str | None = None  # None: not checked yet (the first check is always logged)
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
@@ -95,6 +99,11 @@ class Gateway:
         self._reserved -= 1
 
     # ---- live sessions ----
+    def place(self) -> str:
+        """The Triton endpoint (host:grpc_port) a new session's stream goes to: the one configured. Placing
+        sessions over several endpoints belongs here (`shell.running` asks it, once per session)."""
+        return self.settings.triton_url
+
     def add(self, session: LiveSession) -> None:
         self.sessions[session.session_id] = session
 
@@ -109,12 +118,23 @@ class Gateway:
         try:
             while True:
                 try:
-                    self.ready = bool(await client.is_model_ready(ENTRY_MODEL))
-                except Exception:  # noqa: BLE001 (not up yet, or gone: report `loading`)
-                    self.ready = False
+                    ready = bool(await client.is_model_ready(ENTRY_MODEL))
+                    why = "" if ready else f"the {ENTRY_MODEL} model is not ready (still loading, or failed to load)"
+                except Exception as exc:  # noqa: BLE001 (not up yet, or gone: report `loading`, say why)
+                    ready, why = False, f"Triton at {self.settings.triton_url} does not answer ({type(exc).__name__})"
+                self._set_ready(ready, why)
                 await asyncio.sleep(1.0 if self.ready else 0.25)
         finally:
             await client.close()
+
+    def _set_ready(self, ready: bool, why: str) -> None:
+        """Readiness as /health reports it; each change (and each new reason for not being ready) is logged once."""
+        if (ready, why) != (self.ready, self._not_ready_why):
+            if ready:
+                log.info("Triton is ready: new sessions are admitted")
+            else:
+                log.warning("Triton is not ready: %s; new sessions are refused (not_ready)", why)
+        self.ready, self._not_ready_why = ready, why
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

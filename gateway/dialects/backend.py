@@ -18,9 +18,9 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
-from ..engine import Closed, Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
+from .state import Closed, DialectState, Effects, EventFields, PlannedStep, ServerEvent
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -305,7 +305,7 @@ def error_event(code: str, message: str, session_id: str | None = None, retryabl
 
 
 @dataclass
-class BackendState(EngineState):
+class BackendState(DialectState):
     mode: str = "full_duplex"
     duplex: DuplexOptions = field(default_factory=DuplexOptions)  # from session.init
     chunk_index: int = 0
@@ -323,10 +323,13 @@ class BackendState(EngineState):
         return [SessionCreated(self.session_id, self.mode, {"backend": "triton", "kv_cache_length": 0},
                                self.usage.snapshot())]
 
-    def on_text(self, text: str) -> Effects:
-        return self.on_client(parse_client_message(loads(text), self.mode))
+    def frame_plan(self) -> str:
+        return self.mode
 
-    def on_client(self, msg: ClientMessage) -> Effects:
+    def read_frame(self, text: str, plan: str) -> ClientMessage:
+        return parse_client_message(loads(text), plan)  # its audio, images and voice decoded
+
+    def on_frame(self, msg: ClientMessage) -> Effects:
         if isinstance(msg, ChatTurn):
             req: StepInput | ChatInput = ChatInput(msg.messages, msg.max_new_tokens, msg.generate_audio,
                                                    tts_ref_audio=msg.tts_ref_audio)
@@ -371,7 +374,7 @@ class BackendState(EngineState):
     def delta(self, input_id: str | None, ev: StepEvent) -> OutputDelta:
         """Map one duplex step event (not `error`) to its `response.output.delta`."""
         if ev.kind == "listen":
-            out = OutputDelta("listen", self.session_id, input_id, self.active_response_id, ev.metrics,
+            out = OutputDelta("listen", self.session_id, input_id, self.active_response_id, ev.metrics.to_dict(),
                               end_of_turn=True if ev.end_of_turn else None)
             self.active_response_id = None
         else:
@@ -389,7 +392,7 @@ class BackendState(EngineState):
         """A turn_based turn: deltas when streaming, then `response.done` (with the audio when not)."""
         if ev.kind == "done":
             return ResponseDone(self.session_id, response_id, turn_input_id, ev.text, None if streaming else audio,
-                                ev.reason, ev.metrics, ev.chunk_usage, self.usage.add(ev.chunk_usage or {}))
+                                ev.reason, ev.metrics.to_dict(), ev.chunk_usage, self.usage.add(ev.chunk_usage or {}))
         if not streaming:
             return None
         return _output_delta(ev, self.session_id, turn_input_id, response_id)
@@ -397,8 +400,9 @@ class BackendState(EngineState):
 
 def _output_delta(ev: StepEvent, session_id: str, input_id: str | None, response_id: str) -> OutputDelta:
     if ev.kind == "text":
-        return OutputDelta("text", session_id, input_id, response_id, ev.metrics, text=ev.text)
+        return OutputDelta("text", session_id, input_id, response_id, ev.metrics.to_dict(), text=ev.text)
     if ev.kind == "audio":
-        return OutputDelta("audio", session_id, input_id, response_id, ev.metrics, audio=encode_f32_base64(ev.audio),
+        return OutputDelta("audio", session_id, input_id, response_id, ev.metrics.to_dict(),
+                           audio=encode_f32_base64(ev.audio),
                            sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio))
     raise ValueError(f"unexpected step event kind {ev.kind!r}")

@@ -62,7 +62,7 @@ class RealtimeConfig:
         return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
-        fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731
+        fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731 (a one-line helper, used twice)
         return {
             "id": session_id, "object": "realtime.session", "type": "realtime", "model": "minicpm-o-4.5",
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
