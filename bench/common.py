@@ -17,8 +17,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.audio import read_wav  # noqa: E402
-from gateway.triton import TritonServer, free_port  # noqa: E402
+from gateway.audio import read_wav  # noqa: E402 (after the sys.path line: run as a file)
+from gateway.triton import TritonServer, free_port  # noqa: E402 (after the sys.path line: run as a file)
 
 TEXTS = [
     "Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "
@@ -67,7 +67,7 @@ def serving_stack(model_repository: Path, work: Path, max_sessions: int,
         gateway = subprocess.Popen([sys.executable, *(gateway_main or ["-m", "gateway.serve"]),
                                     "--triton-url", server.ports.grpc_url, "--port", str(port),
                                     "--max-sessions", str(max_sessions)],
-                                   cwd=ROOT, stdout=open(gateway_log, "ab") if gateway_log else subprocess.DEVNULL,  # noqa: SIM115
+                                   cwd=ROOT, stdout=open(gateway_log, "ab") if gateway_log else subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60

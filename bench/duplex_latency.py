@@ -24,13 +24,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import make_speech, pct, serving_stack  # noqa: E402
+from common import make_speech, pct, serving_stack
 
-from gateway.client import converse  # noqa: E402
-from gateway.triton import DEFAULT_MODEL_REPOSITORY  # noqa: E402
-from minicpmo_triton.duplex_options import DuplexOptions  # noqa: E402
-from minicpmo_triton.inprocess import InProcessStages  # noqa: E402
-from minicpmo_triton.pipeline import StepEvent, StepInput  # noqa: E402
+from gateway.triton import DEFAULT_MODEL_REPOSITORY
+from minicpmo_client.backend import converse
+from minicpmo_triton.duplex_options import DuplexOptions
+from minicpmo_triton.inprocess import InProcessStages
+from minicpmo_triton.pipeline import StepEvent, StepInput
 
 
 async def gateway_run(url: str, n: int, speech: list[np.ndarray], on_event: Any = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway import serve  # noqa: E402
+from gateway import serve  # noqa: E402 (after the sys.path line: run as a file)
 
 WATCHED = ("gateway.", "tritonclient.", "grpc.", "starlette.", "uvicorn.", "websockets.", "onnxruntime.")
 

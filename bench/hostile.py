@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 import websockets
+from gateway.client import converse
 
 from gateway.audio import encode_f32_base64
-from gateway.client import converse
 from gateway.limits import Limits
 
-LIMITS = Limits()
+LIMITS = Limits.default()
 PNG_SIDE = 4096  # the largest image a stage takes
 
 

@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, make_speech, pct, serving_stack  # noqa: E402
+from common import ROOT, make_speech, pct, serving_stack
 
-from gateway.client import converse  # noqa: E402
-from gateway.triton import DEFAULT_MODEL_REPOSITORY  # noqa: E402
+from gateway.triton import DEFAULT_MODEL_REPOSITORY
+from minicpmo_client.backend import converse
 
 CHUNK_MS = 1000.0
 STAGES = ("duplex", "audio_encoder", "llm", "tts", "token2wav")

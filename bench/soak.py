@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 import numpy as np
 import websockets
-from common import ROOT, Stack, make_speech, serving_stack  # noqa: E402 (bench/ scripts run as files)
-from load import tree_rss_mib  # noqa: E402
+from common import ROOT, Stack, make_speech, serving_stack
+from load import tree_rss_mib
 
-from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample  # noqa: E402
+from gateway.audio import encode_f32_base64, encode_pcm16_base64, resample
 
 STAGES = ("duplex", "llm", "tts", "token2wav")
 

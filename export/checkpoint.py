@@ -145,7 +145,7 @@ class CheckpointTensors:
         self.info: dict[str, TensorInfo] = {}
         for path in files:
             with safe_open(str(path), "pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for name in f.keys():  # safe_open is not a mapping
                     if weight_map is not None and weight_map.get(name) != path.name:
                         raise CheckpointError(f"{path.name} holds {name}, which {INDEX_FILE} puts in "
                                               f"{weight_map.get(name, 'no shard')}")

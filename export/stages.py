@@ -95,7 +95,7 @@ def build_modules(preset: PresetConfig, seed: int, token2wav: Token2WavModel | N
 
 
 def _decoder_inputs(g: torch.Generator, layers: int, kv_heads: int, head_dim: int, b: int, t: int, p: int):
-    past = lambda: torch.randn(layers, b, kv_heads, p, head_dim, generator=g)  # noqa: E731
+    past = lambda: torch.randn(layers, b, kv_heads, p, head_dim, generator=g)  # noqa: E731 (a one-line helper)
     past_mask = torch.ones(b, p, dtype=torch.bool)
     past_mask[0, :2] = False  # row 0 is left-padded, as in a mixed batch
     return {

@@ -21,7 +21,7 @@ def require_gpu() -> None:
             "on this machine use the default --runtime onnx"
         )
     try:
-        import tensorrt  # noqa: F401
+        import tensorrt  # noqa: F401 (only whether it imports)
     except ImportError as exc:
         raise NoGpuError("TensorRT is not installed: pip install 'minicpmo-triton[gpu]'") from exc
 
@@ -47,7 +47,7 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
         return {"pixels": ((1, 3, d.patch, d.patch), (n, 3, d.patch, opt * d.patch), (n, 3, d.patch, most * d.patch)),
                 "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}
     d = preset.llm if stage == "llm" else preset.tts.decoder
-    kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731
+    kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731 (a one-line helper)
     seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))
     past = ((1, 0), (max_batch // 2, ctx // 2), (max_batch, ctx))
     names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "has_hidden", "code_ids", "is_code"]

@@ -24,7 +24,7 @@ ANONYMOUS = "anonymous"
 
 def unauthorized() -> ProtocolError:
     return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY, or ?key=KEY)",
-                         close_code=CLOSE_POLICY)
+                         close_code=CLOSE_POLICY, http_status=401)
 
 
 def presented_key(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:

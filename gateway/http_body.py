@@ -10,7 +10,7 @@ from .wire import ProtocolError
 
 
 def too_large(most: int) -> ProtocolError:
-    return ProtocolError(TOO_LARGE, f"the body is over {most} bytes")
+    return ProtocolError(TOO_LARGE, f"the body is over {most} bytes", http_status=413)
 
 
 async def bounded_body(request: Request, most: int) -> bytes:

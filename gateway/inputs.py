@@ -91,7 +91,7 @@ def check_voice(body: Any, voices_dir: Path | None = None) -> dict[str, Any]:
             raise ProtocolError("invalid_voice", f"no voice named {name!r}; known: {', '.join(known)}")
         try:
             audio = read_wav(path)
-        except Exception as exc:  # noqa: BLE001 (soundfile's errors are not one type)
+        except Exception as exc:
             raise ProtocolError("invalid_voice", f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
         check_reference(name, audio, INPUT_RATE, None)
         return {"ok": True, "voice": name, "duration_s": round(len(audio) / INPUT_RATE, 3), "sample_rate": INPUT_RATE}
@@ -163,7 +163,7 @@ def parse_append(payload: dict[str, Any], limits: Limits | None = None) -> Input
             audio = decode_f32_base64(encoded, MAX_APPEND_SECONDS * INPUT_RATE)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc)) from exc
-    frames = _frames(payload, limits or Limits())
+    frames = _frames(payload, limits or Limits.default())
     if audio is None or len(audio) == 0:
         raise ProtocolError("missing_field", "full_duplex input.append requires audio (base64 float32 16 kHz)")
     force = first(payload.get("force_listen"), hints.get("force_listen"), False)

@@ -4,7 +4,7 @@ checked at the edge (the dialect that takes it in) with a client code, before an
 Text is bounded in UTF-8 bytes: a byte-level BPE tokenizer (Qwen's, and `tiny`'s byte tokenizer) never makes
 more tokens than a text has bytes, so a byte bound is a token bound that needs no tokenizer at the edge.
 The defaults keep the longest single prefill within a step's budget (docs/security.md has the figures);
-MINICPMO_<NAME> overrides each (docs/security.md lists them all).
+MINICPMO_MAX_<NAME> sets each (gateway/settings.py; docs/security.md lists them all).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import dataclasses
 import io
 import re
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from minicpmo_triton.images import IMAGE_FORMATS, MAX_PIXELS
 
+from .settings import Settings
 from .wire import ProtocolError
 
 TOO_LARGE = "input_too_large"  # one code for every size bound; `param` and the message say which
@@ -29,22 +29,23 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 @dataclass(frozen=True)
 class Limits:
-    prompt_bytes: int = 2048  # a system prompt / session instructions (prefilled with the first step)
-    text_bytes: int = 2048  # one text: a context or tool result, a typed message, a text to say, instructions
-    conversation_items: int = 256  # items an OpenAI-dialect conversation (or a turn_based turn) holds
-    conversation_bytes: int = 16 << 20  # their text, audio and images together
-    images_per_message: int = 8  # a chat message / conversation item (a duplex step: inputs.MAX_FRAMES)
-    request_pixels: int = 64 << 20  # all images of one message or step together (4 images of 4096 x 4096)
-    item_audio_s: float = 60.0  # audio of one message / conversation item / uncommitted buffer
+    """The bounds, from the settings (MINICPMO_MAX_*: gateway/settings.py has their defaults and docs)."""
+
+    prompt_bytes: int  # a system prompt / session instructions (prefilled with the first step)
+    text_bytes: int  # one text: a context or tool result, a typed message, a text to say, instructions
+    conversation_items: int  # items an OpenAI-dialect conversation (or a turn_based turn) holds
+    conversation_bytes: int  # their text, audio and images together
+    images_per_message: int  # a chat message / conversation item (a duplex step: inputs.MAX_FRAMES)
+    request_pixels: int  # all images of one message or step together
+    item_audio_s: float  # audio of one message / conversation item / uncommitted buffer
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Limits:
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(f"MINICPMO_MAX_{f.name.upper()}")
-            if raw is not None:
-                values[f.name] = type(getattr(cls(), f.name))(raw)
-        return cls(**values)
+    def of(cls, settings: Settings) -> Limits:
+        return cls(**{f.name: getattr(settings, f"max_{f.name}") for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def default(cls) -> Limits:
+        return cls.of(Settings())
 
     # ---- text ----
     def prompt(self, value: Any, param: str, close_code: int | None = None) -> str:

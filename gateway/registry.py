@@ -4,6 +4,7 @@ the live sessions by id, and whether the backend is healthy (every stage: gatewa
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,6 +13,8 @@ from typing import Protocol
 from .settings import Settings
 from .stage_health import StageHealth
 from .wire import CLOSE_GOING_AWAY
+
+log = logging.getLogger("gateway")
 
 
 class SessionLimitReached(Exception):
@@ -46,7 +49,8 @@ class Gateway:
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.ready = False
-        self.backend_state, self.backend_why = "loading", ""  # stage_health's verdict and why
+        self._not_ready_why: str | None = None  # None: not checked yet (the first check is always logged)
+        self.backend_state = "loading"  # stage_health's verdict: ready | loading | unresponsive | broken
         self.heal: Callable[[], None] | None = None  # restarts the backend (set by gateway.serve, which owns it)
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
@@ -99,6 +103,11 @@ class Gateway:
         self._reserved -= 1
 
     # ---- live sessions ----
+    def place(self) -> str:
+        """The Triton endpoint (host:grpc_port) a new session's stream goes to: the one configured. Placing
+        sessions over several endpoints belongs here (`shell.running` asks it, once per session)."""
+        return self.settings.triton_url
+
     def add(self, session: LiveSession) -> None:
         self.sessions[session.session_id] = session
 
@@ -115,11 +124,21 @@ class Gateway:
                           self._tell_sessions, heal=lambda: self.heal() if self.heal is not None else None).watch()
 
     def _backend_is(self, state: str, why: str) -> None:
-        self.ready, self.backend_state, self.backend_why = state == "ready", state, why
+        self.backend_state = state
+        self._set_ready(state == "ready", f"{state}: {why}" if why else state)
 
     def _tell_sessions(self) -> None:
         for session in list(self.sessions.values()):
             session.lost()
+
+    def _set_ready(self, ready: bool, why: str) -> None:
+        """Readiness as /health reports it; each change (and each new reason for not being ready) is logged once."""
+        if (ready, why) != (self.ready, self._not_ready_why):
+            if ready:
+                log.info("Triton is ready: new sessions are admitted")
+            else:
+                log.warning("Triton is not ready: %s; new sessions are refused (not_ready)", why)
+        self.ready, self._not_ready_why = ready, why
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

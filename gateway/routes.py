@@ -1,283 +1,47 @@
-"""The Starlette app: `GET /health`, `POST /sessions/{session_id}/close`, `POST /v1/voices/check` (a voice
-reference judged as a session would judge it), and the three dialects' sockets:
-
-- `/backend`: the MiniCPM-o backend protocol; the first frame is `session.init`.
-- `/v1/realtime` (OpenAI's Realtime dialect): `session.created` on connect. `?resume=1` makes no session:
-  the first event must be `session.resume`. A fresh session whose first event is `session.resume` is
-  dropped for the resumed one.
-- `/v1/realtime?mode=audio|video` (MiniCPM-o's dialect): `session.queued` / `queue_update` (every 3 s)
-  while all slots are taken, `session.queue_done` always, then `session.update` (or `session.resume`).
-
-Each is a few lines over the shell: admission, a running session, the receive loop.
-"""
+"""The gateway's routes (the endpoints are in `endpoints`, the browser page's in `page`) and the app that
+serves them: `create_app(settings)` puts the one `Edge` the endpoints share on `app.state.edge`, and watches
+Triton's readiness for as long as the app runs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route, WebSocketRoute
-from starlette.websockets import WebSocket
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from minicpmo_triton.errors import describe
-
-from . import inputs, page
-from .auth import origin_allowed, presented_key, principal, unauthorized
-from .dialects import backend, minicpm, openai
-from .dialects.openai import SpeechProbabilities
-from .dialects.realtime_events import error_event as realtime_error
-from .fairness import Quotas, ResumeFailures, VoiceBudget
-from .http_body import bounded_body
-from .limits import TOO_LARGE
-from .registry import Gateway
+from . import page
+from .endpoints import Edge, backend_socket, close_session, health, realtime_socket, voices_check
 from .settings import Settings
-from .shell import Disconnected, admitted, receive_text, resume, running, serve
-from .vad import SileroVad, VadUnavailable
-from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id, parse_json
 
-log = logging.getLogger("gateway")
-
-
-async def _refuse(ws: WebSocket, event: dict[str, Any], code: int) -> None:
-    with contextlib.suppress(Exception):
-        await ws.send_text(json.dumps(event))
-        await ws.close(code=code)
+ROUTES: list[BaseRoute] = [
+    Route("/health", health),
+    Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
+    Route("/v1/voices/check", voices_check, methods=["POST"]),
+    WebSocketRoute("/backend", backend_socket),
+    WebSocketRoute("/v1/realtime", realtime_socket),
+    *page.routes,
+]
 
 
-async def _close(ws: WebSocket, code: int) -> None:
-    with contextlib.suppress(Exception):
-        await ws.close(code=code)
-
-
-def _vad() -> SpeechProbabilities | None:
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    gw = app.state.edge.gateway
+    watcher = asyncio.create_task(gw.watch_triton())
     try:
-        return SileroVad().probabilities
-    except VadUnavailable:
-        return None  # the overlap policy falls back to loudness; server_vad is refused at session.update
-
-
-def _as_event(text: str) -> dict[str, Any]:
-    """A first event, to see what it is ({} when it is not a JSON object; the session then answers it)."""
-    try:
-        msg = parse_json(text)
-    except ValueError:
-        return {}
-    return msg if isinstance(msg, dict) else {}
-
-
-def address(conn: HTTPConnection) -> str:
-    """The client's address (uvicorn takes it from X-Forwarded-For only when the peer is a trusted proxy)."""
-    return conn.client.host if conn.client else "?"
+        yield
+    finally:
+        await gw.shutdown()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 def create_app(settings: Settings | None = None) -> Starlette:
-    settings = settings or Settings.from_env()
-    gw = Gateway(settings)
-
-    quotas = Quotas(settings.max_sessions_per_key, settings.max_sessions_per_address)
-    resumes = ResumeFailures(settings.resume_attempts, settings.resume_window_s)
-    voices = VoiceBudget(settings.voice_budget_s, settings.voice_window_s)
-
-    def caller(conn: HTTPConnection) -> str | None:
-        """The caller's principal; None when keys are configured and it presented none of them."""
-        return principal(settings.api_keys, presented_key(conn.headers, conn.query_params))
-
-    def admit(conn: HTTPConnection) -> str:
-        """Before any model work: a browser from an allowed Origin, with a valid key (when keys are set)."""
-        if not origin_allowed(settings.allowed_origins, conn.headers.get("origin")):
-            raise ProtocolError("origin_not_allowed", "this Origin is not allowed", close_code=CLOSE_POLICY)
-        who = caller(conn)
-        if who is None:
-            raise unauthorized()
-        return who
-
-    def http_refusal(err: ProtocolError) -> JSONResponse:
-        status = 401 if err.code == "unauthorized" else 403
-        return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, status)
-
-    async def health(request: Request) -> JSONResponse:
-        """Counts for anyone; the ids of the caller's own sessions to a caller with a key (with no keys
-        configured, every caller is the one anonymous principal)."""
-        body: dict[str, Any] = {
-            "status": "ready" if gw.ready else "loading",
-            "backend": "triton",
-            "backend_state": gw.backend_state,  # ready | loading | unresponsive | broken (gateway/stage_health.py)
-            **({"backend_reason": gw.backend_why} if gw.backend_why else {}),
-            "active_sessions": gw.active_sessions,
-            "max_sessions": settings.max_sessions,
-            "queue_length": gw.queue_length,
-            "stale_deltas_dropped": gw.stale_dropped,
-            "frames_offloaded": gw.offloaded,  # client frames big enough to be decided in a worker thread
-        }
-        who = caller(request)
-        if who is not None:
-            body["active_session_ids"] = sorted(sid for sid, s in gw.sessions.items() if s.owner == who)
-        return JSONResponse(body)
-
-    async def close_session(request: Request) -> JSONResponse:
-        """Only by the principal that opened the session; another one is told it does not exist."""
-        try:
-            who = admit(request)
-        except ProtocolError as err:
-            return http_refusal(err)
-        session_id = request.path_params["session_id"]
-        session = gw.sessions.get(session_id)
-        if session is None or session.owner != who:
-            return JSONResponse({"ok": False, "error": "session not found", "session_id": session_id}, 404)
-        reason = "client_closed"
-        with contextlib.suppress(Exception):
-            body = await request.json()
-            if isinstance(body, dict) and body.get("reason"):
-                reason = str(body["reason"])[:100]
-        await session.close(reason)
-        return JSONResponse({"ok": True, "session_id": session_id, "closed": True})
-
-    async def resume_as(ws: WebSocket, msg: dict[str, Any], who: str) -> None:
-        async with resumes.counted(who, address(ws)):
-            await resume(gw, ws, msg, who)
-
-    async def voices_check(request: Request) -> JSONResponse:
-        """A voice reference checked as a session would check it (same limits, same codes), before any session."""
-        try:
-            admit(request)
-        except ProtocolError as err:
-            return http_refusal(err)
-        try:
-            body = await bounded_body(request, settings.ws_max_size)
-            try:
-                data = parse_json(body)  # the JSON limits every frame gets
-            except ValueError as exc:
-                raise ProtocolError("invalid_json", f"the body is not valid JSON: {exc}") from exc
-            return JSONResponse(inputs.check_voice(data, settings.voices_dir))
-        except ProtocolError as err:
-            return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}},
-                                413 if err.code == TOO_LARGE else 400)
-
-    def check_ready() -> None:
-        if not gw.ready:
-            raise ProtocolError("not_ready", "the model is still loading", close_code=CLOSE_TRY_AGAIN,
-                                error_type="server_error", retryable=True)
-
-    async def backend_socket(ws: WebSocket) -> None:
-        await ws.accept()
-        try:
-            who = admit(ws)
-            check_ready()
-            try:
-                text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
-            except (asyncio.TimeoutError, Disconnected):
-                raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
-            init = backend.parse_init(backend.loads(text), settings.limits)
-            charge = voices.charger(who, address(ws))
-            refs = backend.voice_refs(init)
-            for ref in refs.values():
-                charge(ref)
-            state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
-                                         voice=refs, named_voice=init.voice_name, limits=settings.limits,
-                                         charge_voice=charge)
-            with quotas.held(who, address(ws)):
-                async with admitted(gw, ws), running(gw, state, ws, resumable=False, owner=who) as session:
-                    await serve(session, ws)
-        except ProtocolError as err:
-            await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),
-                          err.close_code or CLOSE_POLICY)
-        except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
-            log.error("/backend: the opening failed: %s", describe(exc))
-            await _close(ws, CLOSE_SERVER_ERROR)
-
-    async def realtime_socket(ws: WebSocket) -> None:
-        mode = ws.query_params.get("mode")
-        await ws.accept()
-        try:
-            who = admit(ws)
-            if mode is not None and mode not in minicpm.MODES:
-                raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
-                                    close_code=CLOSE_POLICY)
-            check_ready()
-            if ws.query_params.get("resume") in ("1", "true"):
-                msg = _as_event(await receive_text(ws, settings.init_timeout_s, settings.test_faults))
-                if msg.get("type") != "session.resume":
-                    raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
-                                        "type", close_code=CLOSE_POLICY)
-            else:
-                with quotas.held(who, address(ws)):
-                    msg = await (openai_session(ws, who) if mode is None else minicpm_session(ws, mode, who))
-            if msg is not None:  # the first event resumed another session: this socket goes on with it
-                await resume_as(ws, msg, who)
-        except ProtocolError as err:
-            await _refuse(ws, {**realtime_error(err).encode(), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
-        except (Disconnected, asyncio.TimeoutError):
-            await _close(ws, CLOSE_POLICY)
-        except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
-            log.error("/v1/realtime: the opening failed: %s", describe(exc))
-            await _close(ws, CLOSE_SERVER_ERROR)
-
-    async def openai_session(ws: WebSocket, who: str) -> dict[str, Any] | None:
-        """Returns the first event when it is `session.resume` (this fresh session is then dropped)."""
-        state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad(), limits=settings.limits)
-        async with admitted(gw, ws), running(gw, state, ws, resumable=True, owner=who) as session:
-            try:
-                text = await receive_text(ws, settings.init_timeout_s, settings.test_faults)  # the first-event deadline
-            except asyncio.TimeoutError:
-                await session.close("init_timeout", ws_code=CLOSE_POLICY)
-                return None
-            except Disconnected:
-                session.detach(ws)
-                return None
-            msg = _as_event(text)
-            if msg.get("type") == "session.resume":
-                session.ws = None  # the socket goes on with the resumed session
-                await session.close("resumed_elsewhere", emit=False)
-                return msg
-            await serve(session, ws, text)
-        return None
-
-    async def minicpm_session(ws: WebSocket, mode: str, who: str) -> dict[str, Any] | None:
-        """Returns the first event when it is `session.resume` (the slot is given back first)."""
-        async with admitted(gw, ws, queue_event=minicpm.queue_position) as early:
-            session_id = new_session_id()
-            await ws.send_text(json.dumps(minicpm.QueueDone(session_id).encode()))
-            if early is None:
-                early = await receive_text(ws, settings.init_timeout_s, settings.test_faults)
-            text = early
-            msg = _as_event(text)
-            if msg.get("type") == "session.resume":
-                return msg
-            state = minicpm.MiniCPMRealtimeState(session_id, mode=mode, limits=settings.limits,
-                                                 charge_voice=voices.charger(who, address(ws)))
-            async with running(gw, state, ws, resumable=True, owner=who) as session:
-                await serve(session, ws, text)
-        return None
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        watcher = asyncio.create_task(gw.watch_triton())
-        try:
-            yield
-        finally:
-            await gw.shutdown()
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-
-    app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/sessions/{session_id}/close", close_session, methods=["POST"]),
-            Route("/v1/voices/check", voices_check, methods=["POST"]),
-            WebSocketRoute("/backend", backend_socket),
-            WebSocketRoute("/v1/realtime", realtime_socket),
-            *page.routes,
-        ],
-        lifespan=lifespan,
-    )
-    app.state.gateway = gw
-    app.state.quotas = quotas
+    edge = Edge.of(settings or Settings.from_env())
+    app = Starlette(routes=ROUTES, lifespan=lifespan)
+    app.state.edge = edge
+    app.state.gateway = edge.gateway  # serve.py's shutdown, tests
+    app.state.quotas = edge.quotas
     return app

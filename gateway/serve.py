@@ -1,8 +1,13 @@
-"""`python -m gateway.serve`: start tritonserver on the model repository, then the gateway in front of it."""
+"""`python -m gateway.serve`: start tritonserver on the model repository, then the gateway in front of it.
+
+Secure by default: with no API keys configured the gateway is open to anyone who reaches it, so it listens on
+loopback only unless told otherwise, explicitly (`--insecure`, or MINICPMO_INSECURE=1).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import socket
@@ -37,6 +42,24 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def open_refusal(host: str, settings: Settings) -> str | None:
+    """Why the gateway will not listen on `host` as configured, or None when it may."""
+    if is_loopback(host) or settings.api_keys or settings.insecure:
+        return None
+    return (f"refusing to listen on {host} with no API keys: anyone who reaches it could use the model. "
+            "Set MINICPMO_API_KEYS (or MINICPMO_API_KEYS_FILE; docs/security.md), listen on 127.0.0.1, or, to "
+            "serve an open gateway on purpose, pass --insecure (or set MINICPMO_INSECURE=1).")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
@@ -48,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-address", default=LOOPBACK,
                         help="interface the started Triton binds to (default loopback: only the gateway reaches it)")
     parser.add_argument("--max-sessions", type=int)
+    parser.add_argument("--insecure", action="store_true",
+                        help="listen on a non-loopback address with no API keys (an open server)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -56,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env()
     if args.max_sessions is not None:
         settings = replace(settings, max_sessions=args.max_sessions)
+    if args.insecure:
+        settings = replace(settings, insecure=True)
+    refusal = open_refusal(args.host, settings)
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
+    if not settings.api_keys and not is_loopback(args.host):
+        logging.getLogger("gateway").warning("insecure: no API keys, and listening on %s: anyone who reaches it "
+                                             "is served", args.host)
     supervisor = None
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)

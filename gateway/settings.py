@@ -1,84 +1,94 @@
-"""Gateway settings, from the environment (MINICPMO_*) or given directly."""
+"""Gateway settings: each a field here, with its default and what it does; `MINICPMO_<FIELD>` in the environment
+overrides any of them (`Settings.from_env`), or they are given directly (tests). The table in docs/settings.md
+is printed from here (`python -m gateway.settings`); `tests/test_settings.py` keeps the two equal.
+"""
 
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from .limits import Limits
-
+ENV_PREFIX = "MINICPMO_"
 TEST_FAULTS_PHRASE = "raise-on-fault-frames-in-tests"
+_TRUE = ("1", "true", "yes")
+
+
+def setting(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass(frozen=True)
 class Settings:
-    triton_url: str = "127.0.0.1:8001"
-    max_sessions: int = 64  # the reference demo allows 1 per worker
-    max_pending_steps: int = 8  # appends waiting behind the one in flight, per session
-    idle_timeout_s: float = 300.0  # no message for this long closes the session
-    init_timeout_s: float = 30.0  # time to send session.init after connecting
-    step_timeout_s: float = 60.0  # one duplex step on Triton
-    ws_max_size: int = 16 * 1024 * 1024
-    send_timeout_s: float = 10.0  # a client that reads nothing this long is closed: slow_consumer
+    triton_url: str = setting("127.0.0.1:8001", "Triton's gRPC endpoint (host:port)")
+    max_sessions: int = setting(64, "live sessions, every dialect together (the reference demo allows 1 per worker)")
+    max_pending_steps: int = setting(8, "appends waiting behind the one in flight, per session")
+    idle_timeout_s: float = setting(300.0, "no message but heartbeats for this long closes the session")
+    init_timeout_s: float = setting(30.0, "time to send the first message after connecting, every dialect")
+    step_timeout_s: float = setting(60.0, "a step on Triton with no event for this long ends the session")
+    ws_max_size: int = setting(16 * 1024 * 1024, "bytes of one WebSocket message (and of an HTTP body)")
+    send_timeout_s: float = setting(10.0, "a client that reads nothing this long is closed: slow_consumer")
     # permessage-deflate costs a few ms per 1 s append (base64 audio hardly compresses): off unless asked
-    ws_deflate: bool = False
-    disconnect_grace_s: float = 30.0  # /v1/realtime: a dropped session waits this long for session.resume
-    journal_s: float = 60.0  # ... and replays what it sent in this window
-    journal_bytes: int = 8 * 1024 * 1024  # ... up to this many bytes
-    queue_max: int = 1000  # MiniCPM-o's dialect: callers waiting for a session slot
+    ws_deflate: bool = setting(False, "offer permessage-deflate on WebSockets")
+    disconnect_grace_s: float = setting(30.0, "/v1/realtime: a dropped session waits this long for session.resume")
+    journal_s: float = setting(60.0, "... and replays what it sent in this window")
+    journal_bytes: int = setting(8 * 1024 * 1024, "... up to this many bytes")
+    queue_max: int = setting(1000, "MiniCPM-o's dialect: callers waiting for a session slot")
     # Tests only: a frame of exactly shell.FAULT_FRAME raises where it is read. On only when
     # MINICPMO_TEST_FAULTS is this very phrase, so no operator turns it on by accident.
-    test_faults: bool = False
+    test_faults: bool = setting(False, f"tests only: on when set to `{TEST_FAULTS_PHRASE}`")
     # Access (docs/security.md): no keys means an open server (every caller is one anonymous principal).
-    api_keys: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()  # browsers' Origin; empty: any (requests without Origin always pass)
-    max_sessions_per_key: int = 16  # with keys configured (0: only max_sessions bounds a key)
-    max_sessions_per_address: int = 16  # per client address, keys or not (0: no limit)
-    resume_attempts: int = 10  # session.resume attempts per caller (principal and address) ...
-    resume_window_s: float = 60.0  # ... per this window
-    limits: Limits = field(default_factory=Limits)  # the cost model per caller (gateway/limits.py)
-    voice_budget_s: float = 120.0  # seconds of new voice references a caller may send ...
-    voice_window_s: float = 600.0  # ... per this window (gateway/fairness.py: VoiceBudget)
-    voices_dir: Path | None = None  # the model server's named voices (MINICPMO_VOICES_DIR), for /v1/voices/check
-    # Health (gateway/stage_health.py): every stage probed each health_period_s; a backend that answers no
-    # probe for health_timeout_s is not ready, and its sessions are told `backend_unavailable`.
-    health_period_s: float = 1.0
-    health_timeout_s: float = 5.0
+    api_keys: tuple[str, ...] = setting((), "API keys, comma-separated (and MINICPMO_API_KEYS_FILE: one a line)")
+    allowed_origins: tuple[str, ...] = setting(
+        (), "browsers' Origins, comma-separated; empty: any (requests without Origin always pass)")
+    max_sessions_per_key: int = setting(16, "live sessions per key, with keys configured (0: only max_sessions)")
+    max_sessions_per_address: int = setting(16, "live sessions per client address, loopback not counted (0: none)")
+    resume_attempts: int = setting(10, "failed session.resume attempts per caller (principal and address) ...")
+    resume_window_s: float = setting(60.0, "... per this window")
+    # The cost model per caller (gateway/limits.py: Limits.of(settings); docs/security.md)
+    max_prompt_bytes: int = setting(2048, "UTF-8 bytes of a system prompt / instructions (a bound on its tokens)")
+    max_text_bytes: int = setting(2048, "UTF-8 bytes of one text: a context, a typed message, a text to say")
+    max_conversation_items: int = setting(256, "items an OpenAI-dialect conversation / a turn_based turn holds")
+    max_conversation_bytes: int = setting(16 << 20, "... their text, audio and images together")
+    max_images_per_message: int = setting(8, "images in one chat message / conversation item")
+    max_request_pixels: int = setting(64 << 20, "pixels of all images of one message or step together")
+    max_item_audio_s: float = setting(60.0, "audio of one message / conversation item / input buffer")
+    voice_budget_s: float = setting(120.0, "seconds of new voice references per caller (principal and address) ...")
+    voice_window_s: float = setting(600.0, "... per this window")
+    voices_dir: str = setting("", "the model server's named voices (<name>.wav), for /v1/voices/check")
+    # Health (gateway/stage_health.py)
+    health_period_s: float = setting(1.0, "how often every stage is probed")
+    health_timeout_s: float = setting(5.0, "Triton answering nothing this long: not ready, sessions told")
+    insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
 
     @classmethod
-    def from_env(cls) -> Settings:
-        env = os.environ
-        d = cls()
-        return cls(
-            triton_url=env.get("MINICPMO_TRITON_URL", d.triton_url),
-            max_sessions=int(env.get("MINICPMO_MAX_SESSIONS", d.max_sessions)),
-            max_pending_steps=int(env.get("MINICPMO_MAX_PENDING_STEPS", d.max_pending_steps)),
-            idle_timeout_s=float(env.get("MINICPMO_IDLE_TIMEOUT_S", d.idle_timeout_s)),
-            init_timeout_s=float(env.get("MINICPMO_INIT_TIMEOUT_S", d.init_timeout_s)),
-            step_timeout_s=float(env.get("MINICPMO_STEP_TIMEOUT_S", d.step_timeout_s)),
-            ws_max_size=int(env.get("MINICPMO_WS_MAX_SIZE", d.ws_max_size)),
-            send_timeout_s=float(env.get("MINICPMO_SEND_TIMEOUT_S", d.send_timeout_s)),
-            ws_deflate=env.get("MINICPMO_WS_DEFLATE", "1" if d.ws_deflate else "0").lower() in ("1", "true", "yes"),
-            disconnect_grace_s=float(env.get("MINICPMO_DISCONNECT_GRACE_S", d.disconnect_grace_s)),
-            journal_s=float(env.get("MINICPMO_JOURNAL_S", d.journal_s)),
-            journal_bytes=int(env.get("MINICPMO_JOURNAL_BYTES", d.journal_bytes)),
-            queue_max=int(env.get("MINICPMO_QUEUE_MAX", d.queue_max)),
-            test_faults=env.get("MINICPMO_TEST_FAULTS") == TEST_FAULTS_PHRASE,
-            api_keys=api_keys(env),
-            allowed_origins=_listed(env.get("MINICPMO_ALLOWED_ORIGINS", "")),
-            max_sessions_per_key=int(env.get("MINICPMO_MAX_SESSIONS_PER_KEY", d.max_sessions_per_key)),
-            resume_attempts=int(env.get("MINICPMO_RESUME_ATTEMPTS", d.resume_attempts)),
-            resume_window_s=float(env.get("MINICPMO_RESUME_WINDOW_S", d.resume_window_s)),
-            max_sessions_per_address=int(env.get("MINICPMO_MAX_SESSIONS_PER_ADDRESS", d.max_sessions_per_address)),
-            limits=Limits.from_env(env),
-            voice_budget_s=float(env.get("MINICPMO_VOICE_BUDGET_S", d.voice_budget_s)),
-            voice_window_s=float(env.get("MINICPMO_VOICE_WINDOW_S", d.voice_window_s)),
-            voices_dir=Path(env["MINICPMO_VOICES_DIR"]) if env.get("MINICPMO_VOICES_DIR") else None,
-            health_period_s=float(env.get("MINICPMO_HEALTH_PERIOD_S", d.health_period_s)),
-            health_timeout_s=float(env.get("MINICPMO_HEALTH_TIMEOUT_S", d.health_timeout_s)),
-        )
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        """Every field from MINICPMO_<FIELD> when set, else its default."""
+        types = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(env_name(f.name))
+            if raw is not None:
+                values[f.name] = _parse(f.name, types[f.name], raw)
+        values["api_keys"] = api_keys(env)
+        return cls(**values)
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _parse(name: str, kind: Any, raw: str) -> Any:
+    if name == "test_faults":
+        return raw == TEST_FAULTS_PHRASE
+    if kind is bool:
+        return raw.lower() in _TRUE
+    if kind in (int, float, str):
+        return kind(raw)
+    return _listed(raw)  # tuple[str, ...]
 
 
 def _listed(text: str) -> tuple[str, ...]:
@@ -93,3 +103,15 @@ def api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
         lines = Path(path).read_text().splitlines()
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     return tuple(keys)
+
+
+def markdown_table() -> str:
+    rows = ["| environment | default | what it does |", "|---|---|---|"]
+    for f in fields(Settings):
+        default = ", ".join(f.default) if isinstance(f.default, tuple) else f.default
+        rows.append(f"| `{env_name(f.name)}` | {'(empty)' if default in ('', ()) else default} | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -6,9 +6,11 @@ attached to, its journal), the receive loop, the send path and the close.
 - `running(...)`: a `Session` for a dialect's state, ended when the block ends, whatever ends it (the
   Triton sequence is ended in `Session.close`, once). A resumable session outlives its first socket:
   the block waits out its disconnect grace.
-- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the dialect's state (a big
-  one in a worker thread), and what it decides comes back as `Effects`, carried out here. Every call into
-  the state holds the session's state lock: one call at a time, in the order they were made.
+- `serve(...)`: the receive loop, with the idle timeout; each frame is read (`state.read_frame`: its
+  decoding, resampling, VAD; a big frame's in a worker thread) and then decided by the dialect's state on the
+  event loop, and what it decides comes back as `Effects`, carried out here. The state is only ever called on
+  the event loop, and hears its inputs in the order they arrived: a step event that arrives while a big frame
+  is read waits for that frame's decision (`Session.in_order`).
 
 With `resumable` (the Realtime dialects), each server event gets the next `server_event_seq` and goes
 into the journal before it is sent, so a client that reconnects with `session.resume` is replayed what it
@@ -29,16 +31,16 @@ from typing import Any, TypeVar
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from minicpmo_triton.duplex_contract import ChatInput, StepInput
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, describe
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, describe
 
 from .auth import ANONYMOUS
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
-from .engine import Effects, EngineState, PlannedStep, ServerEvent
+from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
 from .fairness import Activity, paced
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
-from .triton.client import TritonSession, TritonUnavailable
+from .triton.stream import TritonStream, TritonUnavailable
 from .wire import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -144,7 +146,7 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 # ---- the session ----
 
 class Session:
-    def __init__(self, state: EngineState, triton: TritonSession, settings: Settings, resumable: bool,
+    def __init__(self, state: DialectState, triton: TritonStream, settings: Settings, resumable: bool,
                  owner: str = ANONYMOUS) -> None:
         self.state = state
         self.owner = owner
@@ -157,10 +159,11 @@ class Session:
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
         self.resume_token = secrets.token_urlsafe(24)
         self._send_lock = asyncio.Lock()
-        # The state is pure but not thread-safe, and a big frame is decided in a worker thread: every call
-        # into the state holds this lock, so step events wait for that frame and no two calls overlap.
-        self._state_lock = asyncio.Lock()
-        self.offloaded = 0  # client frames decided in a worker thread
+        # The state's inputs in the order they arrived: a big frame holds it from the moment its reading is
+        # planned until it is decided, so a step event that arrives meanwhile is decided after it (a barge-in
+        # fences off what came during it) and the frame is decided on the state it was read for.
+        self._inputs = asyncio.Lock()
+        self.offloaded = 0  # client frames read in a worker thread
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -202,7 +205,8 @@ class Session:
             await asyncio.wait_for(ws.send_text(text), self.settings.send_timeout_s)
         except asyncio.TimeoutError:
             self._drop_slow(ws)
-        except Exception:  # noqa: BLE001 (a send to a closed socket is a disconnect)
+        except Exception as exc:  # noqa: BLE001 (a send to a closed socket is a disconnect)
+            log.info("session %s: a send failed (%s): the client is taken as gone", self.session_id, describe(exc))
             self.detach(ws)
 
     def _drop_slow(self, ws: WebSocket) -> None:
@@ -236,8 +240,7 @@ class Session:
             try:
                 self._queue.put_nowait(step)
             except asyncio.QueueFull:
-                await self.emit([await self.locked(self._error, self.state.backpressure(
-                    self.settings.max_pending_steps))])
+                await self.emit([self.state.error_event(self.state.backpressure(self.settings.max_pending_steps))])
         if fx.close:
             self._spawn(self.close(fx.close))
 
@@ -251,20 +254,17 @@ class Session:
         if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
             log.info("session %s: background task failed: %s", self.session_id, describe(task.exception()))
 
-    # ---- the state: one call at a time ----
-    async def locked(self, call: Callable[..., T], *args: Any) -> T:
-        """`call(*args)` on the loop, once no other call into the state (a frame in a worker thread) runs."""
-        async with self._state_lock:
+    # ---- the state: on the event loop, its inputs in order ----
+    async def in_order(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` into the state, once the inputs that arrived before it are decided."""
+        async with self._inputs:
             return call(*args)
 
-    def _error(self, err: ProtocolError) -> ServerEvent:
-        return self.state.error_event(err)
-
-    def _on_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
-        """The state's answer to one frame, on whichever thread decides it; a refusal is answered with its
-        error (the error comes back too: one with a close code ends the session)."""
+    def _decide(self, read: Callable[[], Any]) -> tuple[Effects, ProtocolError | None]:
+        """The state's answer to one frame (`read()` gives it read); a refusal is answered with its error (the
+        error comes back too: one with a close code ends the session)."""
         try:
-            return self.state.on_text(text), None
+            return self.state.on_frame(read()), None
         except ProtocolError as err:
             return Effects([self.state.error_event(err)]), err
         except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
@@ -273,27 +273,27 @@ class Session:
                 "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))]), None
 
     async def _decide_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
-        """A frame of `state.offload_frame_bytes` or more is decided in a worker thread: its decoding,
-        resampling and VAD would hold the loop longer than the hand-off costs (docs/realtime.md). Smaller
-        frames (a barge-in's 100 ms) are decided inline: a hand-off would only make them later."""
+        """A frame of `state.offload_frame_bytes` or more is read in a worker thread: its decoding, resampling and
+        VAD would hold the loop longer than the hand-off costs (docs/realtime.md); the state then decides it here.
+        Smaller frames (a barge-in's 100 ms) are read inline: a hand-off would only make them later."""
         limit = self.state.offload_frame_bytes
         if limit is None or len(text) < limit:
-            return await self.locked(self._on_frame, text)
-        await self._state_lock.acquire()
-        self.offloaded += 1
+            return await self.in_order(self._decide, lambda: self.state.read_frame(text, self.state.frame_plan()))
+        await self._inputs.acquire()
+        work: asyncio.Future[Any] | None = None
         try:
-            work = asyncio.get_running_loop().run_in_executor(None, self._on_frame, text)
-            outcome = await asyncio.shield(work)
-        except asyncio.CancelledError:  # the thread goes on, and the state is its own until it is done
-            work.add_done_callback(lambda _: self._state_lock.release())
-            raise
-        except BaseException:
-            self._state_lock.release()
-            raise
-        # Released here, not as the thread ends: the caller queues this frame's events to be sent before it
-        # yields, so a step event decided after the frame is sent after it too.
-        self._state_lock.release()
-        return outcome
+            self.offloaded += 1
+            work = asyncio.get_running_loop().run_in_executor(None, self.state.read_frame, text,
+                                                              self.state.frame_plan())
+            await asyncio.wait({work})
+            return self._decide(work.result)  # what the reading raised is raised here: a refusal like any other
+        finally:
+            # Released here, not as the thread ends: the caller queues this frame's events to be sent before it
+            # yields, so a step event decided after the frame is sent after it too.
+            if work is None or work.done():
+                self._inputs.release()
+            else:  # cancelled while the thread reads: the input stream (resampler, VAD) is the thread's till it ends
+                work.add_done_callback(lambda _: self._inputs.release())
 
     # ---- in ----
     async def handle(self, text: str) -> None:
@@ -330,19 +330,24 @@ class Session:
         return self.state.prepare(step) if self.state.wanted(step) else None
 
     async def _run_step(self, step: PlannedStep) -> None:
-        request = await self.locked(self._request, step)
+        request = await self.in_order(self._request, step)
         if request is None:
             return
         # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
         async for ev in paced(self.triton.step(request), self.settings.step_timeout_s):
             if ev.kind == "error":
-                if ev.code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self.apply(await self.locked(self.state.on_step_error, step, ev.code, ev.message))
+                code = ev.code or Code.STAGE_ERROR
+                if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
+                    await self.apply(await self.in_order(self.state.on_step_error, step, code, ev.message))
                 else:
-                    self.fail(CLOSE_REASONS.get(ev.code, "backend_error"), f"{ev.code}: {ev.message}")
+                    reason = CLOSE_REASONS.get(code, "backend_error")
+                    # its type and place are in the Triton log (no caller data here: the message may quote it)
+                    log.warning("session %s: a step failed with %s (message of %d characters): closing (%s)",
+                                self.session_id, code, len(ev.message), reason)
+                    self.fail(reason, f"{code}: {ev.message}")
                 return
-            await self.apply(await self.locked(self.state.on_step_event, step, ev))
-        await self.apply(await self.locked(self.state.on_step_end, step))
+            await self.apply(await self.in_order(self.state.on_step_event, step, ev))
+        await self.apply(await self.in_order(self.state.on_step_end, step))
 
     def lost(self) -> None:
         """Triton went away (its stream broke): the client is told `backend_unavailable`, retryable, and the
@@ -355,7 +360,7 @@ class Session:
         self._spawn(self._end_unavailable(err))
 
     async def _end_unavailable(self, err: ProtocolError) -> None:
-        await self.emit([await self.locked(self._error, err)])
+        await self.emit([self.state.error_event(err)])
         await self.close("backend_unavailable", message=err.message, ws_code=CLOSE_TRY_AGAIN)
 
     def fail(self, reason: str, message: str) -> None:
@@ -426,13 +431,13 @@ class Session:
                 await self._stop_worker()
             try:
                 await self.triton.close()  # ends the Triton sequence: state is freed before we answer
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 (logged; the session still ends)
                 log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
             if emit:
                 try:
-                    await self.emit(await self.locked(self.state.on_close, reason, message))
-                except Exception:  # noqa: BLE001 (the client may be gone)
-                    log.debug("session %s: closed event not delivered", self.session_id)
+                    await self.emit(await self.in_order(self.state.on_close, reason, message))
+                except Exception as exc:  # noqa: BLE001 (our bug: the session still ends, its socket closed)
+                    log.error("session %s: the dialect's close failed: %s", self.session_id, describe(exc))
             ws, self.ws = self.ws, None
             if ws is not None and ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):  # the socket may be closed already
@@ -455,22 +460,22 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def running(gw: Gateway, state: EngineState, ws: WebSocket, resumable: bool,
+async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bool,
                   owner: str = ANONYMOUS) -> AsyncIterator[Session]:
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
-    triton = TritonSession(gw.settings.triton_url)
+    triton = TritonStream(gw.place())
     try:
         await triton.open()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
     session = Session(state, triton, gw.settings, resumable, owner)
     gw.add(session)
     try:
         await session.attach(ws)
-        await session.emit(await session.locked(state.created))
+        await session.emit(state.created())
         yield session
         await session.wait_closed()
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)

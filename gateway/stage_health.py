@@ -39,7 +39,7 @@ from minicpmo_triton.stage_io import (
     encode,
 )
 
-from .triton.client import ENTRY_MODEL, TritonSession, next_correlation_id
+from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 
 log = logging.getLogger("gateway.health")
 
@@ -114,7 +114,7 @@ def _inputs(request: Any) -> list[grpcclient.InferInput]:
 async def _probe(client: grpcaio.InferenceServerClient, url: str, model: str) -> None:
     """One request the model's stub must answer; raises what it answered instead."""
     if model == ENTRY_MODEL:
-        session = TritonSession(url)
+        session = TritonStream(url)
         await session.open()
         try:
             async for event in session.step(StepInput(), end=True):
@@ -175,11 +175,8 @@ class StageHealth:
         self._healed = False
 
     def apply(self, report: Report, now: float) -> None:
-        before = self.verdict.state
         state = self.verdict.observe(report, now)
-        if state != before:
-            log.warning("backend %s -> %s%s", before, state, f" ({self.verdict.why})" if self.verdict.why else "")
-        self.on_change(state, self.verdict.why)
+        self.on_change(state, self.verdict.why)  # the registry logs each change, with why
         if state == "ready":
             self._told = self._healed = False
             return

@@ -37,7 +37,7 @@ def silero_model_path() -> Path:
 _session = None
 
 
-def _shared_session():  # noqa: ANN202 (an onnxruntime.InferenceSession)
+def _shared_session():  # -> onnxruntime.InferenceSession (imported late)
     """One model for the whole gateway; the per-stream state lives in SileroVad."""
     global _session
     if _session is None:

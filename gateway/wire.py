@@ -20,10 +20,12 @@ CLOSE_TRY_AGAIN = 1013  # not ready, or no session slot
 
 class ProtocolError(Exception):
     """A client error, answered with the dialect's `error` event; `close_code` set when the socket closes too.
-    `param` and `error_type` are what the Realtime dialects report beside the code."""
+    `param` and `error_type` are what the Realtime dialects report beside the code; `http_status` what an
+    HTTP endpoint answers with it (else 400)."""
 
     def __init__(self, code: str, message: str, param: str | None = None, close_code: int | None = None,
-                 error_type: str = "invalid_request_error", retryable: bool = False) -> None:
+                 error_type: str = "invalid_request_error", retryable: bool = False,
+                 http_status: int | None = None) -> None:
         super().__init__(message)
         self.retryable = retryable  # the same request may succeed later (a new session, after a backoff)
         self.code = code
@@ -31,6 +33,7 @@ class ProtocolError(Exception):
         self.param = param
         self.close_code = close_code
         self.error_type = error_type
+        self.http_status = http_status
         self.event_id: str | None = None  # the client event it answers (the Realtime dialects report it)
 
 

@@ -24,7 +24,7 @@ def require(kind: str) -> Any:
                                 f"({exc}); install it with `pip install sounddevice`") from exc
     try:
         sounddevice.query_devices(kind=kind)
-    except Exception as exc:  # noqa: BLE001 (PortAudio reports a missing device in several ways)
+    except Exception as exc:  # PortAudio reports a missing device in several ways
         raise DeviceUnavailable(f"no {kind} device on this machine ({exc})") from exc
     return sounddevice
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .duplex_options import DuplexOptions, InvalidOptions
-from .errors import Code, StepError
+from .errors import Code, StepError, as_code
 from .model_config import DuplexDefaults
 
 Tensors = dict[str, np.ndarray]
@@ -117,16 +117,54 @@ Request = StepInput | ChatInput | Cancel
 
 
 @dataclass
+class StepMetrics:
+    """What a step measured so far (times in ms, counts); a field is None until measured, and the client is
+    sent the measured ones (`to_dict`). A step's events share one as it grows: each event carries a copy."""
+
+    backend: str | None = None  # "triton"
+    kv_cache_length: int | None = None  # the session's LLM context after the step
+    llm_wait_ms: float | None = None  # held at the batch window before the LLM
+    cost_llm_ms: float | None = None
+    cost_audio_encoder_ms: float | None = None
+    cost_vision_ms: float | None = None
+    vision_slices: int | None = None
+    vision_tokens: int | None = None
+    prefill_ms: float | None = None
+    generate_ms: float | None = None
+    n_tokens: int | None = None  # tokens the LLM generated
+    n_prefill: int | None = None  # turn-based: tokens prefilled (after the cached prefix)
+    cached_tokens: int | None = None  # turn-based: the prefix reused from the previous turn
+    cost_tts_ms: float | None = None
+    n_tts_tokens: int | None = None
+    cost_token2wav_ms: float | None = None
+    wall_clock_ms: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def of(cls, value: StepMetrics | dict[str, Any] | None) -> StepMetrics:
+        """Metrics as decoded from the wire (a JSON object: keys this build does not know are dropped)."""
+        if isinstance(value, StepMetrics):
+            return value
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in (value or {}).items() if k in known})
+
+
+@dataclass
 class StepEvent:
     kind: str  # listen | text | audio | done (turn-based) | error
     text: str = ""
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
     end_of_turn: bool = False
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: StepMetrics = field(default_factory=StepMetrics)
     chunk_usage: dict[str, int] | None = None  # on the last event of a step only
     reason: str = ""  # done: turn_end | length
-    code: str = ""  # error
+    code: Code | None = None  # error
     message: str = ""  # error
+
+    def __post_init__(self) -> None:
+        self.metrics = StepMetrics.of(self.metrics)  # a plain object (tests, the wire) becomes the dataclass
 
     @classmethod
     def error(cls, err: StepError) -> StepEvent:
@@ -288,7 +326,7 @@ def _count(value: Any) -> int:
 # ---- events: duplex -> gateway ----
 
 def encode_event(event: StepEvent) -> Tensors:
-    out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics}
+    out: dict[str, Any] = {"kind": event.kind, "metrics": event.metrics.to_dict()}
     for name in ("reason", "text", "code", "message"):
         if getattr(event, name):
             out[name] = getattr(event, name)
@@ -304,6 +342,6 @@ def decode_event(event: np.ndarray, audio: np.ndarray | None) -> StepEvent:
     return StepEvent(
         kind=data["kind"], text=data.get("text", ""),
         audio=np.zeros(0, np.float32) if audio is None else audio.reshape(-1),
-        end_of_turn=bool(data.get("end_of_turn")), metrics=data.get("metrics", {}),
+        end_of_turn=bool(data.get("end_of_turn")), metrics=StepMetrics.of(data.get("metrics")),
         chunk_usage=data.get("chunk_usage"), reason=data.get("reason", ""),
-        code=data.get("code", ""), message=data.get("message", ""))
+        code=as_code(data["code"]) if data.get("code") else None, message=data.get("message", ""))

@@ -2,35 +2,42 @@
 
 A stage answers a bad row with a `StepError` in that row's response; Triton carries only a message, so
 the code travels as a `[code] ` prefix (`to_wire`), which the caller turns back into the error (`from_wire`).
+Codes are `Code` members, never strings: a misspelt member fails where it is named (and `tests/test_errors.py`
+checks every `StepError(...)` in the packages names one), so no typo reaches the client as `backend_error`.
 """
 
 from __future__ import annotations
 
 import re
 import traceback
+from enum import Enum
 from pathlib import Path
 
 
-class Code:
-    """The error codes a step can answer with (`StepEvent.code`, `StepError.code`)."""
+class Code(str, Enum):
+    """The error codes a step can answer with (`StepEvent.code`, `StepError.code`); on the wire, the value.
 
-    CONTEXT_FULL = "context_full"  # the session ends with this reason
-    BAD_IMAGE = "bad_image"  # the client's input: refused, the session goes on
-    BAD_AUDIO = "bad_audio"  # ditto
-    INVALID_CHAT = "invalid_chat"  # ditto
+    What the gateway does with each: `CLIENT_ERRORS` are the client's input (refused, the session goes on),
+    `CLOSE_REASONS` end the session with their own reason, any other ends it with `backend_error`."""
+
+    CONTEXT_FULL = "context_full"
+    BAD_IMAGE = "bad_image"
+    BAD_AUDIO = "bad_audio"
+    INVALID_CHAT = "invalid_chat"
     INVALID_AUDIO = "invalid_audio"
-    INVALID_CONFIG = "invalid_config"  # the session ends with this reason
-    INVALID_VOICE = "invalid_voice"  # ditto (a named voice whose file is not a usable reference)
+    INVALID_CONFIG = "invalid_config"
+    INVALID_VOICE = "invalid_voice"  # a voice reference the voice stage cannot use
     INVALID_INPUT = "invalid_input"
     NUMERIC_ERROR = "numeric_error"
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
     INTERNAL_ERROR = "internal_error"
 
+    def __str__(self) -> str:  # the value, in f-strings and logs, on every Python version
+        return self.value
 
-# Codes that are the client's input: refused, the session goes on (its state untouched).
+
 CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
-# Codes that end the session with that reason instead of `backend_error`.
 CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config",
                  Code.INVALID_VOICE: "invalid_voice"}
 
@@ -38,12 +45,20 @@ STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)
 
 
+def as_code(value: str) -> Code:
+    """A code read off the wire; one this build does not know is a stage's uncoded failure."""
+    try:
+        return Code(value)
+    except ValueError:
+        return STAGE_ERROR
+
+
 class StepError(Exception):
     """A step, or one stage row of it, failed in a way the client is told about by `code`."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: Code, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = Code(code)  # a string that is no member fails here, where it is raised
         self.message = message
 
 
@@ -56,8 +71,8 @@ def to_wire(exc: Exception) -> str:
 def from_wire(message: str, source: str) -> StepError:
     """The error a stage (`source`) answered, its code kept; `stage_error` when it had none."""
     match = _WIRE.fullmatch(message)
-    code, text = (match[1], match[2]) if match else (STAGE_ERROR, message)
-    return StepError(code, f"{source}: {text}")
+    code = as_code(match[1]) if match else STAGE_ERROR
+    return StepError(code, f"{source}: {match[2] if match and code is not STAGE_ERROR else message}")
 
 
 def describe(exc: BaseException) -> str:

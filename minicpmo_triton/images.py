@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import StepError
+from .errors import Code, StepError
 
 MAX_PIXELS = 4096 * 4096  # larger images are refused before they are decoded (decompression bombs)
 # The only formats opened (the gateway refuses others at the edge): PIL would hand an EPS to Ghostscript.
@@ -29,7 +29,7 @@ class ImageError(StepError, ValueError):
     """An image the client sent that cannot be used (`bad_image`)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("bad_image", message)
+        super().__init__(Code.BAD_IMAGE, message)
 
 
 @dataclass(frozen=True)

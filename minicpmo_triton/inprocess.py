@@ -33,7 +33,7 @@ class InProcessStages:
         repository = Path(repository)
         self.preset: PresetConfig = load_stage_config(repository / "llm" / "1")
         self.tokenizer = load_tokenizer(self.preset, repository / "duplex" / "1")
-        v = lambda name: repository / name / "1"  # noqa: E731
+        v = lambda name: repository / name / "1"  # noqa: E731 (a one-line helper)
         self.encoder = AudioEncoderStage(load_engine(v("audio_encoder"), threads), self.preset.samples_per_audio_token)
         self.vision = VisionEncoderStage(load_engine(v("vision_encoder"), threads), self.preset.vision)
         self.stream_encoder = AudioStreamEncoder(load_engine(v("audio_encoder"), threads, "stream"), self.preset.audio,

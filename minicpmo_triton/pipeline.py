@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, VoiceRefs
+from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, StepMetrics, VoiceRefs
 from .duplex_options import DuplexOptions
-from .errors import StepError
+from .errors import Code, StepError
 from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
 from .model_config import PresetConfig
 from .rendezvous import BatchWindow, Member, Rendezvous
@@ -226,7 +226,7 @@ class DuplexPipeline:
         """One duplex unit. `forced` (a spoken turn's): the tokens to teacher-force, and no listening rule."""
         t0 = time.perf_counter()
         opts, tk = state.options, self.preset.tokens
-        metrics: dict[str, Any] = {"backend": "triton"}
+        metrics = StepMetrics(backend="triton")
         ids: list[int] = []
         prefix = np.zeros((0, self.preset.llm.hidden), np.float32)
         if "llm" not in state.started:
@@ -247,12 +247,12 @@ class DuplexPipeline:
             n_text_in += len(replay_ids) - len(replay)
         if len(inp.audio):
             if len(inp.audio) > MAX_CHUNK_SECONDS * 16_000:
-                raise StepError("invalid_audio", f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
+                raise StepError(Code.INVALID_AUDIO, f"an audio chunk may hold at most {MAX_CHUNK_SECONDS} s")
             ids.append(tk.unit)
             if inp.frames:
                 t = time.perf_counter()
                 vision_ids, vision, n_slices = await self._vision(inp.frames, inp.max_slice_nums, DUPLEX)
-                metrics.update(cost_vision_ms=_ms(t), vision_slices=n_slices, vision_tokens=len(vision))
+                metrics.cost_vision_ms, metrics.vision_slices, metrics.vision_tokens = _ms(t), n_slices, len(vision)
                 ids += [i for image in vision_ids for i in image]
                 embeds = np.concatenate([embeds, vision])
                 n_vision = len(vision)
@@ -272,12 +272,13 @@ class DuplexPipeline:
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
         llm = await self._llm(state, corr_id, request, ready=member.arrive)
-        metrics["llm_wait_ms"] = round(member.waited_s * 1000, 2)
+        metrics.llm_wait_ms = wait_ms = round(member.waited_s * 1000, 2)
         if len(inp.audio):
             state.chunk_index += 1
-        metrics.update(cost_llm_ms=round(_ms(t) - metrics["llm_wait_ms"], 2),
-                       cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
-                       generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated), kv_cache_length=llm.kv_length)
+        metrics = replace(metrics, cost_llm_ms=round(_ms(t) - wait_ms, 2),
+                          cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
+                          generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated),
+                          kv_cache_length=llm.kv_length)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
@@ -288,27 +289,27 @@ class DuplexPipeline:
             return None
         if llm.is_listen:
             state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
-            metrics.update(n_tts_tokens=0, wall_clock_ms=_ms(t0))
+            metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
-            await emit(StepEvent("text", text=text, metrics=dict(metrics)))
+            await emit(StepEvent("text", text=text, metrics=replace(metrics)))
         turn_start = llm.turn_start or not state.tts_turn_open
         t = time.perf_counter()
         tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
             n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
         ))
-        metrics["cost_tts_ms"] = _ms(t)
+        metrics.cost_tts_ms = _ms(t)
         t = time.perf_counter()
         wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
             **_voice_to_send(state, state.voice.tts, turn_start),
         ))
-        metrics["cost_token2wav_ms"] = _ms(t)
+        metrics.cost_token2wav_ms = _ms(t)
         state.tts_turn_open = not llm.end_of_turn
         usage["output_speech_tokens"] = len(tts.speech_tokens)
-        metrics.update(n_tts_tokens=len(tts.speech_tokens), wall_clock_ms=_ms(t0))
+        metrics.n_tts_tokens, metrics.wall_clock_ms = len(tts.speech_tokens), _ms(t0)
         # The step's usage rides on its last event, once the speech tokens are counted too.
         if llm.end_of_turn:
             if len(wav.waveform):
@@ -355,7 +356,7 @@ class DuplexPipeline:
         tk, opts = self.preset.tokens, state.options
         messages = list(chat.messages)
         if not messages or (messages[-1].role == "assistant") != chat.say:
-            raise StepError("invalid_chat", "a turn needs messages, the last of them the assistant's to say it, "
+            raise StepError(Code.INVALID_CHAT, "a turn needs messages, the last of them the assistant's to say it, "
                             "else not the assistant's")
         # To say a text, the LLM is teacher-forced through `<|im_start|>assistant\n{text}<|im_end|>` (its
         # hidden states are the TTS's condition), in the chunks a generated reply streams in.
@@ -402,7 +403,7 @@ class DuplexPipeline:
         ids += [tk.im_start, *enc("assistant\n")]
         usage = {"input_text_tokens": len(ids) - n_audio - n_vision, "input_audio_tokens": n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": 0, "output_speech_tokens": 0}
-        metrics: dict[str, Any] = {"backend": "triton"}
+        metrics = StepMetrics(backend="triton")
         decoder = self.tokenizer.decoder()
         full_text, produced, first = "", 0, True
         speaking = False
@@ -419,29 +420,29 @@ class DuplexPipeline:
                 repetition_penalty=opts.repetition_penalty, seed=opts.seed)
             t = time.perf_counter()
             llm = await self._llm(state, corr_id, request)
-            metrics["cost_llm_ms"] = round(metrics.get("cost_llm_ms", 0.0) + _ms(t), 2)
+            metrics.cost_llm_ms = round((metrics.cost_llm_ms or 0.0) + _ms(t), 2)
             if first:
-                metrics.update(prefill_ms=round(llm.prefill_ms, 2), n_prefill=llm.n_prefill,
-                               cached_tokens=llm.cached_tokens)
+                metrics = replace(metrics, prefill_ms=round(llm.prefill_ms, 2), n_prefill=llm.n_prefill,
+                                  cached_tokens=llm.cached_tokens)
             produced += len(llm.generated)
             usage["output_text_tokens"] += len(llm.text_ids)
             text = decoder.feed([int(i) for i in llm.text_ids])
             full_text += text
-            metrics.update(n_tokens=produced, kv_cache_length=llm.kv_length)
+            metrics.n_tokens, metrics.kv_cache_length = produced, llm.kv_length
             if text:
-                await emit(StepEvent("text", text=text, metrics=dict(metrics)))
+                await emit(StepEvent("text", text=text, metrics=replace(metrics)))
             if chat.generate_audio and (len(llm.text_ids) or (speaking and llm.end_of_turn)):
                 wav, n_speech = await self._voice(corr_id, state, llm, not speaking, len(text), voice)
                 speaking = True
                 usage["output_speech_tokens"] += n_speech
                 if len(wav):
-                    await emit(StepEvent("audio", audio=wav, metrics=dict(metrics)))
+                    await emit(StepEvent("audio", audio=wav, metrics=replace(metrics)))
             first = False
             if llm.end_of_turn or state.cancels != cancels:
                 break
         reason = "turn_end" if llm.generated[-1:] == [tk.im_end] else "length"
         state.chat_history = keys + [ChatMessage("assistant", full_text).key()]
-        metrics["wall_clock_ms"] = _ms(t0)
+        metrics.wall_clock_ms = _ms(t0)
         await emit(StepEvent("done", text=full_text, metrics=metrics, chunk_usage=usage, reason=reason))
 
     async def _voice(self, corr_id: int, state: DuplexSession, llm: LlmResult, turn_start: bool,

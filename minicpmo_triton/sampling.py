@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import StepError
+from .errors import Code, StepError
 
 MAX_TEMPERATURE = 10.0  # far past any useful setting; far inside float32
 MIN_TEMPERATURE = 1e-6  # a positive temperature below it is greedy in effect: say 0
@@ -56,13 +56,13 @@ def check_sampling(what: str, **settings: float) -> None:
     problems = sampling_problems(**settings)  # type: ignore[arg-type]
     if problems:
         name, why = next(iter(problems.items()))
-        raise StepError("invalid_config", f"{what}: {name} {why}")
+        raise StepError(Code.INVALID_CONFIG, f"{what}: {name} {why}")
 
 
 def seeded_rng(seed: int, corr_id: int) -> np.random.Generator:
     """A session's sampler: its seed, or its correlation ID when the seed is 0."""
     if seed < 0:
-        raise StepError("invalid_config", f"a seed must be within [0, 2**63-1], got {seed}")
+        raise StepError(Code.INVALID_CONFIG, f"a seed must be within [0, 2**63-1], got {seed}")
     return np.random.default_rng(seed or corr_id)
 
 
@@ -87,7 +87,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     NaN or +inf anywhere (or nothing but -inf) means the row's forward broke: a coded error for this
     row, never a token picked from garbage."""
     if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
-        raise StepError("numeric_error", "the model's logits are not finite for this row")
+        raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

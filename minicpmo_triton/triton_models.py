@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,15 +26,16 @@ from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
+from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
-from .stages.token2wav import PROMPT_CACHE_MB, Token2WavStage, VoicePrompts
+from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
-from .voice_prompt import VOICES_DIR_ENV, VoiceLibrary
+from .voice_prompt import VoiceLibrary
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -52,8 +52,9 @@ class _ModelContext:
         self.params = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
         self.preset = load_stage_config(self.version_dir)
 
-    def param(self, key: str, default: float) -> float:
-        return float(self.params.get(key, default))
+    def setting(self, key: str) -> Any:
+        """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
+        return stage_setting(key, self.params)
 
 
 class _LiveGauge:
@@ -106,8 +107,10 @@ def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool
     return corr_id, bool(start is not None and start.reshape(-1)[0]), bool(end is not None and end.reshape(-1)[0])
 
 
-def _response(result: Any) -> Any:
+def _response(result: Any, model: str) -> Any:
     if isinstance(result, Exception):
+        if not isinstance(result, StepError):  # a bug (or a stage's state gone): the operator sees its type and place
+            pb_utils.Logger.log_error(f"{model}: a row failed with an uncoded error: {describe(result)}")
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(result)))  # its code rides along
     return pb_utils.InferenceResponse([pb_utils.Tensor(k, v[None]) for k, v in encode(result).items()])
 
@@ -124,7 +127,7 @@ class _StatefulStageModel:
         ctx = _ModelContext(args)
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.param("sweep_period_s", 5.0))
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         calls = []
@@ -133,23 +136,18 @@ class _StatefulStageModel:
             calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
         results = self.stage.run(calls)
         self.gauge.update()
-        return [_response(r) for r in results]
+        return [_response(r, self.stage_name) for r in results]
 
     def finalize(self) -> None:
         self.gauge.close()
 
 
-def _setting(ctx: _ModelContext, key: str, default: float) -> float:
-    """A model parameter; MINICPMO_<KEY> in tritonserver's environment overrides it (benchmarks, operators)."""
-    return float(os.environ.get(f"MINICPMO_{key.upper()}") or ctx.param(key, default))
-
-
 def _ttl(ctx: _ModelContext) -> float:
-    return ctx.param("state_ttl_s", 600.0)
+    return float(ctx.setting("state_ttl_s"))
 
 
 def _threads(ctx: _ModelContext) -> int:
-    return int(ctx.param("ort_threads", 1))
+    return int(ctx.setting("ort_threads"))
 
 
 class LlmModel(_StatefulStageModel):
@@ -195,7 +193,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    _setting(ctx, "voice_prompt_cache_mb", PROMPT_CACHE_MB))
+                                    ctx.setting("voice_prompt_cache_mb"))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         return stage
 
@@ -218,7 +216,7 @@ class _StatelessStageModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         calls = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
-        return [_response(r) for r in self.stage.run(calls)]
+        return [_response(r, self.stage_name) for r in self.stage.run(calls)]
 
 
 class AudioEncoderModel(_StatelessStageModel):
@@ -249,17 +247,17 @@ class DuplexModel:
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         tokenizer = load_tokenizer(ctx.preset, ctx.version_dir)
-        window = BatchWindow(target=int(_setting(ctx, "llm_batch_target", 8)),
-                             max_s=_setting(ctx, "llm_batch_window_ms", 0.0) / 1000,
-                             min_sessions=int(_setting(ctx, "llm_batch_min_sessions", 24)),
-                             max_sessions=int(_setting(ctx, "llm_batch_max_sessions", 40)),
-                             budget_s=_setting(ctx, "llm_batch_budget_ms", 500.0) / 1000)
-        voices_dir = os.environ.get(VOICES_DIR_ENV) or ctx.params.get("voices_dir", "")
+        window = BatchWindow(target=ctx.setting("llm_batch_target"),
+                             max_s=ctx.setting("llm_batch_window_ms") / 1000,
+                             min_sessions=ctx.setting("llm_batch_min_sessions"),
+                             max_sessions=ctx.setting("llm_batch_max_sessions"),
+                             budget_s=ctx.setting("llm_batch_budget_ms") / 1000)
+        voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=_setting(ctx, "llm_gather_ms", 10.0) / 1000, batch_window=window,
+                                       llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None))
-        self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.param("sweep_period_s", 5.0))
-        self._bls_threads = int(_setting(ctx, "bls_threads", 256))
+        self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
+        self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None
 
     async def execute(self, requests: list[Any]) -> None:
@@ -281,7 +279,7 @@ class DuplexModel:
             # A client that went away (its gRPC stream broken) must not break the step for the stages.
             try:
                 sender.send(response, flags=flags)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 (logged; the step goes on for the stages)
                 pb_utils.Logger.log_warn(f"sequence {corr_id}: response not delivered: {describe(exc)}")
 
         try:

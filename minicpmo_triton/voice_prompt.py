@@ -182,7 +182,7 @@ class VoiceFeaturizer:
 def _usable(name: str, path: Path) -> np.ndarray:
     try:
         audio = read_wav(path)
-    except Exception as exc:  # noqa: BLE001 (soundfile's errors are not one type)
+    except Exception as exc:
         raise StepError(Code.INVALID_VOICE, f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
     if len(audio) < MIN_VOICE_S * SAMPLE_RATE or (problem := pcm_problem(audio)):
         raise StepError(Code.INVALID_VOICE, f"the voice {name!r} is not a usable reference: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 from typing import Any
@@ -50,15 +51,18 @@ def backend_msg(kind: str, **payload: Any) -> dict[str, Any]:
 
 # ---- text: prompts, contexts, messages, texts to say ----
 
-def test_limits_come_from_the_environment() -> None:
-    limits = Limits.from_env({"MINICPMO_MAX_PROMPT_BYTES": "10", "MINICPMO_MAX_ITEM_AUDIO_S": "2.5"})
-    assert (limits.prompt_bytes, limits.item_audio_s, limits.text_bytes) == (10, 2.5, Limits().text_bytes)
-    assert Settings.from_env().limits == Limits()
+def limits(**changes: Any) -> Limits:
+    return dataclasses.replace(Limits.default(), **changes)
+
+
+def test_limits_come_from_the_settings() -> None:
+    got = Limits.of(Settings.from_env({"MINICPMO_MAX_PROMPT_BYTES": "10", "MINICPMO_MAX_ITEM_AUDIO_S": "2.5"}))
+    assert (got.prompt_bytes, got.item_audio_s, got.text_bytes) == (10, 2.5, Settings().max_text_bytes)
 
 
 def test_a_long_system_prompt_is_refused_at_the_door_in_every_dialect() -> None:
-    long = "é" * (Limits().prompt_bytes // 2 + 1)  # bytes, not characters, bound the tokens
-    err = refused(backend.parse_init, {"type": "session.init", "payload": {"system_prompt": long}}, Limits())
+    long = "é" * (Limits.default().prompt_bytes // 2 + 1)  # bytes, not characters, bound the tokens
+    err = refused(backend.parse_init, {"type": "session.init", "payload": {"system_prompt": long}}, Limits.default())
     assert (err.code, err.close_code) == ("input_too_large", 1008)
     st, _ = openai_state()
     assert refused(st.on_client, {"type": "session.update", "session": {"instructions": long}}).code == \
@@ -66,12 +70,13 @@ def test_a_long_system_prompt_is_refused_at_the_door_in_every_dialect() -> None:
     mini = minicpm.MiniCPMRealtimeState("s")
     assert refused(mini.on_client, {"type": "session.update", "session": {"instructions": long}}).code == \
         "input_too_large"
-    ok = "x" * Limits().prompt_bytes
-    assert backend.parse_init({"type": "session.init", "payload": {"system_prompt": ok}}, Limits()).system_prompt == ok
+    ok = "x" * Limits.default().prompt_bytes
+    init = backend.parse_init({"type": "session.init", "payload": {"system_prompt": ok}}, Limits.default())
+    assert init.system_prompt == ok
 
 
 def test_long_texts_and_odd_context_kinds_are_refused() -> None:
-    long = "y" * (Limits().text_bytes + 1)
+    long = "y" * (Limits.default().text_bytes + 1)
     err = refused(backend.parse_client_message, backend_msg("input.context", context={"text": long}))
     assert err.code == "input_too_large"
     err = refused(backend.parse_client_message, backend_msg("input.context", context={"text": "hi", "kind": "k" * 65}))
@@ -113,14 +118,14 @@ def test_only_image_formats_the_server_decodes_pass() -> None:
 
 def test_images_per_message_and_pixels_per_request_are_bounded() -> None:
     small = png()
-    nine = [{"type": "image", "image": small}] * (Limits().images_per_message + 1)
+    nine = [{"type": "image", "image": small}] * (Limits.default().images_per_message + 1)
     turn = backend_msg("input.append", input={"messages": [{"role": "user", "content": nine}]})
     assert refused(backend.parse_client_message, turn, "turn_based").code == "input_too_large"
     st, _ = openai_state(turn_detection=None)
     item = {"role": "user", "content": [{"type": "input_image", "image_url": f"data:image/png;base64,{small}"}] * 9}
     assert refused(st.on_client, {"type": "conversation.item.create", "item": item}).code == "input_too_large"
     big = png(2048, 2048)  # 4 Mpixels each
-    tight = Limits(request_pixels=3 * 2048 * 2048)
+    tight = limits(request_pixels=3 * 2048 * 2048)
     four = backend_msg("input.append", input={"audio": AUDIO, "frames": [big] * 4})
     assert refused(backend.parse_client_message, four, "full_duplex", tight).code == "input_too_large"
     assert len(backend.parse_client_message(four, "full_duplex").frames) == 4
@@ -134,7 +139,7 @@ def item(text: str) -> dict[str, Any]:
 
 
 def test_a_turn_based_conversation_is_bounded_in_items_and_bytes() -> None:
-    st = OpenAIRealtimeState("s", limits=Limits(conversation_items=3, conversation_bytes=1000))
+    st = OpenAIRealtimeState("s", limits=limits(conversation_items=3, conversation_bytes=1000))
     st.on_client({"type": "session.update", "session": {"turn_detection": None}})
     for i in range(3):
         st.on_client(item(f"message {i}"))
@@ -142,18 +147,18 @@ def test_a_turn_based_conversation_is_bounded_in_items_and_bytes() -> None:
     st.on_client({"type": "conversation.item.delete", "item_id": st.conversation.items[0].id})
     st.on_client(item("room again"))
     assert refused(st.on_client, {"type": "response.create"}).code == "conversation_full"  # the reply's item
-    st = OpenAIRealtimeState("s", limits=Limits(conversation_bytes=1000))
+    st = OpenAIRealtimeState("s", limits=limits(conversation_bytes=1000))
     st.on_client({"type": "session.update", "session": {"turn_detection": None}})
     st.on_client(item("a" * 900))
     assert refused(st.on_client, item("b" * 200)).code == "conversation_full"
     turn = backend_msg("input.append", input={"messages": [{"role": "user", "content": "hi"}] * 4})
-    assert refused(backend.parse_client_message, turn, "turn_based", Limits(conversation_items=3)).code == \
+    assert refused(backend.parse_client_message, turn, "turn_based", limits(conversation_items=3)).code == \
         "conversation_full"
 
 
 def test_a_duplex_conversation_keeps_its_latest_items() -> None:
     """In duplex the conversation is only a record (the model's context is its KV cache): the oldest items go."""
-    st = OpenAIRealtimeState("s", limits=Limits(conversation_items=2))
+    st = OpenAIRealtimeState("s", limits=limits(conversation_items=2))
     first = st.on_client(item("one"))
     st.on_client(item("two"))
     third = st.on_client(item("three"))

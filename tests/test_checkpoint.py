@@ -50,7 +50,7 @@ def copy_of(ref: ReferenceCheckpoint, tmp_path: Path) -> Path:
     return folder
 
 
-def rewrite_shard(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
+def rewrite_shard(folder: Path, edit) -> None:
     """Apply `edit(tensors)` to every shard, keeping the index true to what the shards hold."""
     from safetensors.torch import load_file, save_file
 
@@ -138,7 +138,7 @@ class RecordingShards:
     def keys(self) -> list[str]:
         return self.file.keys()
 
-    def get_slice(self, name: str):  # type: ignore[no-untyped-def]
+    def get_slice(self, name: str):
         return self.file.get_slice(name)
 
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -171,7 +171,7 @@ def test_loading_reads_one_stage_at_a_time(reference, tmp_path: Path, monkeypatc
     modules = build_modules(preset, seed=999)
     order: list[str] = []
     for stage, module in modules.items():
-        def load_state_dict(state, strict=True, stage=stage, original=module.load_state_dict):  # type: ignore[no-untyped-def]
+        def load_state_dict(state, strict=True, stage=stage, original=module.load_state_dict):
             order.append(stage)
             assert {stage_of(n) for n, _ in reads} == set(order)  # this stage's and the loaded ones', no other
             assert {stage_of(n) for n, ref in reads if ref() is not None} == {stage}  # the loaded ones released
@@ -322,7 +322,7 @@ def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None
     assert [e.kind for e in events[:3]] == ["listen"] * 3
     assert events[0].chunk_usage["input_text_tokens"] > 0  # the system prompt, through the HF tokenizer
     assert stages.llm_stage.live_sequences == 0
-    assert json.loads(json.dumps(events[0].metrics))["kv_cache_length"] > 10
+    assert json.loads(json.dumps(events[0].metrics.to_dict()))["kv_cache_length"] > 10
 
 
 def test_transformers_is_a_test_time_dependency_only() -> None:

@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from gateway.audio import decode_f32_base64
-from gateway.client import converse
+from minicpmo_client.backend import converse
 from minicpmo_triton.duplex_options import DuplexOptions
 from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.pipeline import StepEvent, StepInput
@@ -97,7 +97,7 @@ async def test_concurrent_sessions_keep_their_own_state(gateway, triton, speech)
     alone_a = await converse(gateway.ws, a, realtime=False, config=GREEDY)
     alone_b = await converse(gateway.ws, b, realtime=False, config=GREEDY)
     assert transcript(alone_a.events) != transcript(alone_b.events), "inputs must differ for this test to mean much"
-    counters = lambda: (triton.metric("nv_inference_count", "llm"), triton.metric("nv_inference_exec_count", "llm"))  # noqa: E731
+    counters = lambda: (triton.metric("nv_inference_count", "llm"), triton.metric("nv_inference_exec_count", "llm"))  # noqa: E731 (a one-line helper)
     before = counters()
     both = await asyncio.gather(*(converse(gateway.ws, x, realtime=False, config=GREEDY) for x in (a, b, a, b)))
     for alone, together in zip((alone_a, alone_b, alone_a, alone_b), both, strict=True):

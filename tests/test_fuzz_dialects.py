@@ -29,7 +29,7 @@ from gateway.audio import (
 )
 from gateway.dialects import backend, minicpm, openai
 from gateway.dialects.realtime_events import parse_event
-from gateway.engine import Effects, EngineState, PlannedStep
+from gateway.dialects.state import DialectState, Effects, PlannedStep
 from gateway.wire import ProtocolError, parse_json
 from minicpmo_triton.duplex_contract import StepEvent
 
@@ -132,14 +132,14 @@ def encoded(fx: Effects | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def legal(state: EngineState) -> None:
+def legal(state: DialectState) -> None:
     assert state.epoch >= 0 and state.stale_dropped >= 0
     assert all(v >= 0 for v in state.usage.counts.values()), state.usage.counts
     if isinstance(state, openai.OpenAIRealtimeState):
         assert state.response is None or state.active in (None, state.response)
 
 
-def drive(state: EngineState, frames: list[str], plan: list[tuple[str, Any]]) -> None:
+def drive(state: DialectState, frames: list[str], plan: list[tuple[str, Any]]) -> None:
     pending: deque[PlannedStep] = deque()
     epoch = state.epoch
     encoded(state.created())

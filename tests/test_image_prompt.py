@@ -65,7 +65,7 @@ class RefImageProcessor:
         slices = []
         for i in range(rows):  # noqa: B007 (as the reference)
             lines = []
-            for j in range(cols):  # noqa: B007
+            for j in range(cols):  # noqa: B007 (as the reference)
                 lines.append(slice_image_placeholder)
             slices.append("".join(lines))
         slice_placeholder = "\n".join(slices)

@@ -498,5 +498,5 @@ async def test_a_refused_first_step_leaves_the_session_as_new(preset, speech) ->
     assert info.value.code == "bad_audio"
     after = await step(1, False, second)
     fresh = await step(2, True, second)
-    strip = lambda evs: [(e.kind, e.text, e.metrics["kv_cache_length"], e.chunk_usage) for e in evs]  # noqa: E731
-    assert strip(after) == strip(fresh) and after[-1].metrics["kv_cache_length"] > 20
+    strip = lambda evs: [(e.kind, e.text, e.metrics.kv_cache_length, e.chunk_usage) for e in evs]  # noqa: E731 (a one-line helper)
+    assert strip(after) == strip(fresh) and after[-1].metrics.kv_cache_length > 20

@@ -148,6 +148,6 @@ async def test_audio_outside_the_bound_is_bad_audio_and_the_session_goes_on(gate
     await ws.send(append_message(second, "ok"))
     events = await recv_until(ws, lambda e: e.get("input_id") == "ok" and e.get("chunk_usage"))
     await ws.close()
-    strip = lambda evs: [(e["kind"], e.get("text"), e["metrics"]["kv_cache_length"]) for e in deltas(evs)]  # noqa: E731
+    strip = lambda evs: [(e["kind"], e.get("text"), e["metrics"]["kv_cache_length"]) for e in deltas(evs)]  # noqa: E731 (a one-line helper)
     assert strip(events) == strip(solo)  # the refused appends left no trace
 

@@ -9,22 +9,25 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire"},
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page"},
     {"limits"},
-    {"settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
-    {"engine", "inputs", "triton", "auth", "triton.supervisor", "http_body", "stage_health"},
-    {"registry", "fairness", "dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
+    {"dialects.state", "inputs", "triton", "auth", "triton.supervisor", "http_body", "stage_health"},
+    {"registry", "fairness", "dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation",
+     "dialects.openai_duplex"},
     {"dialects.openai_events"},
+    {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
+    {"endpoints"},
     {"routes"},
-    {"serve", "client", "triton.__main__"},
+    {"serve", "triton.__main__"},
 ]
 # What each dialect may import from the dialects package besides itself.
 DIALECTS = {
-    "dialects.backend": set(),
-    "dialects.minicpm": {"dialects.realtime_events"},
-    "dialects.openai": {"dialects.realtime_events", "dialects.openai_events", "dialects.openai_config",
-                        "dialects.openai_conversation"},
+    "dialects.backend": {"dialects.state"},
+    "dialects.minicpm": {"dialects.state", "dialects.realtime_events"},
+    "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
+                        "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
+                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
 }
 
 
@@ -73,3 +76,12 @@ def test_no_import_runs_upward_or_across_dialects() -> None:
             assert _layer(target) < _layer(module), f"{module} imports {target}, a layer at or above its own"
             if module in DIALECTS and target.startswith("dialects."):
                 assert target in DIALECTS[module], f"{module} imports {target}, another dialect's module"
+
+
+def test_the_server_imports_no_client_library() -> None:
+    """The gateway serves clients; it never imports the client library (`minicpmo_client`)."""
+    for path in GATEWAY.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n.split(".")[0] == "minicpmo_client" for n in names), f"{path} imports the client library"

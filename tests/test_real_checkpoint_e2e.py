@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from export.presets import MINICPMO45_TOKENS
-from gateway.client import converse
 from gateway.triton import TritonServer, free_ports
+from minicpmo_client.backend import converse
 from minicpmo_triton.duplex_options import DuplexOptions
 from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config

@@ -406,7 +406,7 @@ async def test_items_with_text_and_an_image(gateway) -> None:
 
 async def test_the_example_client_talks_realtime(gateway, speech) -> None:
     from gateway.audio import resample
-    from gateway.client import converse_realtime
+    from minicpmo_client.backend import converse_realtime
 
     audio = resample(speech("Hello, how are you today?"), 16_000, 24_000)
     events, reply = await converse_realtime(gateway.realtime, audio, turn_detection="server_vad", greedy=True,

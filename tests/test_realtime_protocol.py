@@ -281,7 +281,7 @@ def test_the_turn_based_buffer_is_bounded() -> None:
     vad, _ = state(turn_detection={"type": "server_vad", "prefix_padding_ms": 300})
     for _ in range(20):  # a minute and more of silence: only the prefix padding is kept
         vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
-    assert sum(len(a) for a in vad._buffer) == 300 * 16
+    assert sum(len(a) for a in vad.buffer) == 300 * 16
     fx = vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=True)})
     fx.extend(vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}))
     assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
@@ -317,7 +317,7 @@ def test_duplex_voices_an_assistant_message_at_response_create() -> None:
     [step] = st.on_client({"type": "response.create"}).steps
     assert (step.kind, step.request.say, step.request.context_text, step.request.answer_tokens) \
         == ("context", "Hello! How can I help?", "", 0)
-    assert step.unit == 2  # a barge-in into it replays the caller's seconds after the second sent before it
+    assert step.second == 2  # a barge-in into it replays the caller's seconds after the second sent before it
     assert speak(st, step, text="Hello!")[:2] == ["response.speak", "response.created"]
     done = st.on_step_event(step, StepEvent("listen", end_of_turn=True))
     response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]

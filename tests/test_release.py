@@ -26,13 +26,13 @@ from starlette.websockets import WebSocket
 from tritonclient.grpc import aio as grpcaio
 
 from gateway.audio import encode_f32_base64
-from gateway.engine import EngineState
+from gateway.dialects.state import DialectState
 from gateway.journal import Journal
 from gateway.routes import create_app
 from gateway.settings import Settings
 from gateway.shell import Session
 from gateway.triton import free_port
-from gateway.triton.client import TritonSession
+from gateway.triton.stream import TritonStream
 from gateway.vad import SileroVad
 
 from .helpers import append_message, open_session, recv_until
@@ -41,7 +41,7 @@ from .realtime_client import RealtimeClient
 ROUNDS = 3
 # A session's objects: none may outlive it (the watcher of Triton holds one gRPC client for good; the VAD's
 # model is shared and kept, SileroVad is its per-stream state).
-PER_SESSION = (Session, TritonSession, grpcaio.InferenceServerClient, grpc.aio.Channel, WebSocket, EngineState, Journal,
+PER_SESSION = (Session, TritonStream, grpcaio.InferenceServerClient, grpc.aio.Channel, WebSocket, DialectState, Journal,
                SileroVad)
 
 

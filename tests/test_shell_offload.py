@@ -1,6 +1,6 @@
-"""The shell decides a big client frame in a worker thread (its VAD and resampling would hold the event loop)
-and a small one inline; either way the state is called by one thread at a time and a session's events keep
-their order: a step event that arrives while a big frame is decided waits for it.
+"""The shell reads a big client frame in a worker thread (its VAD and resampling would hold the event loop)
+and a small one inline; either way the state decides it on the loop, and a session's events keep their order:
+a step event that arrives while a big frame is read waits for the frame's decision.
 
 The shell's `Session` is the code under test; Triton (outside it) is a stand-in that yields the step events
 the test gives it, and the VAD a stand-in that records where it runs and holds a big frame's decision until
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class FakeTriton:
         self.events: asyncio.Queue[StepEvent] = asyncio.Queue()
         self.yielded = threading.Event()  # set as the latest event is handed to the shell
 
-    async def step(self, request: object):  # noqa: ANN201 (an async iterator of StepEvent)
+    async def step(self, request: object) -> AsyncIterator[StepEvent]:
         while True:
             ev = await self.events.get()
             self.yielded.set()
@@ -59,6 +60,7 @@ class GatedVad:
         self.threads: list[bool] = []  # per call: on the loop's thread?
         self.loop_ran: list[bool] = []
         self.text_seen: list[str] = []  # the reply's words when the step event had been delivered
+        self.decided_on_loop: list[bool] = []  # per frame the state decided: on the loop's thread?
 
     def __call__(self, audio: np.ndarray) -> list[float]:
         on_loop = threading.get_ident() == self.loop_thread
@@ -84,7 +86,7 @@ def append(seconds: float, loud: bool) -> str:
     return json.dumps({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(audio.astype(np.float32))})
 
 
-async def until(check, what: str) -> None:  # noqa: ANN001
+async def until(check: Callable[[], bool], what: str) -> None:
     for _ in range(int(WAIT_S / 0.01)):
         if check():
             return
@@ -103,6 +105,13 @@ async def barge_in_with_a_step_event_in_between(offload: bool) -> tuple[Session,
     vad = GatedVad(triton)
     state = OpenAIRealtimeState("sess_test", vad=vad)
     vad.state = state
+    decide = state.on_frame
+
+    def on_frame(read: object) -> object:  # the state itself is only ever called on the loop
+        vad.decided_on_loop.append(threading.get_ident() == vad.loop_thread)
+        return decide(read)
+
+    state.on_frame = on_frame
     if not offload:
         state.offload_frame_bytes = None
     session = Session(state, triton, Settings(), resumable=True)
@@ -132,6 +141,7 @@ async def test_a_big_append_is_decided_off_the_loop_and_a_step_event_waits_for_i
     assert vad.threads == [True, False], "the small append's VAD on the loop, the big one's off it"
     assert vad.loop_ran == [True], "the event loop ran while the big append's VAD did"
     assert vad.text_seen == ["hi"], "the step event was decided while the big append was"
+    assert vad.decided_on_loop == [True] * 4, "the big append was read off the loop, and decided on it"
     decided = [e for e in events if e[0] in ("response.output_audio_transcript.delta", "overlap.decision",
                                              "response.done")]
     assert decided == [("response.output_audio_transcript.delta", "hi"), ("overlap.decision", "drop"),

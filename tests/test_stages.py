@@ -58,7 +58,7 @@ def test_batched_and_unbatched_llm_steps_agree(preset) -> None:
     ids = [11, 12, 13]
     alone = run_steps(llm_stage(preset), preset, ids, steps=5, batched=False)
     together = run_steps(llm_stage(preset), preset, ids, steps=5, batched=True)
-    tokens = lambda runs: {c: [(g, n) for g, n, _ in steps] for c, steps in runs.items()}  # noqa: E731
+    tokens = lambda runs: {c: [(g, n) for g, n, _ in steps] for c, steps in runs.items()}  # noqa: E731 (a one-line helper)
     assert tokens(together) == tokens(alone)
     for c in ids:
         for (_, _, h_alone), (_, _, h_together) in zip(alone[c], together[c], strict=True):

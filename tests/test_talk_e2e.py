@@ -123,8 +123,8 @@ def test_talk_without_a_sound_device_says_what_to_do() -> None:
 
 def test_the_example_client_speaks_realtime_through_talk(gateway, tmp_path) -> None:
     wav, out = espeak(tmp_path, "Hello, how are you today?"), tmp_path / "reply.wav"
-    done = subprocess.run([sys.executable, "-m", "gateway.client", str(wav), "--out", str(out), "--url", gateway.ws,
-                           "--api", "realtime", "--turn-detection", "server_vad", "--greedy"],
+    done = subprocess.run([sys.executable, "-m", "minicpmo_client.backend", str(wav), "--out", str(out),
+                           "--url", gateway.ws, "--api", "realtime", "--turn-detection", "server_vad", "--greedy"],
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     print(done.stdout, done.stderr)
     assert done.returncode == 0 and lines_matching(done.stdout.splitlines(), r"final resp_\w+ \w+, with audio")

@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from gateway.audio import encode_f32_base64
-from gateway.client import converse
+from minicpmo_client.backend import converse
 
 from .helpers import GREEDY, SPEAKING_TEXT, audio_of, deltas, open_session, recv_until, transcript
 
@@ -56,7 +56,7 @@ async def test_llm_reference_joins_the_system_prompt(gateway, speech) -> None:
     ref_tokens = -(-len(ref) // 1600)  # 10 per second
     voiced = await converse_with(gateway.ws, audio, ref_audio=encode_f32_base64(ref))
     first_plain, first_voiced = deltas(plain)[0], deltas(voiced)[0]
-    audio_tokens = lambda ev: ev["chunk_usage"]["input_audio_tokens"]  # noqa: E731
+    audio_tokens = lambda ev: ev["chunk_usage"]["input_audio_tokens"]  # noqa: E731 (a one-line helper)
     assert audio_tokens(first_voiced) == audio_tokens(first_plain) + ref_tokens
     assert first_voiced["metrics"]["kv_cache_length"] == first_plain["metrics"]["kv_cache_length"] + ref_tokens
 

@@ -120,7 +120,7 @@ def test_tiny_voice_graphs_have_the_real_signatures() -> None:
 
     def signature(name: str) -> tuple[list, list]:
         s = ort.InferenceSession(str(folder / name), providers=["CPUExecutionProvider"])
-        io = lambda args: [(a.name, a.type, len(a.shape)) for a in args]  # noqa: E731
+        io = lambda args: [(a.name, a.type, len(a.shape)) for a in args]  # noqa: E731 (a one-line helper)
         return io(s.get_inputs()), io(s.get_outputs())
 
     assert signature("campplus.onnx") == ([("input", "tensor(float)", 3)], [("output", "tensor(float)", 2)])

@@ -24,11 +24,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gateway.audio import read_wav  # noqa: E402
-from gateway.triton import DEFAULT_MODEL_REPOSITORY, TritonServer  # noqa: E402
-from minicpmo_triton.inprocess import InProcessStages  # noqa: E402
-from minicpmo_triton.stage_io import AudioEncoderRequest, LlmRequest  # noqa: E402
-from minicpmo_triton.stages.base import StageCall  # noqa: E402
+from gateway.audio import read_wav  # noqa: E402 (after the sys.path line: run as a file)
+from gateway.triton import DEFAULT_MODEL_REPOSITORY, TritonServer  # noqa: E402 (after the sys.path line: run as a file)
+from minicpmo_triton.inprocess import InProcessStages  # noqa: E402 (after the sys.path line: run as a file)
+from minicpmo_triton.stage_io import AudioEncoderRequest, LlmRequest  # noqa: E402 (after the sys.path line: run as a file)
+from minicpmo_triton.stages.base import StageCall  # noqa: E402 (after the sys.path line: run as a file)
 
 HERE = Path(__file__).resolve().parent
 STEPS = 8
@@ -142,7 +142,7 @@ def main() -> int:
         if isinstance(r, str):
             print(f"| {model} | {c} | {r} | | | | |")
             continue
-        us = lambda key, r=r: float(r.get(key, "nan")) / 1000  # noqa: E731
+        us = lambda key, r=r: float(r.get(key, "nan")) / 1000  # noqa: E731 (a one-line helper)
         compute = us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output")
         print(f"| {model} | {c} | {float(r['Inferences/Second']):.1f} | {us('p50 latency'):.1f} | "
               f"{us('p95 latency'):.1f} | {us('Server Queue'):.1f} | {compute:.1f} |")

@@ -103,7 +103,7 @@ class WhisperLayer(nn.Module):
         self.fc2 = nn.Linear(d.ffn, d.d_model)
         self.final_layer_norm = nn.LayerNorm(d.d_model)
 
-    def forward(self, x, past_k=None, past_v=None, mask=None):  # type: ignore[no-untyped-def]
+    def forward(self, x, past_k=None, past_v=None, mask=None):
         attn, k, v = self.self_attn(self.self_attn_layer_norm(x), past_k, past_v, mask)
         x = x + attn
         return x + self.fc2(nn.functional.gelu(self.fc1(self.final_layer_norm(x)))), k, v
@@ -197,7 +197,7 @@ class AudioEncoderStream(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, mel, mel_mask, position_ids, past_mask, past_key, past_value):  # type: ignore[no-untyped-def]
+    def forward(self, mel, mel_mask, position_ids, past_mask, past_key, past_value):
         states, present_key, present_value = self.encoder.apm.stream(
             mel, mel_mask, position_ids, past_mask, past_key, past_value)
         return self.encoder.project(states), present_key, present_value

@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d.hidden, d.rms_eps)
         self.mlp = MLP(d)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):  # type: ignore[no-untyped-def]
+    def forward(self, x, cos, sin, past_k, past_v, mask):
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v

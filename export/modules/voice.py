@@ -19,7 +19,7 @@ class TinyCampPlus(nn.Module):
         self.conv = nn.Conv1d(n_mels, channels, 3, padding=1)
         self.embedding = nn.Linear(2 * channels, dim)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (the graph's input name)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input`: the graph's input name
         x = torch.relu(self.conv(input.transpose(1, 2)))  # [B, C, T]
         return self.embedding(torch.cat([x.mean(dim=-1), x.std(dim=-1)], dim=-1))  # mean/std pooling -> [B, 192]
 

@@ -18,10 +18,10 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
-from ..engine import Closed, Effects, EngineState, EventFields, PlannedStep, ServerEvent
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..limits import Limits, identifier
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
+from .state import Closed, DialectState, Effects, EventFields, PlannedStep, ServerEvent
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -89,7 +89,7 @@ def parse_init(message: dict[str, Any], limits: Limits | None = None) -> Session
     if prompt is not None and not isinstance(prompt, str):
         raise ProtocolError("invalid_payload", "system_prompt must be a string", close_code=CLOSE_POLICY)
     if prompt is not None:
-        (limits or Limits()).prompt(prompt, "system_prompt", CLOSE_POLICY)
+        (limits or Limits.default()).prompt(prompt, "system_prompt", CLOSE_POLICY)
     config = first(payload.get("config"), payload.get("duplex")) or {}
     if not isinstance(config, dict):
         raise ProtocolError("invalid_payload", "config must be an object", close_code=CLOSE_POLICY)
@@ -222,7 +222,7 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
 def parse_client_message(message: dict[str, Any], mode: str = "full_duplex", limits: Limits | None = None
                          ) -> ClientMessage:
     kind = message["type"]
-    limits = limits or Limits()
+    limits = limits or Limits.default()
     if kind == "input.append":
         return parse_chat_turn(message, limits) if mode == "turn_based" else parse_input_append(message, limits)
     if kind == "input.context" and mode == "turn_based":
@@ -307,7 +307,7 @@ def error_event(code: str, message: str, session_id: str | None = None, retryabl
 
 
 @dataclass
-class BackendState(EngineState):
+class BackendState(DialectState):
     mode: str = "full_duplex"
     duplex: DuplexOptions = field(default_factory=DuplexOptions)  # from session.init
     chunk_index: int = 0
@@ -325,10 +325,14 @@ class BackendState(EngineState):
         return [SessionCreated(self.session_id, self.mode, {"backend": "triton", "kv_cache_length": 0},
                                self.usage.snapshot())]
 
-    def on_text(self, text: str) -> Effects:
-        return self.on_client(parse_client_message(loads(text), self.mode, self.limits))
+    def frame_plan(self) -> str:
+        return self.mode
 
-    def on_client(self, msg: ClientMessage) -> Effects:
+    def read_frame(self, text: str, plan: str) -> ClientMessage:
+        return parse_client_message(loads(text), plan, self.limits)  # its audio, images and voice decoded (limits:
+        # fixed for the session, safe to read from the reading thread)
+
+    def on_frame(self, msg: ClientMessage) -> Effects:
         if isinstance(msg, ChatTurn):
             if msg.tts_ref_audio is not None:
                 self.charge_voice(msg.tts_ref_audio)
@@ -375,7 +379,7 @@ class BackendState(EngineState):
     def delta(self, input_id: str | None, ev: StepEvent) -> OutputDelta:
         """Map one duplex step event (not `error`) to its `response.output.delta`."""
         if ev.kind == "listen":
-            out = OutputDelta("listen", self.session_id, input_id, self.active_response_id, ev.metrics,
+            out = OutputDelta("listen", self.session_id, input_id, self.active_response_id, ev.metrics.to_dict(),
                               end_of_turn=True if ev.end_of_turn else None)
             self.active_response_id = None
         else:
@@ -393,7 +397,7 @@ class BackendState(EngineState):
         """A turn_based turn: deltas when streaming, then `response.done` (with the audio when not)."""
         if ev.kind == "done":
             return ResponseDone(self.session_id, response_id, turn_input_id, ev.text, None if streaming else audio,
-                                ev.reason, ev.metrics, ev.chunk_usage, self.usage.add(ev.chunk_usage or {}))
+                                ev.reason, ev.metrics.to_dict(), ev.chunk_usage, self.usage.add(ev.chunk_usage or {}))
         if not streaming:
             return None
         return _output_delta(ev, self.session_id, turn_input_id, response_id)
@@ -401,8 +405,9 @@ class BackendState(EngineState):
 
 def _output_delta(ev: StepEvent, session_id: str, input_id: str | None, response_id: str) -> OutputDelta:
     if ev.kind == "text":
-        return OutputDelta("text", session_id, input_id, response_id, ev.metrics, text=ev.text)
+        return OutputDelta("text", session_id, input_id, response_id, ev.metrics.to_dict(), text=ev.text)
     if ev.kind == "audio":
-        return OutputDelta("audio", session_id, input_id, response_id, ev.metrics, audio=encode_f32_base64(ev.audio),
+        return OutputDelta("audio", session_id, input_id, response_id, ev.metrics.to_dict(),
+                           audio=encode_f32_base64(ev.audio),
                            sample_rate=OUTPUT_RATE, audio_samples=len(ev.audio))
     raise ValueError(f"unexpected step event kind {ev.kind!r}")

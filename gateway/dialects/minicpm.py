@@ -16,11 +16,19 @@ from minicpmo_triton.duplex_contract import StepEvent, StepInput
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..audio import encode_f32_base64
-from ..engine import Effects, EngineState, PlannedStep, ServerEvent
 from ..inputs import InputAppend, parse_append, voice_ref
 from ..limits import Limits
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
-from .realtime_events import RealtimeEvent, SessionEvent, answer, closed_event, error_event, parse_event
+from .realtime_events import (
+    RealtimeEvent,
+    SessionEvent,
+    answering,
+    closed_event,
+    error_event,
+    event_id,
+    parse_event,
+)
+from .state import DialectState, Effects, PlannedStep, ServerEvent
 
 MODES = ("audio", "video")
 
@@ -88,6 +96,29 @@ class Heartbeat:
 ClientEvent = SessionUpdate | InputAppend | SessionClose | Heartbeat  # InputAppend: input_audio_buffer.append
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """An event whose body could not be read: refused once the state has had its say (`not_ready` first)."""
+
+    error: ProtocolError
+
+
+@dataclass(frozen=True)
+class ReadEvent:
+    kind: str  # its `type`
+    event: ClientEvent | Unreadable
+    event_id: str | None
+
+
+def read_event(msg: dict[str, Any], limits: Limits | None = None) -> ReadEvent:
+    """A client event with its audio and images decoded (the CPU work, before the state is touched)."""
+    try:
+        event: ClientEvent | Unreadable = decode_client(msg, limits)
+    except ProtocolError as err:
+        event = Unreadable(err)
+    return ReadEvent(msg["type"], event, event_id(msg))
+
+
 def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEvent:
     kind = msg["type"]
     if kind == "session.update":
@@ -105,7 +136,7 @@ def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEv
 
 
 @dataclass
-class MiniCPMRealtimeState(EngineState):
+class MiniCPMRealtimeState(DialectState):
     mode: str = "audio"
     instructions: str = DEFAULT_SYSTEM_PROMPT
     model: dict[str, Any] = field(default_factory=dict)
@@ -118,16 +149,26 @@ class MiniCPMRealtimeState(EngineState):
     def created(self) -> list[ServerEvent]:
         return []  # session.created answers the client's session.update
 
-    def on_text(self, text: str) -> Effects:
-        return answer(parse_event(text, CLOSE_UNSUPPORTED_DATA), self.on_client)  # not JSON: the socket closes
+    def read_frame(self, text: str, plan: None) -> ReadEvent:
+        return read_event(parse_event(text, CLOSE_UNSUPPORTED_DATA), self.limits)  # not JSON: the socket closes
+
+    def on_client(self, msg: dict[str, Any]) -> Effects:
+        """A client event as a JSON object, read and decided at once (tests)."""
+        return self.on_frame(read_event(msg, self.limits))
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
         return error_event(err)
 
-    def on_client(self, msg: dict[str, Any]) -> Effects:
-        if msg["type"] not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
+    def on_frame(self, read: ReadEvent) -> Effects:
+        with answering(read.event_id):
+            return self._decide(read)
+
+    def _decide(self, read: ReadEvent) -> Effects:
+        if read.kind not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
             raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
-        event = decode_client(msg, self.limits)
+        event = read.event
+        if isinstance(event, Unreadable):
+            raise event.error
         if isinstance(event, SessionUpdate):
             return self._configure(event.session)
         if isinstance(event, InputAppend):
@@ -172,7 +213,8 @@ class MiniCPMRealtimeState(EngineState):
     def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
         if self.is_stale(step, ev):
             return Effects()
-        self.kv_length = int(ev.metrics.get("kv_cache_length", self.kv_length))
+        if ev.metrics.kv_cache_length is not None:
+            self.kv_length = int(ev.metrics.kv_cache_length)
         if ev.kind == "listen":
             return Effects([Listen(self.kv_length, ev.end_of_turn or None)])
         audio = encode_f32_base64(ev.audio) if ev.kind == "audio" else ""

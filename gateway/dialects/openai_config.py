@@ -63,7 +63,7 @@ class RealtimeConfig:
         return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
-        fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731
+        fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731 (a one-line helper, used twice)
         return {
             "id": session_id, "object": "realtime.session", "type": "realtime", "model": "minicpm-o-4.5",
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
@@ -145,7 +145,7 @@ def apply_update(config: RealtimeConfig, session: Any, started: bool, limits: Li
             raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
                                 "session.output_modalities")
         changes["output_modalities"] = ("audio",) if "audio" in modalities else ("text",)
-    limits = limits or Limits()
+    limits = limits or Limits.default()
     voice = audio_out.get("voice", session.get("voice"))
     if voice is not None:  # echoed in every response: a name, not a payload
         changes["voice"] = identifier(voice, "session.audio.output.voice", "invalid_value")

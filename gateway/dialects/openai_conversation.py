@@ -20,7 +20,7 @@ class AudioMark:
     dur_ms: float
     text: str
     kv_after: int = -1  # duplex: the LLM's kv length once this step's words were in its context
-    unit: int = -1  # duplex: the input second (step) that made it
+    second: int = -1  # duplex: the second of caller audio whose step made it
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Item:
     role: str  # user | assistant | system
     text: str = ""
     audio: np.ndarray | None = None  # user audio, 16 kHz float32
-    images: list[str] = field(default_factory=list)  # base64
+    images: list[bytes] = field(default_factory=list)  # encoded images
     status: str = "completed"
     # assistant replies
     spoken: bool = True  # an audio reply (else text only)
@@ -43,8 +43,8 @@ class Item:
         if voiced:
             self.unvoiced += text
 
-    def add_audio(self, dur_ms: float, kv_after: int = -1, unit: int = -1) -> AudioMark:
-        mark = AudioMark(self.audio_ms, dur_ms, self.unvoiced, kv_after, unit)
+    def add_audio(self, dur_ms: float, kv_after: int = -1, second: int = -1) -> AudioMark:
+        mark = AudioMark(self.audio_ms, dur_ms, self.unvoiced, kv_after, second)
         self.marks.append(mark)
         self.unvoiced = ""
         self.audio_ms += dur_ms
@@ -77,7 +77,7 @@ class Item:
     def nbytes(self) -> int:
         """What the item holds in memory (and ships with a turn-based response): text, audio, images."""
         audio = 0 if self.audio is None else self.audio.nbytes
-        return len(self.text.encode("utf-8")) + audio + sum(len(i) * 3 // 4 for i in self.images)
+        return len(self.text.encode("utf-8")) + audio + sum(len(i) for i in self.images)
 
     def to_dict(self) -> dict[str, Any]:
         if self.role == "assistant":

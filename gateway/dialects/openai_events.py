@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine import EventFields
 from ..wire import ProtocolError
 from .realtime_events import RealtimeEvent
+from .state import EventFields
 
 Json = dict[str, Any]
 

@@ -4,16 +4,16 @@ are JSON objects with a string `type`; server events carry an `event_id` (and, w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
-from ..engine import Closed, EventFields
 from ..wire import ProtocolError, new_id, parse_json
+from .state import Closed, EventFields
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
 
 ClientEvent = dict[str, Any]
-T = TypeVar("T")
 
 
 def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
@@ -29,12 +29,17 @@ def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
     return msg
 
 
-def answer(msg: ClientEvent, handler: Callable[[ClientEvent], T]) -> T:
-    """`handler(msg)`; a ProtocolError it raises names the client event it answers."""
+def event_id(msg: ClientEvent) -> str | None:
+    return msg["event_id"] if isinstance(msg.get("event_id"), str) else None
+
+
+@contextlib.contextmanager
+def answering(client_event_id: str | None) -> Iterator[None]:
+    """A ProtocolError raised in the block names the client event it answers."""
     try:
-        return handler(msg)
+        yield
     except ProtocolError as err:
-        err.event_id = err.event_id or (msg["event_id"] if isinstance(msg.get("event_id"), str) else None)
+        err.event_id = err.event_id or client_event_id
         raise
 
 

@@ -1,4 +1,4 @@
-"""Triton from the gateway's side: `launcher` starts a real tritonserver, `client` streams a session's
+"""Triton from the gateway's side: `launcher` starts a real tritonserver, `stream` streams a session's
 steps to the `duplex` model (request and events as `minicpmo_triton.duplex_contract` writes them)."""
 
 from .launcher import (

@@ -185,7 +185,7 @@ class TritonServer:
         if self._log_file is not None:
             self._log_file.close()
         if self.log_path is not None:
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
+            self._log_file = open(self.log_path, "ab")  # lives as long as the process
             stdout = self._log_file
         self.process = subprocess.Popen(
             cmd, env=server_environment(install), stdout=stdout, stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..audio_mel import CONTEXT_FRAMES, MelChunk, MelStream, mel_filterbank
 from ..engines import Engine
-from ..errors import StepError
+from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
 from ..model_config import AudioEncoderDims
 from ..pcm import pcm_problem
@@ -39,7 +39,7 @@ class AudioEncoderStage:
             if len(padded[-1]) == 0:
                 results[i] = ValueError("audio_encoder got an empty chunk")
             elif problem := pcm_problem(padded[-1]):
-                results[i] = StepError("bad_audio", f"audio_encoder: {problem}")
+                results[i] = StepError(Code.BAD_AUDIO, f"audio_encoder: {problem}")
             else:
                 groups[len(padded[-1])].append(i)
         for rows in groups.values():  # padding would change the mel normalisation: batch equal lengths

@@ -42,7 +42,7 @@ def isolated(run_batch: Callable[[list[T]], list[Res]], items: list[T],
         undo(row)
         try:
             outs.extend(run_batch([item]))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 (the row that broke the batch fails alone, with its error)
             undo(row)
             outs.append(exc)
     return outs

@@ -10,7 +10,7 @@ import numpy as np
 from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, allowed_token_mask
 from ..engines import Engine
-from ..errors import StepError
+from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..pcm import pcm_problem
@@ -26,7 +26,7 @@ class ContextFull(StepError):
     """The session's context (8192 tokens for MiniCPM-o 4.5) has no room for this step."""
 
     def __init__(self, message: str) -> None:
-        super().__init__("context_full", message)
+        super().__init__(Code.CONTEXT_FULL, message)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.preset = preset
         self.tokenizer = tokenizer
         d = preset.llm
-        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)  # noqa: E731
+        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
         self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
@@ -88,9 +88,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if ((ids < 0) | (ids >= self.preset.llm.vocab)).any():
             raise ValueError("llm: token id out of the vocabulary")
         if not np.isfinite(request.embeds).all():
-            raise StepError("invalid_input", "llm: embeddings hold NaN or infinite values")
+            raise StepError(Code.INVALID_INPUT, "llm: embeddings hold NaN or infinite values")
         if problem := pcm_problem(request.audio):
-            raise StepError("bad_audio", f"llm: {problem}")
+            raise StepError(Code.BAD_AUDIO, f"llm: {problem}")
         if request.decode:
             check_sampling("llm", temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                            repetition_penalty=request.repetition_penalty, length_penalty=request.length_penalty)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StepError
+from ..errors import Code, StepError
 from ..model_config import PresetConfig
 from ..stage_io import Token2WavRequest, Token2WavResult
 from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, audio_key, read_wav
@@ -100,11 +100,13 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
 
     def check(self, request: Token2WavRequest, state: Token2WavSession) -> None:
         if ((request.speech_tokens < 0) | (request.speech_tokens >= self.vocab)).any():
-            raise StepError("invalid_input", "token2wav: speech token id out of the vocabulary")
+            raise StepError(Code.INVALID_INPUT, "token2wav: speech token id out of the vocabulary")
         if 0 < len(request.voice) < MIN_VOICE_SAMPLES:
-            raise StepError("invalid_voice", f"token2wav: a voice reference needs {MIN_VOICE_SAMPLES} samples (16 kHz)")
+            raise StepError(Code.INVALID_VOICE,
+                            f"token2wav: a voice reference needs {MIN_VOICE_SAMPLES} samples (16 kHz)")
         if not np.isfinite(request.voice).all():
-            raise StepError("invalid_voice", "token2wav: the voice reference holds NaN or infinite samples")
+            raise StepError(Code.INVALID_VOICE,
+                            "token2wav: the voice reference holds NaN or infinite samples")
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import Engine
-from ..errors import StepError
+from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
@@ -43,7 +43,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         self.engine = engine
         self.preset = preset
         d = preset.tts.decoder
-        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)  # noqa: E731
+        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.eos = preset.tts.num_audio_tokens - 1
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
@@ -68,11 +68,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         if len(request.tts_hidden) != len(request.text_ids):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
         if ((request.text_ids < 0) | (request.text_ids >= self.preset.tts.num_text_tokens)).any():
-            raise StepError("invalid_input", "tts: text token id out of the vocabulary")
+            raise StepError(Code.INVALID_INPUT, "tts: text token id out of the vocabulary")
         if not np.isfinite(request.tts_hidden).all():
-            raise StepError("invalid_input", "tts: hidden states hold NaN or infinite values")
+            raise StepError(Code.INVALID_INPUT, "tts: hidden states hold NaN or infinite values")
         if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
-            raise StepError("invalid_input", f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
+            raise StepError(Code.INVALID_INPUT, f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
         check_sampling("tts", temperature=request.temperature)
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:

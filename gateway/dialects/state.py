@@ -1,8 +1,14 @@
-"""What every dialect's session state shares (pure code): the steps it asks Triton for, the effects it
-asks the shell to carry out, the epoch fence, and the first step's options.
+"""What every dialect's session state is to the shell (pure code): client frames and step events in, `Effects`
+out; the steps it asks Triton for, the epoch fence, and the first step's options.
 
-A dialect is an `EngineState`: client text in (`on_text`), step events in (`on_step_event`,
-`on_step_error`, `on_step_end`), `Effects` out. It does no I/O; the shell (`shell.py`) does.
+A client frame is taken in two parts, so the state machine stays cheap enough to call inline:
+1. `read_frame(text, plan)`: the frame's CPU work (JSON, base64, resampling, VAD) into a typed client input.
+   It reads only `plan` (taken from the state by `frame_plan()` just before) and writes only the input
+   stream's own state (a resampler, the VAD's), which nothing else touches: the shell may run it in a
+   worker thread (a frame of `offload_frame_bytes` or more) while the state stays on the event loop.
+2. `on_frame(read)`: the state machine; a `ProtocolError` it raises is answered with `error_event`.
+`on_text(text)` is both at once (small frames, tests). Step events come in through `on_step_event`,
+`on_step_error` and `on_step_end`. Nothing here does I/O; the shell (`gateway/shell.py`) does.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import numpy as np
 from minicpmo_triton.duplex_contract import ChatInput, StepEvent, StepInput, VoiceRefs
 from minicpmo_triton.duplex_options import DuplexOptions
 
-from .limits import Limits
-from .wire import ProtocolError, Usage
+from ..limits import Limits
+from ..wire import ProtocolError, Usage
 
-UNIT = 16_000  # one duplex step: 1 s of 16 kHz audio
+STEP_SAMPLES = 16_000  # the caller audio of one duplex step: 1 s at 16 kHz
+
 
 class ServerEvent(Protocol):
     """A typed server event; its dialect's envelope says how it goes on the wire."""
@@ -35,7 +42,7 @@ class EventFields:
 
     type: ClassVar[str] = ""
 
-    def __init_subclass__(cls, type: str = "", **kwargs: Any) -> None:  # noqa: A002 (the wire's name)
+    def __init_subclass__(cls, type: str = "", **kwargs: Any) -> None:  # `type`: the wire's name
         super().__init_subclass__(**kwargs)
         if type:
             cls.type = type
@@ -64,7 +71,7 @@ class PlannedStep:
     kind: str  # duplex | context | chat
     request: StepInput | ChatInput
     epoch: int
-    unit: int = -1  # duplex: which second of caller audio
+    second: int = -1  # duplex: which second of caller audio it hears (1, 2, ...)
     response_id: str | None = None  # chat: the response it makes
     cause: Any = None  # the client event that asked for it, when the dialect needs it back
 
@@ -85,13 +92,13 @@ class Effects:
 
 
 @dataclass
-class EngineState:
+class DialectState:
     """Epochs fence output: a step planned before a barge-in is of an older epoch, and none of its
     events reach the client, however late they arrive."""
 
-    # A client frame of this many bytes or more (characters: JSON carrying base64 audio is ASCII) is decided
-    # in a worker thread by the shell, its work holding the event loop longer than the hand-off costs;
-    # None: every frame is cheap to decide.
+    # A client frame of this many bytes or more (characters: JSON carrying base64 audio is ASCII) is read in a
+    # worker thread by the shell, its reading holding the event loop longer than the hand-off costs;
+    # None: every frame is cheap to read.
     offload_frame_bytes: ClassVar[int | None] = None
 
     session_id: str
@@ -100,7 +107,7 @@ class EngineState:
     usage: Usage = field(default_factory=Usage)
     stale_dropped: int = 0
     voice: dict[str, np.ndarray] = field(default_factory=dict)  # ref_audio / tts_ref_audio, 16 kHz
-    limits: Limits = field(default_factory=Limits)  # the cost model per caller, checked as input comes in
+    limits: Limits = field(default_factory=Limits.default)  # the cost model per caller, checked as input comes in
     charge_voice: Callable[[np.ndarray], None] = lambda audio: None  # a new voice reference, within its budget
 
     # ---- what the shell asks of every dialect ----
@@ -111,9 +118,21 @@ class EngineState:
         """What a new session says first."""
         return []
 
-    def on_text(self, text: str) -> Effects:
-        """One client frame (its text); a ProtocolError is answered with `error_event`."""
+    def frame_plan(self) -> Any:
+        """What reading the next frame needs to know of the state (cheap; on the event loop)."""
+        return None
+
+    def read_frame(self, text: str, plan: Any) -> Any:
+        """A client frame's CPU work, into the typed input `on_frame` takes; a `ProtocolError` refuses it."""
         raise NotImplementedError
+
+    def on_frame(self, read: Any) -> Effects:
+        """The state machine's answer to a frame `read_frame` read; a ProtocolError is answered with `error_event`."""
+        raise NotImplementedError
+
+    def on_text(self, text: str) -> Effects:
+        """One client frame, read and answered at once."""
+        return self.on_frame(self.read_frame(text, self.frame_plan()))
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
         raise NotImplementedError

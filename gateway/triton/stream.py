@@ -1,4 +1,5 @@
-"""One session = one gRPC stream to the `duplex` model with the session's correlation ID.
+"""A session's stream to Triton (`TritonStream`): one gRPC stream to the `duplex` model with the session's
+correlation ID, which names its sequence in Triton.
 
 Steps go out in order on the stream; each step's streamed responses are routed back by request id
 until Triton's empty final response. `close()` sends the sequence END exactly once.
@@ -59,7 +60,7 @@ def parse_result(result: grpcclient.InferResult) -> StepEvent | None:
     return decode_event(raw, result.as_numpy("audio"))
 
 
-class TritonSession:
+class TritonStream:
     def __init__(self, url: str, corr_id: int | None = None, model: str = ENTRY_MODEL,
                  on_lost: Callable[[], None] | None = None) -> None:
         self.url = url
@@ -68,12 +69,12 @@ class TritonSession:
         self.corr_id = corr_id or next_correlation_id()
         self._client: grpcaio.InferenceServerClient | None = None
         self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self._pending: OrderedDict[str, asyncio.Queue[StepEvent | BaseException | None]] = OrderedDict()
+        self._pending: OrderedDict[str, asyncio.Queue[StepEvent | Exception | None]] = OrderedDict()
         self._reader: asyncio.Task[None] | None = None
         self._step_no = 0
         self.started = False
         self.ended = False
-        self._broken: BaseException | None = None
+        self._broken: Exception | None = None
 
     async def open(self) -> None:
         self._client = grpcaio.InferenceServerClient(self.url)
@@ -104,7 +105,10 @@ class TritonSession:
                 if response.parameters[_FINAL].bool_param:
                     self._pending.pop(response.id, None)
                     q.put_nowait(None)
-        except BaseException as exc:  # noqa: BLE001 (the stream is gone: every open step learns why)
+        except asyncio.CancelledError:  # closed by us (`close`): the steps still open learn the stream is gone
+            self._broken = TritonStreamError("the stream to Triton was closed")
+            raise
+        except Exception as exc:  # noqa: BLE001 (the stream is gone: every open step learns why)
             self._broken = exc
         finally:
             self._broken = self._broken or TritonStreamError("the stream to Triton closed")
@@ -114,14 +118,14 @@ class TritonSession:
             if not self.ended and self.on_lost is not None:
                 self.on_lost()
 
-    def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | BaseException | None]:
+    def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | Exception | None]:
         if self._broken is not None:
             raise TritonUnavailable(f"stream to Triton lost: {self._broken}")
         if self.ended:
             raise TritonStreamError("the sequence has ended")
         request_id = f"{self.corr_id}-{self._step_no}"
         self._step_no += 1
-        q: asyncio.Queue[StepEvent | BaseException | None] = asyncio.Queue()
+        q: asyncio.Queue[StepEvent | Exception | None] = asyncio.Queue()
         self._pending[request_id] = q
         self._outbox.put_nowait({
             "model_name": self.model, "inputs": build_inputs(req), "request_id": request_id,
@@ -136,7 +140,7 @@ class TritonSession:
         """Send one step now; iterate its events (a coded `error` event ends the step)."""
         q = self._send(req, end)
         while (item := await q.get()) is not None:
-            if isinstance(item, BaseException):
+            if isinstance(item, Exception):
                 raise item
             yield item
 
@@ -158,9 +162,7 @@ class TritonSession:
             self.ended = True
             self._outbox.put_nowait(None)
             if self._reader is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001
-                    self._reader.cancel()
+                await asyncio.wait({self._reader}, timeout=2.0)  # the reader sees the stream end (it logs nothing)
+                self._reader.cancel()  # a no-op once it has
             if self._client is not None:
                 await self._client.close()

@@ -1,39 +1,54 @@
-"""`python -m gateway.client speech.wav --out reply.wav`: talk to the gateway like a caller would.
+"""A client for `/backend`, the MiniCPM-o backend protocol: `python -m minicpmo_client.backend speech.wav --out
+reply.wav` talks to the gateway like a caller would.
 
-Streams the WAV in real time (1 s chunks) on `/backend` (the MiniCPM-o backend protocol), prints each event
-with its latency, writes the reply audio. `--api realtime` is `minicpmo-triton talk` (the client library,
-`minicpmo_client`, on /v1/realtime: 100 ms appends of 24 kHz audio/pcm, model-native duplex turns, or
-`--turn-detection server_vad`).
+Streams the WAV in real time (1 s chunks of base64 float32 16 kHz), prints each event with its latency, writes
+the reply audio (24 kHz). `--api realtime` is `minicpmo-triton talk` (this library's `/v1/realtime` client:
+100 ms appends of 24 kHz audio/pcm, model-native duplex turns, or `--turn-detection server_vad`).
+`converse` and `converse_realtime` are what the tests and benchmarks drive a session with.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import websockets
 
-import minicpmo_client as mc
-from minicpmo_client.cli import main as talk_main
-from minicpmo_client.talk import paced
+from .cli import main as talk_main
+from .events import AudioChunk
+from .session import connect
+from .talk import paced
+from .wav import read_wav, write_wav
+from .wire import http_base
 
-from .audio import (
-    INPUT_RATE,
-    OUTPUT_RATE,
-    decode_f32_base64,
-    encode_f32_base64,
-    read_wav,
-    write_wav,
-)
+INPUT_RATE = 16_000  # what /backend takes
+OUTPUT_RATE = 24_000  # what it answers
+
+
+def encode_f32(audio: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(audio, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_f32(data: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(data), "<f4").astype(np.float32)
+
+
+def _close(url: str) -> None:
+    """`POST /sessions/{id}/close`: the protocol's way to end a session."""
+    req = urllib.request.Request(url, json.dumps({"reason": "client_done"}).encode(),
+                                 {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=15):
+        pass
 
 
 @dataclass
@@ -83,7 +98,7 @@ async def converse(
             raise RuntimeError(f"session not created: {created}")
         result = ConversationResult(created["session_id"])
         chunks = [audio[i:i + INPUT_RATE] for i in range(0, len(audio), INPUT_RATE)]
-        by_id = {}
+        by_id: dict[str, ChunkTiming] = {}
         turn_started_at: float | None = None
         done = asyncio.Event()
         last_event_at = time.perf_counter()
@@ -101,7 +116,7 @@ async def converse(
                     if ev["kind"] == "text" and turn_started_at is None:
                         turn_started_at = timing.sent_at if timing else now
                     if ev["kind"] == "audio":
-                        result.audio.append(decode_f32_base64(ev["audio"], 1 << 30))
+                        result.audio.append(decode_f32(ev["audio"]))
                         if turn_started_at is not None:
                             result.first_audio_latency_s.append(now - turn_started_at)
                             turn_started_at = None
@@ -119,7 +134,7 @@ async def converse(
                 await asyncio.sleep(max(0.0, start + i - time.perf_counter()))
             input_id = f"in_{i}"
             message = json.dumps({"type": "input.append", "input": {
-                "input_id": input_id, "audio": encode_f32_base64(chunk), "force_listen": i in force_listen_chunks}})
+                "input_id": input_id, "audio": encode_f32(chunk), "force_listen": i in force_listen_chunks}})
             # Timed from the moment the message is ready to go: encoding it is the caller's own work.
             timing = ChunkTiming(input_id, time.perf_counter())
             by_id[input_id] = timing
@@ -130,8 +145,7 @@ async def converse(
         while time.perf_counter() - last_event_at < quiet_s and not reader.done():  # a step's audio follows its text
             await asyncio.sleep(0.05)
         if close and not reader.done():
-            async with httpx.AsyncClient() as http:
-                await http.post(f"{http_base(url)}/sessions/{result.session_id}/close", json={"reason": "client_done"})
+            await asyncio.to_thread(_close, f"{http_base(url)}/sessions/{result.session_id}/close")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(reader, 15)
         reader.cancel()
@@ -149,13 +163,13 @@ async def converse_realtime(url: str, audio: np.ndarray, *, turn_detection: str 
         if on_event is not None:
             on_event(ev, time.perf_counter())
 
-    session = await mc.connect(url, turn_detection=turn_detection, session={"do_sample": False} if greedy else None,
-                               on_server_event=trace)
+    session = await connect(url, turn_detection=turn_detection, session={"do_sample": False} if greedy else None,
+                            on_server_event=trace)
     reply: list[np.ndarray] = []
 
     async def consume() -> None:
         async for ev in session.events():
-            if isinstance(ev, mc.AudioChunk):
+            if isinstance(ev, AudioChunk):
                 reply.append(ev.pcm)
 
     consumer = asyncio.create_task(consume())
@@ -169,11 +183,6 @@ async def converse_realtime(url: str, audio: np.ndarray, *, turn_detection: str 
     await session.close()
     await consumer
     return events, np.concatenate(reply) if reply else np.zeros(0, np.float32)
-
-
-def http_base(ws_url: str) -> str:
-    base = ws_url.replace("wss://", "https://").replace("ws://", "http://")
-    return base.rsplit("/", 1)[0]
 
 
 def _print_event(t0: float) -> Any:

@@ -1,0 +1,129 @@
+"""One response of the OpenAI Realtime dialect and the server events that tell its story (pure code): what
+opening it says, each delta, what ending it says. Whether it may open or end is `openai_states`' business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minicpmo_triton.duplex_contract import StepEvent
+from minicpmo_triton.model_config import DuplexDefaults
+
+from ..audio import OUTPUT_RATE, encode_pcm16_base64, resample
+from ..wire import Usage
+from . import openai_events as oe
+from .openai_config import RealtimeConfig
+from .openai_conversation import Item
+from .openai_duplex import Mark
+from .state import ServerEvent
+
+CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    epoch: int
+    before: Mark = Mark()  # duplex: where to roll back to if nothing of it was heard
+    usage: Usage = field(default_factory=Usage)
+    first_audio_at: float | None = None
+    ack_ms: float = 0.0
+    ack_at: float | None = None
+    done: bool = False
+    kv_length: int = 0
+
+    def ids(self) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+
+    def count(self, ev: StepEvent) -> None:
+        if ev.chunk_usage:
+            self.usage.add(ev.chunk_usage)
+
+
+def response_dict(r: Response, config: RealtimeConfig, status: str = "in_progress",
+                  details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": r.id, "object": "realtime.response", "status": status, "status_details": details,
+            "output": [r.item.to_dict()] if status != "in_progress" else [],
+            "output_modalities": list(config.output_modalities),
+            "audio": {"output": {"format": {"type": "audio/pcm", "rate": config.output_rate},
+                                 "voice": config.voice}},
+            "usage": usage_block(r.usage.counts) if status != "in_progress" else None}
+
+
+def opened(r: Response, previous: str | None, config: RealtimeConfig, epoch: int) -> list[ServerEvent]:
+    """What a response says as it opens (its item just added after `previous`)."""
+    item = r.item
+    part = {"type": "output_audio" if config.audio_out else "output_text",
+            "transcript" if config.audio_out else "text": ""}
+    events: list[ServerEvent] = []
+    if config.duplex:
+        events.append(oe.ResponseSpeak(r.id, epoch))
+    events += [
+        oe.ResponseCreated(response_dict(r, config)),
+        oe.ItemAdded(previous, item.to_dict()),
+        oe.OutputItemAdded(r.id, 0, item.to_dict()),
+        oe.ContentPartAdded(r.id, item.id, 0, 0, part),
+    ]
+    return events
+
+
+def finished(r: Response, config: RealtimeConfig, epoch: int, status: str,
+             details: dict[str, Any] | None = None) -> list[ServerEvent]:
+    """What a response says as it ends with `status` (its item's status already set)."""
+    item = r.item
+    ids = r.ids()
+    if config.audio_out:
+        events: list[ServerEvent] = [oe.OutputAudioDone(**ids), oe.TranscriptDone(**ids, transcript=item.text)]
+        part = {"type": "output_audio", "transcript": item.text}
+    else:
+        events = [oe.TextDone(**ids, text=item.text)]
+        part = {"type": "output_text", "text": item.text}
+    events += [
+        oe.ContentPartDone(**ids, part=part),
+        oe.OutputItemDone(r.id, 0, item.to_dict()),
+        oe.ItemDone(item.to_dict()),
+        oe.ResponseDone(response_dict(r, config, status, details)),
+        oe.RateLimitsUpdated([{
+            "name": "context_tokens", "limit": CONTEXT_TOKENS,
+            "remaining": max(0, CONTEXT_TOKENS - r.kv_length), "reset_seconds": 0}]),
+    ]
+    if config.duplex:
+        events.append(oe.ResponseListen(r.id, epoch, status == "completed"))
+    return events
+
+
+def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, epoch: int, now: float,
+           kv: int = -1, second: int = -1) -> list[ServerEvent]:
+    """A step event's words or voice added to the reply, and said."""
+    ids = r.ids()
+    if ev.kind == "text" and ev.text:
+        r.item.add_text(ev.text, voiced=config.audio_out)
+        delta = oe.TranscriptDelta if config.audio_out else oe.TextDelta
+        return [delta(**ids, delta=ev.text)]
+    if ev.kind == "audio" and len(ev.audio) and config.audio_out:
+        dur_ms = len(ev.audio) * 1000 / OUTPUT_RATE
+        mark = r.item.add_audio(dur_ms, kv, second)
+        if r.first_audio_at is None:
+            r.first_audio_at = now
+        pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, config.output_rate))
+        return [oe.OutputAudioDelta(**ids, delta=pcm, metadata={
+            "epoch": epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
+            "kv_cache_length": kv})]
+    return []
+
+
+def usage_block(counts: dict[str, int]) -> dict[str, Any]:
+    """The stages' token counts in OpenAI's `usage` shape."""
+    text_in, audio_in = counts.get("input_text_tokens", 0), counts.get("input_audio_tokens", 0)
+    image_in = counts.get("input_vision_tokens", 0)
+    text_out, audio_out = counts.get("output_text_tokens", 0), counts.get("output_speech_tokens", 0)
+    return {
+        "total_tokens": text_in + audio_in + image_in + text_out + audio_out,
+        "input_tokens": text_in + audio_in + image_in,
+        "output_tokens": text_out + audio_out,
+        "input_token_details": {"text_tokens": text_in, "audio_tokens": audio_in, "image_tokens": image_in,
+                                "cached_tokens": 0},
+        "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out},
+    }

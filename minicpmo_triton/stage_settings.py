@@ -1,0 +1,74 @@
+"""Every setting of the Triton models, written down once: its key, default, the models that read it, and what it
+does. Each model's `config.pbtxt` carries the same value under `parameters` (`tests/test_settings.py` keeps the
+two equal), and `MINICPMO_<KEY>` in tritonserver's environment overrides it, for every key alike.
+The table in docs/settings.md is printed from here (`python -m minicpmo_triton.stage_settings`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ENV_PREFIX = "MINICPMO_"
+STATEFUL = ("duplex", "llm", "tts", "token2wav")  # the models that keep state per sequence
+ENGINES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")  # the models that run an engine
+
+
+@dataclass(frozen=True)
+class StageSetting:
+    key: str
+    default: str  # as config.pbtxt writes it
+    kind: Callable[[str], float | int | str]
+    models: tuple[str, ...]
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+
+STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
+    StageSetting("state_ttl_s", "600", float, STATEFUL,
+                 "a sequence's state idle this long is evicted (its session is gone without an END)"),
+    StageSetting("sweep_period_s", "5", float, STATEFUL,
+                 "how often idle state is swept and the live-sequence gauge published"),
+    StageSetting("ort_threads", "1", int, ENGINES, "onnxruntime intra-op threads per model instance"),
+    StageSetting("voice_prompt_cache_mb", "2048", float, ("token2wav",),
+                 "voice prompts (their flow caches) kept for reuse across sessions, in MiB"),
+    StageSetting("llm_gather_ms", "10", float, ("duplex",),
+                 "steps in flight wait up to this long for each other before the LLM, so they batch"),
+    StageSetting("llm_batch_target", "8", int, ("duplex",),
+                 "mid load, the first step at the LLM holds the door until this many wait ..."),
+    StageSetting("llm_batch_window_ms", "250", float, ("duplex",),
+                 "... or for at most this long (0: never holds)"),
+    StageSetting("llm_batch_min_sessions", "24", int, ("duplex",),
+                 "the door is held only with at least this many live sessions ..."),
+    StageSetting("llm_batch_max_sessions", "40", int, ("duplex",),
+                 "... and at most this many (above, the queues batch by themselves)"),
+    StageSetting("llm_batch_budget_ms", "500", float, ("duplex",),
+                 "... and only while recent steps' p90 time to first event plus the hold fits in this"),
+    StageSetting("bls_threads", "256", int, ("duplex",),
+                 "threads for the BLS calls in flight, all sessions together"),
+    StageSetting("voices_dir", "", str, ("duplex",),
+                 "named voices: `<voices_dir>/<name>.wav` (empty: none)"),
+)}
+
+
+def stage_setting(key: str, params: Mapping[str, str], env: Mapping[str, str] = os.environ) -> float | int | str:
+    """A model's setting: MINICPMO_<KEY> when set (non-empty), else its config.pbtxt parameter, else the default."""
+    s = STAGE_SETTINGS[key]
+    raw = env.get(s.env) or params.get(key, s.default)
+    return s.kind(raw)
+
+
+def markdown_table() -> str:
+    rows = ["| parameter (config.pbtxt) | environment | default | models | what it does |",
+            "|---|---|---|---|---|"]
+    rows += [f"| `{s.key}` | `{s.env}` | {s.default or '(empty)'} | {', '.join(s.models)} | {s.doc} |"
+             for s in STAGE_SETTINGS.values()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,85 @@
+"""One source for every setting: the code's table (its defaults), each model's config.pbtxt, the environment
+override and docs/settings.md cannot disagree."""
+
+from __future__ import annotations
+
+import re
+import typing
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from gateway import settings as gateway_settings
+from gateway.settings import TEST_FAULTS_PHRASE, Settings, env_name
+from minicpmo_triton import stage_settings
+from minicpmo_triton.stage_settings import STAGE_SETTINGS, stage_setting
+from minicpmo_triton.stages.token2wav import PROMPT_CACHE_MB
+from minicpmo_triton.voice_prompt import VOICES_DIR_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMETER = re.compile(r'\{\s*key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
+
+
+def config_parameters() -> dict[str, dict[str, str]]:
+    return {p.parent.name: dict(PARAMETER.findall(p.read_text()))
+            for p in sorted((ROOT / "model_repository").glob("*/config.pbtxt"))}
+
+
+def test_every_config_pbtxt_parameter_is_in_the_table_with_its_default() -> None:
+    models = config_parameters()
+    assert set(models) == {"audio_encoder", "duplex", "llm", "tts", "token2wav", "vision_encoder"}
+    for model, params in models.items():
+        for key, value in params.items():
+            assert key in STAGE_SETTINGS, f"{model}/config.pbtxt: {key} is in no table (minicpmo_triton/stage_settings)"
+            s = STAGE_SETTINGS[key]
+            assert model in s.models, f"{model}/config.pbtxt sets {key}, which the table says {model} does not read"
+            assert value == s.default, f"{model}/config.pbtxt: {key} = {value!r}, the code's default {s.default!r}"
+    for s in STAGE_SETTINGS.values():
+        for model in s.models:
+            assert s.key in models[model], f"{model}/config.pbtxt lacks {s.key} (default {s.default!r})"
+
+
+def test_a_model_setting_comes_from_the_environment_then_config_pbtxt_then_the_default() -> None:
+    assert stage_setting("llm_batch_window_ms", {}, env={}) == 250.0  # once 0.0 in code, 250 in config.pbtxt
+    assert stage_setting("llm_batch_window_ms", {"llm_batch_window_ms": "100"}, env={}) == 100.0
+    env = {"MINICPMO_LLM_BATCH_WINDOW_MS": "0"}
+    assert stage_setting("llm_batch_window_ms", {"llm_batch_window_ms": "100"}, env=env) == 0.0
+    assert stage_setting("bls_threads", {}, env={"MINICPMO_BLS_THREADS": ""}) == 256  # empty: not set
+    for s in STAGE_SETTINGS.values():  # every key alike
+        assert s.env == "MINICPMO_" + s.key.upper()
+        assert stage_setting(s.key, {}, env={s.env: "7"}) == s.kind("7")
+    # the constants the stages keep for callers outside Triton agree with the table
+    assert float(STAGE_SETTINGS["voice_prompt_cache_mb"].default) == PROMPT_CACHE_MB
+    assert STAGE_SETTINGS["voices_dir"].env == VOICES_DIR_ENV
+
+
+def _other_than(kind: typing.Any, default: typing.Any) -> tuple[str, typing.Any]:
+    """A value for the environment and what it should become, unlike the default."""
+    if kind is bool:
+        return ("0", False) if default else ("yes", True)
+    if kind is int:
+        return str(default + 3), default + 3
+    if kind is float:
+        return str(default + 1.5), default + 1.5
+    if kind is str:
+        return "elsewhere:1", "elsewhere:1"
+    return "a, b", ("a", "b")
+
+
+def test_every_gateway_setting_has_an_environment_override() -> None:
+    types = typing.get_type_hints(Settings)
+    for f in fields(Settings):
+        raw, expected = _other_than(types[f.name], f.default)
+        if f.name == "test_faults":
+            raw, expected = TEST_FAULTS_PHRASE, True
+        got = getattr(Settings.from_env({env_name(f.name): raw}), f.name)
+        assert got == expected != f.default, (f.name, raw, got)
+    assert Settings.from_env({}) == Settings()
+    assert not Settings.from_env({"MINICPMO_TEST_FAULTS": "1"}).test_faults  # only the very phrase
+
+
+@pytest.mark.parametrize("module", [gateway_settings, stage_settings])
+def test_docs_settings_holds_the_tables_printed_from_the_code(module: typing.Any) -> None:
+    docs = (ROOT / "docs" / "settings.md").read_text()
+    assert module.markdown_table() in docs, f"docs/settings.md: paste `python -m {module.__name__}`'s table"
