@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 import websockets
-from gateway.client import converse
 
 from gateway.audio import encode_f32_base64
 from gateway.limits import Limits
+from minicpmo_client.backend import converse
 
 LIMITS = Limits.default()
 PNG_SIDE = 4096  # the largest image a stage takes
