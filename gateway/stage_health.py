@@ -61,6 +61,7 @@ class Report:
     models_ready: bool = False
     failed: dict[str, str] = field(default_factory=dict)
     probes_answered: bool = False
+    why: str = ""  # not live or not ready: what Triton said, or did not
 
 
 @dataclass
@@ -89,13 +90,13 @@ class Verdict:
         elif now - self._last_probed > self.hang_s:
             self.state, self.why = "broken", f"no stage probe answered for {self.hang_s:.0f} s"
         elif now - self._last_live > self.timeout_s:
-            self.state, self.why = "unresponsive", f"Triton answered nothing for {self.timeout_s:.0f} s"
+            self.state, self.why = "unresponsive", f"Triton does not answer (nothing for {self.timeout_s:.0f} s)"
         elif report.live and report.models_ready and report.probes_answered:
             self.state, self.why = "ready", ""
         elif report.live and report.models_ready:
             pass  # probes still queued behind real work (a busy server): the state stands until the hang bound
         elif report.live is not None:
-            self.state, self.why = "loading", "models loading" if report.live else "Triton is not up"
+            self.state, self.why = "loading", report.why
         return self.state
 
 
@@ -139,10 +140,10 @@ async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: floa
         live, ready = await asyncio.wait_for(readiness(), timeout_s)
     except asyncio.TimeoutError:
         return Report(live=None)
-    except Exception:  # noqa: BLE001 (refused, reset: Triton is not up)
-        return Report(live=False)
+    except Exception as exc:  # noqa: BLE001 (refused, reset: Triton is not up)
+        return Report(live=False, why=f"Triton at {url} does not answer ({type(exc).__name__})")
     if not ready:
-        return Report(live=live)
+        return Report(live=live, why="the models are not ready (still loading, or failed to load)")
     failed: dict[str, str] = {}
 
     async def probe(model: str) -> None:

@@ -282,7 +282,8 @@ def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_pa
     for name in TOKENIZER_FILES:
         assert (repo / "duplex" / "1" / "tokenizer" / name).read_bytes() == (reference.folder / name).read_bytes()
     tok = load_tokenizer(preset, repo / "duplex" / "1")
-    assert tok.encode("hi<|listen|>") == [71, 72, MINICPMO45_TOKENS.listen]
+    assert tok.encode("hi") == [71, 72]
+    assert MINICPMO45_TOKENS.listen not in tok.encode("hi<|listen|>")  # caller text is text, never a control token
     assert not tok.is_text(MINICPMO45_TOKENS.listen)
 
 
