@@ -436,3 +436,17 @@ def test_the_scenarios_emit_only_known_event_types(emitted) -> None:
     """An event type the dialect sends but the enumeration does not know (built outside its classes)."""
     unknown = {e["type"] for _, _, e in emitted} - set(emittable())
     assert not unknown, sorted(unknown)
+
+
+def test_the_check_passes_a_conforming_event_and_names_each_refused_value() -> None:
+    """The checker itself: a spec `response.done` passes; ours names the field, the value and the enum."""
+    done = {"type": "response.done", "event_id": "event_1", "response": {
+        "id": "resp_1", "object": "realtime.response", "status": "cancelled",
+        "status_details": {"type": "cancelled", "reason": "turn_detected"}, "output": []}}
+    assert violations(done) == ([], [])
+    done["response"]["status_details"]["reason"] = "barge_in"
+    done["response"]["epoch"] = 3
+    [refused], _ = violations(done)
+    assert refused.startswith('response.status_details.reason = "barge_in": Input should be \'turn_detected\'')
+    done["response"]["status_details"]["reason"] = "client_cancelled"
+    assert violations(done) == ([], ["response.epoch"])
