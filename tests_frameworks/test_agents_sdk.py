@@ -175,6 +175,7 @@ async def test_typed_message(gateway: Gateway, clean: Clean) -> None:
         await session.send_message("Hello there, who are you?")
         await a_reply(seen, 0, "a reply to send_message()")
         await seen.until("agent_end", lambda s: s.count("agent_end") > 0, 10)
-        roles = [item.role for item in session._history if getattr(item, "type", "") == "message"]
+        history = [ev.history for kind, ev in seen.items if kind == "history_updated"][-1]
+        roles = [item.role for item in history if getattr(item, "type", "") == "message"]
         assert roles[:2] == ["user", "assistant"], f"history: {roles}"
         clean.check(seen)
