@@ -284,11 +284,15 @@ async def connect(url: str, *, api_key: str | None = None, key_in_query: bool = 
     """Open a session on `ws://HOST:PORT/v1/realtime`.
 
     `api_key` goes in an `Authorization: Bearer` header (or as `?key=` with `key_in_query`, as browsers
-    must); `turn_detection`: "duplex" (the model decides when to speak), "server_vad" or None (manual);
+    must); `turn_detection`: "duplex" (the model decides when to speak), "server_vad", "semantic_vad" or None
+    (manual); the session opts into the extensions this client reads (`?extensions=duplex,events`);
     `session`: more `session.update` keys (sampling, overlap policy, ...). `on_server_event` sees every
     server event as it arrives (a trace). Retries a busy or unreachable server with `backoff`."""
     if input_rate not in wire.RATES or output_rate not in wire.RATES:
         raise ValueError(f"rates must be one of {wire.RATES}")
+    if turn_detection not in wire.TURN_DETECTION:
+        raise ValueError(f"turn_detection must be one of {wire.TURN_DETECTION}")
+    url = wire.with_extensions(url)
     headers: dict[str, str] = {}
     if api_key and key_in_query:
         url = wire.with_query(url, key=api_key)

@@ -12,6 +12,14 @@ import websockets
 
 from gateway.audio import encode_pcm16_base64, resample
 
+# What the page, `talk` and minicpmo_client opt into on /v1/realtime (a stock client gets the spec alone): the
+# model's own turns, and the extension events and fields (seqs, resume tokens, response.listen, ...).
+EXTENSIONS = "extensions=duplex,events"
+
+
+def opted_in(url: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{EXTENSIONS}"
+
 
 class RealtimeClient:
     def __init__(self, ws: websockets.ClientConnection) -> None:

@@ -10,7 +10,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
     {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page"},
-    {"dialects.state", "inputs", "registry", "triton", "auth", "triton.supervisor"},
+    {"dialects.state", "dialects.openai_extensions", "inputs", "registry", "triton", "auth", "triton.supervisor"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
     {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
@@ -25,7 +25,8 @@ DIALECTS = {
     "dialects.minicpm": {"dialects.state", "dialects.realtime_events"},
     "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
                         "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
-                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
+                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response",
+                        "dialects.openai_extensions"},
 }
 
 

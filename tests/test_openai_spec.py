@@ -13,6 +13,10 @@ The rules (issue 18):
 - an event type the spec does not have (an extension) never reaches a stock client: a scenario is `stock`
   when the client sends only what OpenAI's API defines; a scenario that opts in (an extension event, a
   vendor key, a query parameter) may see extensions.
+
+Opting in is the URL's `?extensions=duplex,events` (`gateway/dialects/openai_extensions.py`): the scenarios run
+for a stock client, for one that opted into both (as the page, `talk` and minicpmo_client do), and for one that
+opted into duplex alone (as a framework may: its models then meet no extension event).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from gateway.audio import encode_pcm16_base64, resample
 from gateway.dialects import minicpm, openai_events, realtime_events
 from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_extensions import ALL, STOCK, Extensions
 from gateway.dialects.realtime_events import RealtimeEvent
-from gateway.engine import Effects, PlannedStep
+from gateway.dialects.state import Effects, PlannedStep
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent
 
@@ -76,11 +81,15 @@ def test_the_enumeration_misses_no_event_class() -> None:
 
 # ---- the pure state machine, driven as the shell drives it ----
 
-def pcm24(seconds: float, loud: bool) -> str:
-    """24 kHz audio/pcm (the session's default input rate): a tone, or silence."""
+def pcm_samples(seconds: float, loud: bool) -> np.ndarray:
+    """24 kHz audio (the session's default input rate): a tone, or silence."""
     n = int(seconds * 24_000)
-    audio = 0.3 * np.sin(np.arange(n) * 0.05) if loud else np.zeros(n)
-    return encode_pcm16_base64(audio.astype(np.float32))
+    return (0.3 * np.sin(np.arange(n) * 0.05) if loud else np.zeros(n)).astype(np.float32)
+
+
+def pcm24(seconds: float, loud: bool) -> str:
+    """24 kHz audio/pcm: a tone, or silence."""
+    return encode_pcm16_base64(pcm_samples(seconds, loud))
 
 
 @dataclass
@@ -89,13 +98,16 @@ class Driver:
 
     scenario: str
     turn_detection: str | None = "default"  # what the client asked for (None: none, the client commits)
-    stock: bool = True
+    ext: Extensions = STOCK  # what the URL opted into
     clock: Clock = field(default_factory=Clock)
     sent: list[tuple[str, bool, dict[str, Any]]] = field(default_factory=list)  # (scenario, stock, event)
     steps: list[PlannedStep] = field(default_factory=list)
+    running: list[PlannedStep] = field(default_factory=list)  # handed out, not ended
 
     def __post_init__(self) -> None:
-        self.state = OpenAIRealtimeState("sess_spec", vad=LoudnessVad().probabilities, clock=self.clock)
+        self.stock = self.ext == STOCK
+        self.state = OpenAIRealtimeState("sess_spec", ext=self.ext, vad=LoudnessVad().probabilities,
+                                         clock=self.clock)
         self._emit(self.state.created())
 
     def _emit(self, events: list[Any]) -> None:
@@ -107,6 +119,10 @@ class Driver:
             if self.state.wanted(step):
                 self.state.prepare(step)
                 self.steps.append(step)
+                self.running.append(step)
+        if fx.cancel:  # the step in flight stops, and those queued run (in the new epoch): all end
+            for step in list(self.running):
+                self.step_end(step)
         return fx
 
     def send(self, event_type: str, **fields: Any) -> Effects:
@@ -124,6 +140,12 @@ class Driver:
     def step_event(self, step: PlannedStep, ev: StepEvent) -> None:
         self._apply(self.state.on_step_event(step, ev))
 
+    def step_end(self, step: PlannedStep) -> None:
+        """The step's events are all in (what the shell says next)."""
+        if any(s is step for s in self.running):
+            self.running = [s for s in self.running if s is not step]
+            self._apply(self.state.on_step_end(step))
+
     def speak(self, step: PlannedStep, text: str = "hello ", kv: int = 100) -> None:
         """The step says something: words, then a second of audio."""
         self.step_event(step, StepEvent("text", text=text, metrics={"kv_cache_length": kv}))
@@ -139,7 +161,7 @@ class Driver:
                                             metrics={"kv_cache_length": 120}))
         else:
             self.step_event(step, StepEvent("listen", end_of_turn=True, chunk_usage=usage))
-        self._apply(self.state.on_step_end(step))
+        self.step_end(step)
 
     def reply(self) -> PlannedStep:
         """Get a reply going, whatever the session's turn detection: the caller speaks a turn (or, with
@@ -156,6 +178,7 @@ class Driver:
         for step in planned[:-1]:
             if step.kind != "chat":
                 self.step_event(step, StepEvent("listen", metrics={"kv_cache_length": 50}))
+                self.step_end(step)
         self.speak(planned[-1])
         assert self.state.active is not None, f"{self.scenario}: no response opened"
         return planned[-1]
@@ -215,13 +238,38 @@ def refusals(d: Driver) -> None:
     d.send("response.cancel")
     d.send("input_audio_buffer.append", audio="@@@")
     d.send("conversation.item.retrieve", item_id="item_nope")
-    d.send("session.update", session=turn_detection("semantic_vad"))
+    d.send("session.update", session=turn_detection("duplex"))  # not a spec value
+    d.send("session.update", session={**STOCK_SESSION, "max_output_tokens": 0})  # one field refused, the rest taken
+    d.send("conversation.item.create", item={**user_text("Hi."), "id": "item_mine"})
+    d.send("conversation.item.create", item={**user_text("Hi again."), "id": "item_mine"})  # a duplicate id
+    d.send("conversation.item.create", item=user_text("Where?"), previous_item_id="item_nope")
 
 
-def run_pure(td: str | None, what: str, body: Callable[[Driver], None],
-             close: str = "idle_timeout") -> list[tuple[str, bool, dict[str, Any]]]:
-    d = Driver(f"{td or 'no turn detection'}: {what}", td)
-    d.send("session.update", session=STOCK_SESSION if td == "default" else turn_detection(td))
+def frameworks(d: Driver) -> None:
+    """What the frameworks send beyond a turn: their own item ids and places, a greeting on an empty
+    conversation with instructions, response metadata they match replies by, one long recording."""
+    def respond(**response: Any) -> PlannedStep:
+        before = len(d.steps)
+        d.send("response.create", response=response)
+        step = d.steps[before:][-1]  # turn-based: the chat turn; duplex: the step that asks the model to speak
+        d.speak(step)
+        return step
+
+    d.finish(respond(instructions="Greet the caller.", metadata={"client_event_id": "r1"}))
+    d.send("conversation.item.create", item={**user_text("First."), "id": "item_lk_1"}, previous_item_id="root")
+    d.send("conversation.item.create", item={**user_text("Second."), "id": "item_lk_2"}, previous_item_id="item_lk_1")
+    respond(metadata={"client_event_id": "r2"})
+    d.send("response.cancel")
+    clip = np.concatenate([pcm_samples(3.0, loud=True), pcm_samples(4.0, loud=False)])
+    d.send("input_audio_buffer.append", audio=encode_pcm16_base64(clip))  # a 7 s recording in one append
+
+
+def run_pure(td: str | None, what: str, body: Callable[[Driver], None], close: str = "idle_timeout",
+             ext: Extensions = STOCK) -> list[tuple[str, bool, dict[str, Any]]]:
+    opted = {STOCK: "", ALL: " (extensions=duplex,events)"}.get(ext, " (extensions=duplex)")
+    d = Driver(f"{td or 'no turn detection'}: {what}{opted}", td, ext)
+    session = STOCK_SESSION if td == "default" else turn_detection(td)
+    d.send("session.update", session={**session, "duplex": False} if ext.duplex and td != "default" else session)
     body(d)
     if close:
         d.reply()  # the session ends with a reply open
@@ -265,13 +313,16 @@ def shell_controls() -> list[tuple[str, bool, dict[str, Any]]]:
 @cache
 def pure_events() -> tuple[tuple[str, bool, dict[str, Any]], ...]:
     out = []
-    for td in ("default", "server_vad", None):
-        out += run_pure(td, "conversation", conversation)
-        out += run_pure(td, "items", items, close="")
-        out += run_pure(td, "failing steps", failing_steps, close="")
-        out += run_pure(td, "text out", text_out, close="client_disconnected")
-    out += run_pure("default", "refusals", refusals, close="")
-    out += run_pure("default", "extensions", extensions, close="")
+    # A stock client starts in server VAD; one that opted in starts in duplex (its "default").
+    for ext in (STOCK, ALL, Extensions(duplex=True)):
+        for td in ("default", "semantic_vad", None):
+            out += run_pure(td, "conversation", conversation, ext=ext)
+            out += run_pure(td, "items", items, close="", ext=ext)
+            out += run_pure(td, "failing steps", failing_steps, close="", ext=ext)
+            out += run_pure(td, "text out", text_out, close="client_disconnected", ext=ext)
+            out += run_pure(td, "frameworks", frameworks, close="", ext=ext)
+        out += run_pure("default", "refusals", refusals, close="", ext=ext)
+        out += run_pure("default", "extensions", extensions, close="", ext=ext)
     out += shell_controls()
     return tuple(out)
 
@@ -305,8 +356,12 @@ async def real_session(url: str, speech: Callable[[str], np.ndarray]) -> list[tu
         await ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("And the day after?")}))
         await ws.send(json.dumps({"type": "response.create"}))
         await until(ws, "real session", "response.done")
-        # Opted in from here: a resume, then the extension close.
-        stock = False
+    # Opted in from here (as the page does): a session that can be resumed, a resume, then the extension close.
+    stock = False
+    async with websockets.connect(url + "?extensions=duplex,events", max_size=64 << 20) as ws:
+        created = await until(ws, "real session (extensions)", "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": {**turn_detection(None), "duplex": False}}))
+        await until(ws, "real session (extensions)", "session.updated")
         async with websockets.connect(url + "?resume=1", max_size=64 << 20) as again:
             await again.send(json.dumps({"type": "session.resume", "session_id": created["session"]["id"],
                                          "resume_token": created["resume_token"],

@@ -14,6 +14,7 @@ import pytest
 from starlette.websockets import WebSocketState
 
 from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_extensions import ALL
 from gateway.registry import Gateway
 from gateway.settings import Settings
 from gateway.shell import Session
@@ -42,7 +43,7 @@ async def test_readiness_changes_are_logged_once_with_why(caplog: pytest.LogCapt
 
 
 async def session_with_a_step(triton: FakeTriton) -> tuple[Session, OpenAIRealtimeState]:
-    state = OpenAIRealtimeState("sess_ops", vad=None)
+    state = OpenAIRealtimeState("sess_ops", ext=ALL, vad=None)  # duplex: a step per second
     session = Session(state, triton, Settings(), resumable=True)
     await session.handle(json.dumps({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}}}))

@@ -10,8 +10,9 @@ import pytest
 
 from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
 from gateway.dialects.openai import OpenAIRealtimeState
-from gateway.dialects.openai_config import RealtimeConfig, apply_update
+from gateway.dialects.openai_config import RealtimeConfig, Update, apply_update
 from gateway.dialects.openai_conversation import Item
+from gateway.dialects.openai_extensions import ALL, Extensions
 from gateway.journal import Journal
 from gateway.overlap import OverlapPolicy, OverlapSettings
 from gateway.vad import WINDOW, SpeechSegmenter
@@ -42,8 +43,12 @@ def pcm(seconds: float, loud: bool, rate: int = 16_000) -> str:
 
 
 def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
+    """A session that opted into the extensions, as the page, `talk` and minicpmo_client do: duplex unless the
+    test names a turn detection (which leaves duplex, as `duplex: false` says)."""
+    if "turn_detection" in session:
+        session.setdefault("duplex", False)
     clock = Clock()
-    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad().probabilities, clock=clock)
+    st = OpenAIRealtimeState("sess_test", ext=ALL, vad=LoudnessVad().probabilities, clock=clock)
     # 16 kHz in: whole seconds of audio make whole steps (at 24 kHz the resampler holds back a few ms)
     st.on_client({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
@@ -122,26 +127,63 @@ def test_a_cut_keeps_the_words_heard_and_only_moves_earlier() -> None:
 
 
 # ---- configuration ----
+def update(session: dict, started: bool = False, config: RealtimeConfig | None = None,
+           ext=ALL) -> tuple[RealtimeConfig, list[str]]:
+    """`session.update` over a config: the new config and the codes of the fields refused."""
+    out, refused = apply_update(config or RealtimeConfig(), Update(session, started, ext, vad=True))
+    return out, [err.code for err in refused]
+
+
 def test_session_update_reads_ga_and_beta_shapes() -> None:
-    ga = apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
-                                                             "turn_detection": {"type": "server_vad",
-                                                                                "silence_duration_ms": 300}}},
-                                         "output_modalities": ["text"]}, started=False)
+    ga, refused = update({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                                              "turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}},
+                          "output_modalities": ["text"]})
     assert (ga.input_rate, ga.turn_detection.type, ga.turn_detection.silence_duration_ms) == (16000, "server_vad", 300)
-    assert not ga.audio_out
-    beta = apply_update(RealtimeConfig(), {"input_audio_format": "pcm16", "turn_detection": None,
-                                           "temperature": 0.0}, started=False)
+    assert not ga.audio_out and refused == []
+    beta, _ = update({"input_audio_format": "pcm16", "turn_detection": None, "temperature": 0.0})
     assert beta.turn_detection.type is None and beta.options().temperature == 0.0
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, started=False)
-    assert err.value.code == "unsupported_audio_format"
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"turn_detection": {"type": "server_vad"}}, started=True)
-    assert err.value.code == "session_update_not_allowed"
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"instructions": "Be brief."}, started=True)
-    assert err.value.code == "session_update_not_allowed"
-    assert apply_update(RealtimeConfig(), {"overlap_barge_in_ms": 900}, started=True).overlap.barge_in_ms == 900
+    assert update({"audio": {"input": {"format": {"type": "audio/pcmu"}}}})[1] == ["unsupported_audio_format"]
+    duplex = RealtimeConfig.first(ALL)
+    assert update({"turn_detection": {"type": "server_vad"}}, started=True, config=duplex)[1] == \
+        ["session_update_not_allowed"]
+    assert update({"instructions": "Be brief."}, started=True)[1] == ["session_update_not_allowed"]
+    assert update({"overlap_barge_in_ms": 900}, started=True)[0].overlap.barge_in_ms == 900
+
+
+def test_one_bad_field_refuses_that_field_not_the_others() -> None:
+    """What the Agents SDK and LiveKit send first, with one value the session cannot take: the rest applies."""
+    config, refused = update({"instructions": "Be brief.", "max_output_tokens": 99, "temperature": -3,
+                              "audio": {"output": {"voice": "marin", "format": {"type": "audio/pcmu"}},
+                                        "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}})
+    assert refused == ["unsupported_audio_format", "invalid_config"]
+    assert (config.instructions, config.max_output_tokens, config.voice) == ("Be brief.", 99, "marin")
+    assert config.turn_detection.type == "semantic_vad" and config.model == {}
+
+
+def test_semantic_vad_is_served_by_the_vad_its_eagerness_setting_the_silence() -> None:
+    for eagerness, silence in (("low", 1000), ("medium", 500), ("auto", 500), ("high", 250)):
+        config, _ = update({"turn_detection": {"type": "semantic_vad", "eagerness": eagerness}})
+        assert (config.turn_detection.vad, config.turn_detection.silence_ms) == (True, silence)
+        assert config.turn_detection.to_dict() == {"type": "semantic_vad", "eagerness": eagerness,
+                                                   "create_response": True, "interrupt_response": True}
+    assert update({"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}})[1] == ["invalid_value"]
+
+
+def test_duplex_is_offered_where_the_url_opted_in_and_reported_in_spec_values() -> None:
+    stock = RealtimeConfig.first(Extensions())
+    assert stock.turn_detection.type == "server_vad"  # OpenAI's default
+    assert update({"duplex": True}, ext=Extensions())[1] == ["invalid_value"]
+    assert update({"turn_detection": {"type": "duplex"}})[1] == ["invalid_value"]  # not a spec value
+    duplex = RealtimeConfig.first(ALL)
+    shown = duplex.to_dict("sess_1", ALL)
+    assert (shown["audio"]["input"]["turn_detection"], shown["duplex"]) == (None, True)
+    assert update({"turn_detection": None}, config=duplex)[0].duplex  # what it reports, sent back: no change
+    assert update({"duplex": False, "turn_detection": None}, config=duplex)[0].turn_detection.type is None
+    assert update({"duplex": False}, config=duplex)[0].turn_detection.type == "server_vad"
+    assert update({"turn_detection": {"type": "semantic_vad"}}, config=duplex)[0].turn_detection.type == "semantic_vad"
+    assert update({"duplex": True}, config=stock)[0].duplex
+    assert "duplex" not in stock.to_dict("sess_1", Extensions()) and "overlap_policy" not in stock.to_dict(
+        "sess_1", Extensions())
 
 
 # ---- the OpenAI state machine ----
@@ -160,8 +202,7 @@ def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response(
     done = st.on_step_event(steps[1], StepEvent("listen", end_of_turn=True, chunk_usage={"output_text_tokens": 2}))
     assert types(done) == [
         "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
-        "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
-        "response.listen"]
+        "response.output_item.done", "conversation.item.done", "response.done", "response.listen"]
     response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
     assert response["status"] == "completed" and response["usage"]["output_tokens"] == 2
     assert response["output"][0]["content"][0]["transcript"] == "hi"
@@ -186,6 +227,8 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     # The step in flight (the old epoch) keeps talking: none of it gets out, its usage still counts.
     late = st.on_step_event(steps[3], StepEvent("text", text="late", chunk_usage={"output_text_tokens": 1}))
     assert late.events == [] and st.stale_dropped == 1 and st.usage.counts["output_text_tokens"] == 1
+    for s in steps:  # each answered, as the shell says once a step's events are all in
+        st.on_step_end(s)
     # The next step rolls the LLM back to step 1 (partly heard) and hears steps 2 and 3 again.
     nxt = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
     req = st.prepare(nxt)
@@ -208,7 +251,7 @@ def test_sustained_speech_under_a_reply_barges_in_and_a_backchannel_does_not() -
     decisions = [(e["action"], e["reason"]) for e in encoded(more) if e["type"] == "overlap.decision"]
     assert decisions == [("barge_in", "sustained_speech")] and more.cancel
     done = next(e for e in encoded(more) if e["type"] == "response.done")["response"]
-    assert done["status_details"]["reason"] == "barge_in"
+    assert done["status_details"] == {"type": "cancelled", "reason": "turn_detected", "cause": "barge_in"}
 
 
 def test_client_errors_are_coded() -> None:
@@ -391,9 +434,14 @@ def test_turn_based_says_an_assistant_message_then_answers_past_it() -> None:
     assert step.request.say and [(m.role, m.text) for m in step.request.messages] == [("assistant", "Hello!")]
     st.on_step_event(step, StepEvent("text", text="Hello!"))
     st.on_step_event(step, StepEvent("done", text="Hello!", reason="turn_end"))
-    with pytest.raises(ProtocolError):  # said once: nothing left to respond to
-        st.on_client({"type": "response.create"})
+    # Said once; asked again with the conversation ending with the assistant, it is answered (as OpenAI's is): the
+    # session's instructions come last, so the model has a turn to take.
+    [again] = st.on_client({"type": "response.create"}).steps
+    assert not again.request.say
+    assert [(m.role, m.text) for m in again.request.messages] == [("assistant", "Hello!"),
+                                                                  ("system", st.config.instructions)]
+    st.on_step_event(again, StepEvent("done", text="", reason="turn_end"))
     st.on_client(item("user", "Hi."))
     [answer] = st.on_client({"type": "response.create"}).steps
     assert not answer.request.say  # the reply's item carries the words said, once
-    assert [(m.role, m.text) for m in answer.request.messages] == [("assistant", "Hello!"), ("user", "Hi.")]
+    assert [(m.role, m.text) for m in answer.request.messages][-1] == ("user", "Hi.")

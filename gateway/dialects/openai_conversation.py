@@ -92,10 +92,24 @@ class Item:
 class Conversation:
     items: list[Item] = field(default_factory=list)
 
-    def add(self, item: Item) -> tuple[str | None, Item]:
-        previous = self.items[-1].id if self.items else None
-        self.items.append(item)
-        return previous, item
+    def add(self, item: Item, after: str | None = None) -> str | None:
+        """Put `item` after the item `after` ("root": first; None: last); returns the id it now follows. Ids are
+        unique among the items there (a deleted item's id may come back: LiveKit re-creates an item it edits)."""
+        if any(i.id == item.id for i in self.items):
+            raise ProtocolError("item_create_duplicate_item_id", f"the conversation already has an item {item.id!r}",
+                                "item.id")
+        if after is None:
+            index = len(self.items)
+        elif after == "root":
+            index = 0
+        else:
+            try:
+                index = self.items.index(self.get(after)) + 1
+            except ProtocolError as err:
+                err.param = "previous_item_id"
+                raise
+        self.items.insert(index, item)
+        return self.items[index - 1].id if index else None
 
     def get(self, item_id: Any) -> Item:
         for item in self.items:

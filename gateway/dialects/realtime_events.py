@@ -43,6 +43,13 @@ def answering(client_event_id: str | None) -> Iterator[None]:
         raise
 
 
+def name_refusals(events: list[Any], client_event_id: str | None) -> None:
+    """An error among an event's answers (a part of it refused, the rest applied) names the client event too."""
+    for ev in events:
+        if isinstance(ev, Error) and ev.error.get("event_id") is None:
+            ev.error["event_id"] = client_event_id
+
+
 class RealtimeEvent(EventFields):
     """`type`, an `event_id`, then the fields. `server_event_seq` is added when sent."""
 
