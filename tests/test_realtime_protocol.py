@@ -445,3 +445,113 @@ def test_turn_based_says_an_assistant_message_then_answers_past_it() -> None:
     [answer] = st.on_client({"type": "response.create"}).steps
     assert not answer.request.say  # the reply's item carries the words said, once
     assert [(m.role, m.text) for m in answer.request.messages][-1] == ("user", "Hi.")
+
+
+# ---- what a stock client sends (the OpenAI SDKs, the voice-agent frameworks) ----
+def stock(**session) -> OpenAIRealtimeState:
+    """A session as a stock client opens it (no ?extensions=): server VAD by default."""
+    st = OpenAIRealtimeState("sess_stock", vad=LoudnessVad().probabilities, clock=Clock())
+    st.on_client({"type": "session.update", "session": {
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
+    return st
+
+
+def test_a_stock_session_starts_in_server_vad_and_sees_no_extension() -> None:
+    st = stock()
+    created = st.created()[0].encode()
+    assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert "capabilities" not in created and "duplex" not in created["session"] and "epoch" not in created["session"]
+    fx = st.on_client({"type": "session.update", "session": {"duplex": True, "instructions": "Be brief."}})
+    assert [e["type"] for e in encoded(fx)] == ["error", "session.updated"]  # that field refused, the rest taken
+    assert encoded(fx)[0]["error"]["param"] == "session.duplex" and st.config.instructions == "Be brief."
+
+
+def test_response_metadata_is_echoed_and_instructions_come_last() -> None:
+    st = stock(turn_detection=None)
+    fx = st.on_client({"type": "response.create", "event_id": "evt_greet", "response": {
+        "instructions": "Greet the caller.", "metadata": {"client_event_id": "response_create_1"}}})
+    created = next(e for e in encoded(fx) if e["type"] == "response.created")["response"]
+    assert created["metadata"] == {"client_event_id": "response_create_1"}
+    chat = fx.steps[0].request  # a greeting: nothing in the conversation, the instructions alone
+    assert [(m.role, m.text) for m in chat.messages] == [("system", "Greet the caller.")] and not chat.say
+    done = st.on_step_event(fx.steps[0], StepEvent("done", text="Hi!", reason="length"))
+    response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
+    assert response["metadata"] == created["metadata"]
+    assert response["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+    st.on_client(item("user", "What time is it?"))
+    chat = st.on_client({"type": "response.create", "response": {"instructions": "Answer in French."}}).steps[0].request
+    assert [(m.role, m.text) for m in chat.messages][-2:] == [("user", "What time is it?"),
+                                                            ("system", "Answer in French.")]
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({"type": "response.create", "response": {"metadata": {"n": 1}}})
+    assert (err.value.code, err.value.param) == ("invalid_value", "response.metadata")
+
+
+def test_a_duplex_response_carries_the_metadata_of_the_response_create_it_answers() -> None:
+    st, _ = state()
+    [step] = st.on_client({"type": "response.create", "response": {"metadata": {"k": "v"}}}).steps
+    st.prepare(step)
+    out = st.on_step_event(step, StepEvent("text", text="Hello", metrics={"kv_cache_length": 9}))
+    assert next(e for e in encoded(out) if e["type"] == "response.created")["response"]["metadata"] == {"k": "v"}
+
+
+def test_client_item_ids_are_kept_unique_and_placed_where_asked() -> None:
+    st = stock(turn_detection=None)
+
+    def create(text: str, **fields) -> dict:
+        out = st.on_client({**item("user", text), **fields})
+        return encoded(out)[0]
+
+    def with_id(text: str, item_id: str) -> dict:
+        return {"type": "message", "role": "user", "id": item_id, "content": [{"type": "input_text", "text": text}]}
+
+    added = create("one", item=with_id("one", "item_lk_1"))
+    assert (added["item"]["id"], added.get("previous_item_id")) == ("item_lk_1", None)
+    assert create("zero", item=with_id("zero", "item_lk_0"), previous_item_id="root").get("previous_item_id") is None
+    assert create("half", item=with_id("half", "item_lk_h"), previous_item_id="item_lk_0")["previous_item_id"] \
+        == "item_lk_0"
+    assert [i.id for i in st.conversation.items] == ["item_lk_0", "item_lk_h", "item_lk_1"]
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({**item("user", "again"), "item": with_id("again", "item_lk_1")})
+    assert (err.value.code, err.value.param) == ("item_create_duplicate_item_id", "item.id")
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({**item("user", "where"), "previous_item_id": "item_nope"})
+    assert (err.value.code, err.value.param) == ("item_not_found", "previous_item_id")
+    st.on_client({"type": "conversation.item.delete", "item_id": "item_lk_1"})
+    assert create("back", item=with_id("back", "item_lk_1"))["item"]["id"] == "item_lk_1"  # LiveKit's edit: re-made
+
+
+def test_a_long_append_is_turn_detected_as_if_streamed() -> None:
+    """A 7 s recording in one append (OpenAI takes events up to 15 MiB): speech, its end, a reply."""
+    st = stock()
+    clip = np.concatenate([0.3 * np.sin(np.arange(2 * 16_000) * 0.05), np.zeros(5 * 16_000)]).astype(np.float32)
+    fx = st.on_client({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(clip)})
+    assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed"]
+    user = st.conversation.items[0]
+    assert 2.0 <= len(user.audio) / 16_000 <= 3.5  # the speech and the silence that ended it, not all 7 s
+    assert fx.steps[0].kind == "chat"
+
+
+def test_a_long_duplex_append_waits_as_seconds_and_goes_out_as_steps_are_answered() -> None:
+    st, _ = state()
+    fx = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(20, loud=False)})
+    assert len(fx.steps) == 4 and len(st.duplex.waiting) == 16  # four ahead, the rest in order behind them
+    with pytest.raises(ProtocolError) as err:  # the caller streams faster than the model hears
+        st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
+    assert err.value.code == "input_backpressure"
+    seconds = [s.second for s in fx.steps]
+    for step in fx.steps:
+        st.prepare(step)
+        st.on_step_event(step, StepEvent("listen", metrics={"kv_cache_length": 10}))
+        nxt = st.on_step_end(step).steps
+        seconds += [s.second for s in nxt]
+    assert seconds == list(range(1, 9)) and len(st.duplex.waiting) == 12
+
+
+def test_the_extensions_are_named_on_the_url() -> None:
+    assert Extensions.parse(None) == Extensions() and Extensions.parse("duplex") == Extensions(duplex=True)
+    assert Extensions.parse("duplex, events") == ALL
+    with pytest.raises(ProtocolError) as err:
+        Extensions.parse("duplex,telepathy")
+    assert (err.value.code, err.value.close_code) == ("invalid_value", 1008)

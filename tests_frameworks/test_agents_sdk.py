@@ -25,6 +25,9 @@ QUICKSTART = {"model_settings": {
               "output": {"format": "pcm16", "voice": "alloy"}},
     "max_output_tokens": 24}}
 DEFAULTS = {"model_settings": {"max_output_tokens": 24}}  # the SDK's defaults (semantic_vad), short replies
+# The model's own turns (docs/frameworks.md): `?extensions=duplex` on the url, and `turn_detection: None` so the
+# SDK does not ask for its semantic_vad (a duplex session reports turn_detection null: no VAD turns).
+DUPLEX = {"model_settings": {"turn_detection": None, "max_output_tokens": 24}}
 
 
 def describe(error: Any) -> str:
@@ -54,11 +57,11 @@ def record(ev: Any, seen: Seen) -> None:
 
 
 @contextlib.asynccontextmanager
-async def agents_session(gateway: Gateway, config: dict[str, Any] | None = None
+async def agents_session(gateway: Gateway, config: dict[str, Any] | None = None, query: str = ""
                          ) -> AsyncIterator[tuple[RealtimeSession, Seen]]:
     agent = RealtimeAgent(name="Assistant", instructions="You are a helpful voice assistant. Keep it short.")
     runner = RealtimeRunner(starting_agent=agent, config=config)
-    session = await runner.run(model_config={"url": gateway.realtime, "api_key": API_KEY})
+    session = await runner.run(model_config={"url": gateway.realtime + query, "api_key": API_KEY})
     seen = Seen()
     async with session:
         async def pump() -> None:
@@ -130,10 +133,11 @@ async def test_server_vad_turn_with_audio_back(gateway: Gateway, clean: Clean, s
 
 
 async def test_a_long_clip_in_one_send_audio(gateway: Gateway, clean: Clean, speech: Callable[[str], bytes]) -> None:
-    """`send_audio(clip)` with a 7 s recording: one append of 7 s (OpenAI takes events up to 15 MiB)."""
+    """`send_audio(clip)` with a 7 s recording: one append of 7 s (OpenAI takes events up to 15 MiB). The question
+    and then silence: the turn ends on the silence, as under OpenAI's server VAD (the question said twice filled
+    6.7 s of the 7, leaving 0.3 s of silence, under the 500 ms that ends a turn: no server answers that)."""
     async with agents_session(gateway, QUICKSTART) as (session, seen):
-        clip = speech(QUESTION + " " + QUESTION)
-        clip = (clip + silence(7.0))[: 2 * 24_000 * 7]
+        clip = (speech(QUESTION) + silence(7.0))[: 2 * 24_000 * 7]
         await session.send_audio(clip)
         await a_reply(seen, 0, "a reply to the clip")
         clean.check(seen)
@@ -178,4 +182,16 @@ async def test_typed_message(gateway: Gateway, clean: Clean) -> None:
         history = [ev.history for kind, ev in seen.items if kind == "history_updated"][-1]
         roles = [item.role for item in history if getattr(item, "type", "") == "message"]
         assert roles[:2] == ["user", "assistant"], f"history: {roles}"
+        clean.check(seen)
+
+
+async def test_duplex_opted_in_on_the_url(gateway: Gateway, clean: Clean) -> None:
+    """The model's own turns: the SDK meets only spec events (responses open and close as under server VAD);
+    a typed message is answered in voice."""
+    async with agents_session(gateway, DUPLEX, query="?extensions=duplex") as (session, seen):
+        updated = [d for k, d in seen.items if k == "server:session.updated"][-1]["session"]
+        assert (updated["duplex"], updated["audio"]["input"]["turn_detection"]) == (True, None), updated
+        await session.send_message("Hello there, who are you?")
+        await a_reply(seen, 0, "a spoken reply in duplex")
+        assert audio_bytes(seen) > 0, "no audio came back"
         clean.check(seen)

@@ -38,10 +38,10 @@ def tiny_replies_run_to_their_budget(clean: Clean) -> None:
 
 
 @contextlib.asynccontextmanager
-async def livekit_session(gateway: Gateway, short: bool = True, **options: Any
+async def livekit_session(gateway: Gateway, short: bool = True, query: str = "", **options: Any
                           ) -> AsyncIterator[tuple[Any, Seen]]:
     """A RealtimeModel pointed at the gateway (base_url is the HTTP API root, as for OpenAI) and its session."""
-    model = openai.realtime.RealtimeModel(base_url=f"{gateway.http}/v1", api_key=API_KEY, **options)
+    model = openai.realtime.RealtimeModel(base_url=f"{gateway.http}/v1{query}", api_key=API_KEY, **options)
     if short:
         model.update_options(max_response_output_tokens=REPLY_TOKENS)
     session = model.session()
@@ -181,5 +181,19 @@ async def test_typed_message_with_update_chat_ctx(gateway: Gateway, clean: Clean
         ctx.add_message(role="user", content="Hello, who are you?")
         await resolved("update_chat_ctx() with a user message", session.update_chat_ctx(ctx), seen, why_no_items)
         await resolved("generate_reply() to the typed message", session.generate_reply(), seen, why_no_reply)
+        await seen.until("the reply's audio, to its end", lambda s: generations_done(s) > 0 and s.count("audio"), 60)
+        clean.check(seen)
+
+
+async def test_duplex_opted_in_on_the_url(gateway: Gateway, clean: Clean) -> None:
+    """The model's own turns: `?extensions=duplex` on base_url, `turn_detection=None` (a duplex session reports
+    null: no VAD turns); a typed message and generate_reply() are answered in voice."""
+    async with livekit_session(gateway, query="?extensions=duplex", turn_detection=None) as (session, seen):
+        updated = of(seen, "server:session.updated")[-1]["session"]
+        assert (updated["duplex"], updated["audio"]["input"]["turn_detection"]) == (True, None), updated
+        ctx = session.chat_ctx.copy()
+        ctx.add_message(role="user", content="Hello, who are you?")
+        await resolved("update_chat_ctx() in duplex", session.update_chat_ctx(ctx), seen, why_no_items)
+        await resolved("generate_reply() in duplex", session.generate_reply(), seen, why_no_reply)
         await seen.until("the reply's audio, to its end", lambda s: generations_done(s) > 0 and s.count("audio"), 60)
         clean.check(seen)

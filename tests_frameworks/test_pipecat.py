@@ -99,11 +99,11 @@ def parsed_events(seen: Seen) -> Any:
 
 @contextlib.asynccontextmanager
 async def pipecat_session(gateway: Gateway, clean: Clean, settings: Any = None,
-                          messages: list[dict[str, Any]] | None = None
+                          messages: list[dict[str, Any]] | None = None, query: str = ""
                           ) -> AsyncIterator[tuple[PipelineWorker, Seen]]:
     seen = Seen()
     sink = logger.add(lambda m: clean.logs.records.append(f"pipecat: {m.record['message'][:600]}"), level="ERROR")
-    llm = OpenAIRealtimeLLMService(api_key=API_KEY, base_url=gateway.realtime, settings=settings)
+    llm = OpenAIRealtimeLLMService(api_key=API_KEY, base_url=gateway.realtime + query, settings=settings)
     user, assistant = LLMContextAggregatorPair(LLMContext(messages or []))
     worker = PipelineWorker(Pipeline([user, llm, assistant]), observers=[Frames(llm, seen)], idle_timeout_secs=None,
                             params=PipelineParams(audio_in_sample_rate=RATE, audio_out_sample_rate=RATE))
@@ -253,3 +253,18 @@ async def test_pipecat_models_parse_every_event_of_a_session(gateway: Gateway, s
             lines = [line for line in str(exc).splitlines() if line.strip() and "errors.pydantic.dev" not in line]
             refused.setdefault(json.loads(message)["type"], " / ".join(lines[:7]))
     assert not refused, "\n".join(["", *(f"{t}: {why}" for t, why in sorted(refused.items()))])
+
+
+async def test_duplex_opted_in_on_the_url(gateway: Gateway, clean: Clean) -> None:
+    """The model's own turns: `?extensions=duplex&` on base_url (pipecat appends `?model=...` to it as it is: the
+    `&` keeps that a parameter of its own); no turn detection set. A typed message is answered in voice."""
+    settings = OpenAIRealtimeLLMService.Settings(
+        system_instruction="You are a helpful voice assistant. Keep it short.",
+        session_properties=SessionProperties(max_output_tokens=24))
+    async with pipecat_session(gateway, clean, settings, query="?extensions=duplex&") as (worker, seen):
+        updated = [e for k, e in seen.items if k == "server:session.updated"][-1]
+        assert updated.session.audio.input.turn_detection is None, updated
+        await worker.queue_frames([LLMMessagesAppendFrame([{"role": "user", "content": "Hello, who are you?"}],
+                                                          run_llm=True)])
+        await a_reply(seen, 0, "a spoken reply in duplex")
+        clean.check(seen)
