@@ -174,14 +174,18 @@ async def test_app_interrupt_and_truncate(gateway: Gateway, clean: Clean) -> Non
         clean.check(seen)
 
 
-async def test_typed_message_with_update_chat_ctx(gateway: Gateway, clean: Clean) -> None:
+async def typed_message_answered(session: Any, seen: Seen) -> None:
     """A typed message the way AgentSession adds one: `update_chat_ctx` with the new item, then a reply."""
+    ctx = session.chat_ctx.copy()
+    ctx.add_message(role="user", content="Hello, who are you?")
+    await resolved("update_chat_ctx() with a user message", session.update_chat_ctx(ctx), seen, why_no_items)
+    await resolved("generate_reply() to the typed message", session.generate_reply(), seen, why_no_reply)
+    await seen.until("the reply's audio, to its end", lambda s: generations_done(s) > 0 and s.count("audio"), 60)
+
+
+async def test_typed_message_with_update_chat_ctx(gateway: Gateway, clean: Clean) -> None:
     async with livekit_session(gateway) as (session, seen):
-        ctx = session.chat_ctx.copy()
-        ctx.add_message(role="user", content="Hello, who are you?")
-        await resolved("update_chat_ctx() with a user message", session.update_chat_ctx(ctx), seen, why_no_items)
-        await resolved("generate_reply() to the typed message", session.generate_reply(), seen, why_no_reply)
-        await seen.until("the reply's audio, to its end", lambda s: generations_done(s) > 0 and s.count("audio"), 60)
+        await typed_message_answered(session, seen)
         clean.check(seen)
 
 
@@ -191,9 +195,5 @@ async def test_duplex_opted_in_on_the_url(gateway: Gateway, clean: Clean) -> Non
     async with livekit_session(gateway, query="?extensions=duplex", turn_detection=None) as (session, seen):
         updated = of(seen, "server:session.updated")[-1]["session"]
         assert (updated["duplex"], updated["audio"]["input"]["turn_detection"]) == (True, None), updated
-        ctx = session.chat_ctx.copy()
-        ctx.add_message(role="user", content="Hello, who are you?")
-        await resolved("update_chat_ctx() in duplex", session.update_chat_ctx(ctx), seen, why_no_items)
-        await resolved("generate_reply() in duplex", session.generate_reply(), seen, why_no_reply)
-        await seen.until("the reply's audio, to its end", lambda s: generations_done(s) > 0 and s.count("audio"), 60)
+        await typed_message_answered(session, seen)
         clean.check(seen)

@@ -42,7 +42,7 @@ from ..wire import ProtocolError, new_id
 from . import openai_events as oe
 from . import openai_response as responses
 from .openai_config import RealtimeConfig, Update, apply_update, max_output_tokens
-from .openai_conversation import Conversation, Item
+from .openai_conversation import Conversation, InputBuffer, Item
 from .openai_duplex import DuplexInput, Mark
 from .openai_extensions import STOCK, Extensions, status_details
 from .openai_input import (
@@ -61,7 +61,6 @@ from .openai_states import Phase, Trigger, check_allowed, next_phase
 from .realtime_events import answering, closed_event, error_event, name_refusals
 from .state import DialectState, Effects, PlannedStep, ServerEvent
 
-MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 MIN_COMMIT_MS = 100
 # Frames this long are read off the event loop. Per second of audio an append costs 5-9 ms of Silero VAD
 # (12-17 ms with both cores busy), 0.2 ms of resampling, 0.1 ms of decoding; a thread hand-off 0.2 ms, but
@@ -87,7 +86,7 @@ class OpenAIRealtimeState(DialectState):
     response: Response | None = None  # the latest response, open (phase RESPONDING) or done
     past_responses: set[str] = field(default_factory=set)
     duplex: DuplexInput = field(default_factory=DuplexInput)  # the caller's audio in duplex
-    buffer: list[np.ndarray] = field(default_factory=list)  # uncommitted caller audio (turn-based), 16 kHz
+    buffer: InputBuffer = field(default_factory=InputBuffer)  # uncommitted caller audio (turn-based)
     speech_item: str | None = None  # server VAD: the user item the caller's speech will be
     to_say: Item | None = None  # an assistant message the next response.create voices
     said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
@@ -165,29 +164,18 @@ class OpenAIRealtimeState(DialectState):
         """Caller audio (16 kHz float32, its speech probabilities beside it); a long append a second at a time."""
         if self.config.duplex:
             self.duplex.check_room()
-        elif not self.config.turn_detection.vad:
-            self._check_buffer(len(heard.audio))
+        elif not self.config.turn_detection.vad and not self.buffer.room(len(heard.audio)):
+            raise self.buffer.full()
         out = Effects()
         full = False
         for piece in heard.pieces():
-            if self.config.turn_detection.vad and self.segmenter.in_speech and not self._room(len(piece.audio)):
+            if self.config.turn_detection.vad and self.segmenter.in_speech and not self.buffer.room(len(piece.audio)):
                 full = True  # speech longer than the buffer holds: what does not fit is dropped, and said once
                 continue
             out.extend(self._hear(piece))
         if full:
-            out.events.append(error_event(self._buffer_full()))
+            out.events.append(error_event(self.buffer.full()))
         return out
-
-    def _room(self, samples: int) -> bool:
-        return sum(len(a) for a in self.buffer) + samples <= MAX_BUFFER_SECONDS * INPUT_RATE
-
-    def _check_buffer(self, samples: int) -> None:
-        if not self._room(samples):
-            raise self._buffer_full()
-
-    def _buffer_full(self) -> ProtocolError:
-        return ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
-                             "commit or clear it (this append was dropped)")
 
     def _hear(self, heard: Heard) -> Effects:
         out = Effects()
@@ -197,7 +185,7 @@ class OpenAIRealtimeState(DialectState):
             audio = self._judge_overlap(heard.audio, heard.probs, onset, heard.hint, out)
             out.steps += self.duplex.add(audio, self.epoch)
             return out
-        self.buffer.append(heard.audio)
+        self.buffer.add(heard.audio)
         if not self.config.turn_detection.vad:
             return out
         for vad_ev in vad_events:
@@ -212,9 +200,7 @@ class OpenAIRealtimeState(DialectState):
                 if self.config.turn_detection.create_response and self.active is None:
                     out.extend(self._respond())
         if not self.segmenter.in_speech:  # before speech starts only its prefix padding is worth keeping
-            keep = self.config.turn_detection.prefix_padding_ms * INPUT_RATE // 1000
-            tail = np.concatenate(self.buffer)[-keep:] if keep and self.buffer else np.zeros(0, np.float32)
-            self.buffer = [tail] if len(tail) else []
+            self.buffer.keep_last(self.config.turn_detection.prefix_padding_ms * INPUT_RATE // 1000)
         return out
 
     def _judge_overlap(self, audio: np.ndarray, probs: list[float], onset: bool, hint: str | None,
@@ -258,8 +244,7 @@ class OpenAIRealtimeState(DialectState):
         return self._commit_buffer(None)
 
     def _commit_buffer(self, item_id: str | None) -> Effects:
-        audio = _committable(np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32))
-        self.buffer = []
+        audio = _committable(self.buffer.take())
         item = Item(item_id or new_id("item"), "user", audio=audio)
         previous = self.conversation.add(item)
         return Effects([
@@ -269,7 +254,7 @@ class OpenAIRealtimeState(DialectState):
         ])
 
     def _clear(self, msg: oe.ClientEvent) -> Effects:
-        self.buffer = []
+        self.buffer.take()
         self.duplex.take_pending()
         return Effects([oe.BufferCleared()])
 

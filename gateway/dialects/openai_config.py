@@ -270,14 +270,16 @@ def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
     return _switch(config, u, _spec_turn_detection(raw, TurnDetection()) if given else TurnDetection())
 
 
+def _one_of(u: Update, key: str, choices: tuple[str, ...]) -> str | None:
+    value = u.session.get(key)
+    if value is not None and value not in choices:
+        raise ProtocolError("invalid_value", f"{key} must be one of {', '.join(choices)}", f"session.{key}")
+    return value
+
+
 def _overlap_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
-    policy = u.session.get("overlap_policy")
-    if policy is None:
-        return {}
-    if policy not in POLICIES:
-        raise ProtocolError("invalid_value", f"overlap_policy must be one of {', '.join(POLICIES)}",
-                            "session.overlap_policy")
-    return {"overlap": dataclasses.replace(config.overlap, policy=policy)}
+    policy = _one_of(u, "overlap_policy", POLICIES)
+    return {} if policy is None else {"overlap": dataclasses.replace(config.overlap, policy=policy)}
 
 
 def _overlap_number(key: str, attr: str, kind: type, high: float) -> Field:
@@ -290,13 +292,8 @@ def _overlap_number(key: str, attr: str, kind: type, high: float) -> Field:
 
 
 def _commit_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
-    policy = u.session.get("playback_commit_policy")
-    if policy is None:
-        return {}
-    if policy not in COMMIT_POLICIES:
-        raise ProtocolError("invalid_value", f"playback_commit_policy must be one of {', '.join(COMMIT_POLICIES)}",
-                            "session.playback_commit_policy")
-    return {"playback_commit_policy": policy}
+    policy = _one_of(u, "playback_commit_policy", COMMIT_POLICIES)
+    return {} if policy is None else {"playback_commit_policy": policy}
 
 
 def _max_output_tokens(config: RealtimeConfig, u: Update) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The conversation a Realtime session keeps: its items, and for spoken replies which words went with
-which stretch of audio, so a cut at `audio_end_ms` leaves exactly the words the listener heard (pure code).
+which stretch of audio, so a cut at `audio_end_ms` leaves exactly the words the listener heard; and the caller's
+audio not made an item yet (turn-based: the input buffer) (pure code).
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from ..audio import INPUT_RATE
 from ..wire import ProtocolError, new_id
+
+MAX_BUFFER_SECONDS = 60  # uncommitted caller audio (turn-based), as a chat message may hold
 
 
 @dataclass
@@ -122,3 +126,35 @@ class Conversation:
 
     def new_item(self, role: str, **kw: Any) -> Item:
         return Item(new_id("item"), role, **kw)
+
+
+@dataclass
+class InputBuffer:
+    """The caller's audio since the last commit (turn-based), 16 kHz float32: the next user item's."""
+
+    chunks: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def samples(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def room(self, samples: int) -> bool:
+        return self.samples + samples <= MAX_BUFFER_SECONDS * INPUT_RATE
+
+    @staticmethod
+    def full() -> ProtocolError:
+        return ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {MAX_BUFFER_SECONDS} s; "
+                             "commit or clear it (this append was dropped)")
+
+    def add(self, audio: np.ndarray) -> None:
+        self.chunks.append(audio)
+
+    def keep_last(self, samples: int) -> None:
+        """Only the last `samples` (before speech starts, its prefix padding is all worth keeping)."""
+        tail = np.concatenate(self.chunks)[-samples:] if samples and self.chunks else np.zeros(0, np.float32)
+        self.chunks = [tail] if len(tail) else []
+
+    def take(self) -> np.ndarray:
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+        self.chunks = []
+        return audio
