@@ -1,18 +1,19 @@
 """The gateway's sessions: slots (one limit for every dialect), a FIFO of callers waiting for one,
-the live sessions by id, and whether Triton's entry model is ready."""
+the live sessions by id, and the Triton endpoints they are placed on (`gateway.triton.pool`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Protocol
 
-from tritonclient.grpc import aio as grpcaio
-
+from . import peers
 from .settings import Settings
-from .triton.client import ENTRY_MODEL
-from .wire import CLOSE_GOING_AWAY
+from .triton.client import next_correlation_id
+from .triton.placement import NoEndpoint
+from .triton.pool import EndpointPool
+from .wire import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, ProtocolError
 
 
 class SessionLimitReached(Exception):
@@ -27,26 +28,42 @@ class _State(Protocol):
     stale_dropped: int
 
 
+class _Stream(Protocol):
+    url: str  # the Triton endpoint it is placed on
+    corr_id: int
+
+
 class LiveSession(Protocol):
     session_id: str
     owner: str  # the principal (gateway.auth) that opened it
     state: _State
+    triton: _Stream
     started_at: float
     offloaded: int  # client frames decided in a worker thread
 
     async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
 
+    def lost(self) -> None: ...
+
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
+        if settings.gateway_url:
+            peers.check_url(settings.gateway_url)  # a wrong one would send resumes nowhere: refuse to start
         self.settings = settings
         self.sessions: dict[str, LiveSession] = {}  # every dialect's, attached or within a resume grace
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self.ready = False
+        self.pool = EndpointPool(settings.triton_url, settings.triton_endpoints_file or None, settings.failover_s,
+                                 self.sessions_per_endpoint, self._endpoint_down)
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
+
+    @property
+    def ready(self) -> bool:
+        """Some endpoint takes new sessions."""
+        return self.pool.ready
 
     @property
     def active_sessions(self) -> int:
@@ -94,6 +111,30 @@ class Gateway:
                 return
         self._reserved -= 1
 
+    # ---- placement: where a session's Triton sequence lives ----
+    def place(self) -> tuple[str, int]:
+        """The endpoint for a new session and a correlation ID for it there; refused (retryable) when no
+        endpoint takes one."""
+        try:
+            url = self.pool.place().url
+        except NoEndpoint as exc:
+            raise ProtocolError(exc.code, exc.message, close_code=CLOSE_TRY_AGAIN, error_type="server_error",
+                                retryable=True) from None
+        taken = {s.triton.corr_id for s in self.sessions.values() if s.triton.url == url}
+        return url, next_correlation_id(taken)
+
+    def sessions_per_endpoint(self) -> Counter[str]:
+        return Counter(s.triton.url for s in self.sessions.values())
+
+    def stream_lost(self, session: LiveSession) -> None:
+        """A session's stream to Triton broke: no new sessions on that endpoint until it answers again."""
+        self.pool.suspect(session.triton.url)
+        session.lost()
+
+    def _endpoint_down(self, url: str) -> None:
+        for session in [s for s in self.sessions.values() if s.triton.url == url]:
+            session.lost()
+
     # ---- live sessions ----
     def add(self, session: LiveSession) -> None:
         self.sessions[session.session_id] = session
@@ -105,16 +146,7 @@ class Gateway:
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
-        client = grpcaio.InferenceServerClient(self.settings.triton_url)
-        try:
-            while True:
-                try:
-                    self.ready = bool(await client.is_model_ready(ENTRY_MODEL))
-                except Exception:  # noqa: BLE001 (not up yet, or gone: report `loading`)
-                    self.ready = False
-                await asyncio.sleep(1.0 if self.ready else 0.25)
-        finally:
-            await client.close()
+        await self.pool.run()
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

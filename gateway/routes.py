@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket
 
 from minicpmo_triton.errors import describe
 
-from . import inputs, page
+from . import admin, inputs, page
 from .auth import RateLimit, SessionCounts, origin_allowed, presented_key, principal, unauthorized
 from .dialects import backend, minicpm, openai
 from .dialects.openai import SpeechProbabilities
@@ -97,7 +97,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         """Counts for anyone; the ids of the caller's own sessions to a caller with a key (with no keys
         configured, every caller is the one anonymous principal)."""
         body: dict[str, Any] = {
-            "status": "ready" if gw.ready else "loading",
+            "status": gw.pool.status,  # ready | draining | loading
             "backend": "triton",
             "active_sessions": gw.active_sessions,
             "max_sessions": settings.max_sessions,
@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         who = caller(request)
         if who is not None:
             body["active_session_ids"] = sorted(sid for sid, s in gw.sessions.items() if s.owner == who)
+            body["endpoints"] = gw.pool.describe()  # the Triton servers: internal addresses, for key holders
         return JSONResponse(body)
 
     async def close_session(request: Request) -> JSONResponse:
@@ -260,6 +261,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             WebSocketRoute("/backend", backend_socket),
             WebSocketRoute("/v1/realtime", realtime_socket),
             *page.routes,
+            *admin.routes(gw),
         ],
         lifespan=lifespan,
     )

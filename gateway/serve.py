@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8006)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
-    parser.add_argument("--triton-url", help="use a running Triton (host:grpc_port) instead of starting one")
+    parser.add_argument("--triton-url", help="use running Tritons instead of starting one: host:grpc_port, or a comma "
+                        "list of them (options: metrics=HOST:PORT, sessions=N, drain; docs/deploy.md)")
     parser.add_argument("--triton-ports", default="8000,8001,8002", help="http,grpc,metrics for the started Triton")
     parser.add_argument("--triton-log", type=Path, default=Path(".triton_work/tritonserver.log"))
     parser.add_argument("--triton-address", default=LOOPBACK,
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             raise
         supervisor.start()  # from here on, a Triton that dies is reaped and started again
-        settings = replace(settings, triton_url=server.ports.grpc_url)
+        settings = replace(settings, triton_url=server.ports.endpoint)
         print(f"tritonserver ready (pid {server.pid}): grpc {server.ports.grpc_url}, "
               f"metrics {server.ports.metrics_url}", flush=True)
     try:

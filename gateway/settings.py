@@ -12,7 +12,14 @@ TEST_FAULTS_PHRASE = "raise-on-fault-frames-in-tests"
 
 @dataclass(frozen=True)
 class Settings:
+    # The Triton servers sessions are placed on: a comma list (gateway.triton.endpoints' grammar), or the file
+    # named here, re-read when it changes (docs/deploy.md).
     triton_url: str = "127.0.0.1:8001"
+    triton_endpoints_file: str = ""
+    failover_s: float = 5.0  # an endpoint silent this long: its sessions are told backend_unavailable
+    # Where clients reach this very gateway (ws://host:port): resume tokens name it, and another gateway
+    # sends a resume there (docs/deploy.md). Empty: one gateway, tokens name none.
+    gateway_url: str = ""
     max_sessions: int = 64  # the reference demo allows 1 per worker
     max_pending_steps: int = 8  # appends waiting behind the one in flight, per session
     idle_timeout_s: float = 300.0  # no message for this long closes the session
@@ -42,6 +49,9 @@ class Settings:
         d = cls()
         return cls(
             triton_url=env.get("MINICPMO_TRITON_URL", d.triton_url),
+            triton_endpoints_file=env.get("MINICPMO_TRITON_ENDPOINTS_FILE", d.triton_endpoints_file),
+            failover_s=float(env.get("MINICPMO_FAILOVER_S", d.failover_s)),
+            gateway_url=env.get("MINICPMO_GATEWAY_URL", d.gateway_url),
             max_sessions=int(env.get("MINICPMO_MAX_SESSIONS", d.max_sessions)),
             max_pending_steps=int(env.get("MINICPMO_MAX_PENDING_STEPS", d.max_pending_steps)),
             idle_timeout_s=float(env.get("MINICPMO_IDLE_TIMEOUT_S", d.idle_timeout_s)),

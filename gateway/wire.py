@@ -32,6 +32,7 @@ class ProtocolError(Exception):
         self.close_code = close_code
         self.error_type = error_type
         self.event_id: str | None = None  # the client event it answers (the Realtime dialects report it)
+        self.redirect_url: str | None = None  # session_elsewhere: where the session is (gateway.peers)
 
 
 def new_id(prefix: str) -> str:

@@ -34,6 +34,8 @@ MAX_MESSAGE = 64 << 20
 HANDSHAKE_TIMEOUT_S = 30.0
 DEFAULT_BACKOFF = Backoff()
 FATAL_RESUME = frozenset({"session_resume_expired", "invalid_resume_token"})
+REDIRECT = "session_elsewhere"  # another gateway holds the session: its URL comes with the error
+MAX_REDIRECTS = 3  # per attempt: a loop between misconfigured gateways ends
 
 ServerHook = Callable[[dict[str, Any]], None]
 
@@ -148,21 +150,37 @@ class Session:
     async def _put(self, ev: ClientEvent) -> None:
         await self._queue.put(ev)  # blocks when full: see the slow consumer policy above
 
+    async def _resume_once(self) -> tuple[ClientConnection, dict[str, Any]]:
+        """One resume attempt: the socket and the server's answer. A gateway that does not hold the session
+        names the one that does (`session_elsewhere`): followed at once, and the session's URL becomes that one."""
+        for _ in range(MAX_REDIRECTS + 1):
+            ws = await self._open(resume=True)
+            await ws.send(wire.resume(self.state.session_id or "", self.state.resume_token or "",
+                                      self.state.last_seq))
+            answer = await self._recv(ws)
+            err = answer.get("error") or {}
+            if answer.get("type") != "error" or err.get("code") != REDIRECT:
+                return ws, answer
+            await ws.close()
+            try:
+                self.url = wire.redirected(self.url, err.get("redirect_url"))
+            except ValueError as exc:
+                raise ClientError("resume_failed", f"{REDIRECT}: {exc}", retryable=False) from None
+        raise ClientError("resume_failed", f"more than {MAX_REDIRECTS} redirects", retryable=False)
+
     async def _resume(self) -> Resumed:
         self._online.clear()
         last: Exception | None = None
         for attempt, delay in enumerate(self._backoff.delays(), 1):
             await asyncio.sleep(delay)
             try:
-                ws = await self._open(resume=True)
-                await ws.send(wire.resume(self.state.session_id or "", self.state.resume_token or "",
-                                          self.state.last_seq))
-                answer = await self._recv(ws)
+                ws, answer = await self._resume_once()
             except (OSError, InvalidHandshake, ConnectionClosed, asyncio.TimeoutError) as exc:
                 last = exc
                 continue
             kind = answer.get("type")
             if kind == "error":
+                await ws.close()
                 err = answer.get("error") or {}
                 if err.get("code") in FATAL_RESUME:
                     raise ClientError("resume_failed", f"{err.get('code')}: {err.get('message')}", retryable=False)

@@ -48,6 +48,7 @@ class RunningTriton:
     def __init__(self, server: TritonServer, voices_dir: Path | None = None) -> None:
         self.server = server
         self.grpc_url = server.ports.grpc_url
+        self.endpoint = server.ports.endpoint  # as the gateway lists it: with its metrics port
         self.voices_dir = voices_dir  # its named voices (MINICPMO_VOICES_DIR): tests write <name>.wav there
 
     def metrics_text(self) -> str:
@@ -107,8 +108,9 @@ class RunningGateway:
         return httpx.get(f"{self.http}/health", timeout=5).json()
 
 
-def start_gateway(triton_url: str, log: Path, wait_ready: bool = True, **env: str) -> RunningGateway:
-    port = free_port()
+def start_gateway(triton_url: str, log: Path, wait_ready: bool = True, port: int | None = None,
+                  **env: str) -> RunningGateway:
+    port = port or free_port()
     environ = {**os.environ, **{f"MINICPMO_{k.upper()}": v for k, v in env.items()}}
     with open(log, "ab") as out:
         process = subprocess.Popen(
@@ -140,7 +142,7 @@ def stop_gateway(gw: RunningGateway) -> None:
 
 @pytest.fixture(scope="session")
 def gateway(triton: RunningTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    gw = start_gateway(triton.grpc_url, tmp_path_factory.mktemp("gateway") / "gateway.log")
+    gw = start_gateway(triton.endpoint, tmp_path_factory.mktemp("gateway") / "gateway.log")
     yield gw
     stop_gateway(gw)
 
@@ -150,7 +152,7 @@ def gateway_factory(triton: RunningTriton, tmp_path: Path) -> Iterator[Callable[
     started: list[RunningGateway] = []
 
     def make(triton_url: str | None = None, wait_ready: bool = True, **env: str) -> RunningGateway:
-        gw = start_gateway(triton_url or triton.grpc_url, tmp_path / f"gateway{len(started)}.log", wait_ready, **env)
+        gw = start_gateway(triton_url or triton.endpoint, tmp_path / f"gateway{len(started)}.log", wait_ready, **env)
         started.append(gw)
         return gw
 

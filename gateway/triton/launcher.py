@@ -48,6 +48,11 @@ class TritonPorts:
         return f"127.0.0.1:{self.grpc}"
 
     @property
+    def endpoint(self) -> str:
+        """As the gateway lists it (gateway.triton.endpoints): gRPC address and metrics port."""
+        return f"{self.grpc_url} metrics={self.metrics}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics}/metrics"
 
