@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = None
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)
+    if args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file:
+        pass  # a gateway in front of running Tritons (docs/deploy.md): none is started here
     else:
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)

@@ -69,8 +69,8 @@ class Session:
         return self._queue.qsize()
 
     # ---- opening ----
-    async def _open(self, resume: bool) -> ClientConnection:
-        url = wire.with_query(self.url, resume="1") if resume else self.url
+    async def _open(self, url: str, resume: bool) -> ClientConnection:
+        url = wire.with_query(url, resume="1") if resume else url
         return await ws_connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE,
                                 open_timeout=HANDSHAKE_TIMEOUT_S)
 
@@ -88,7 +88,7 @@ class Session:
             await asyncio.sleep(delay)
             ws: ClientConnection | None = None
             try:
-                ws = await self._open(resume=False)
+                ws = await self._open(self.url, resume=False)
                 await self._expect(ws, "session.created")
                 await ws.send(setup)
                 await self._expect(ws, "session.updated")
@@ -152,18 +152,21 @@ class Session:
 
     async def _resume_once(self) -> tuple[ClientConnection, dict[str, Any]]:
         """One resume attempt: the socket and the server's answer. A gateway that does not hold the session
-        names the one that does (`session_elsewhere`): followed at once, and the session's URL becomes that one."""
+        names the one that does (`session_elsewhere`): followed at once. The session's URL becomes that one
+        once it answers; an attempt that cannot reach it leaves the URL as it was (the next goes there)."""
+        url = self.url
         for _ in range(MAX_REDIRECTS + 1):
-            ws = await self._open(resume=True)
+            ws = await self._open(url, resume=True)
             await ws.send(wire.resume(self.state.session_id or "", self.state.resume_token or "",
                                       self.state.last_seq))
             answer = await self._recv(ws)
             err = answer.get("error") or {}
             if answer.get("type") != "error" or err.get("code") != REDIRECT:
+                self.url = url
                 return ws, answer
             await ws.close()
             try:
-                self.url = wire.redirected(self.url, err.get("redirect_url"))
+                url = wire.redirected(url, err.get("redirect_url"))
             except ValueError as exc:
                 raise ClientError("resume_failed", f"{REDIRECT}: {exc}", retryable=False) from None
         raise ClientError("resume_failed", f"more than {MAX_REDIRECTS} redirects", retryable=False)

@@ -143,3 +143,26 @@ def test_the_client_follows_a_redirect_keeping_its_query_and_never_dropping_tls(
         client_wire.redirected("wss://lb/v1/realtime", "ws://gw-2:8006/v1/realtime")
     with pytest.raises(ValueError):
         client_wire.redirected("ws://lb/v1/realtime", "http://gw-2/v1/realtime")
+
+
+def test_operator_routes_need_a_key_or_loopback() -> None:
+    from starlette.testclient import TestClient
+
+    from gateway.routes import create_app
+    from gateway.settings import Settings
+
+    keyed = TestClient(create_app(Settings(triton_url="127.0.0.1:9", api_keys=("k" * 32,))))
+    assert keyed.get("/ready").status_code == 503  # nothing listens there: no endpoint takes sessions
+    assert keyed.get("/metrics").status_code == 401
+    metrics = keyed.get("/metrics", headers={"Authorization": f"Bearer {'k' * 32}"})
+    assert metrics.status_code == 200 and 'minicpmo_gateway_sessions{endpoint="127.0.0.1:9"} 0' in metrics.text
+    assert keyed.post("/admin/endpoints/drain", json={"endpoint": "127.0.0.1:9"}).status_code == 401
+    drained = keyed.post("/admin/endpoints/drain", json={"endpoint": "127.0.0.1:9"},
+                         headers={"Authorization": f"Bearer {'k' * 32}"}).json()
+    assert drained["ok"] and drained["draining"]
+    unknown = keyed.post("/admin/endpoints/drain", json={"endpoint": "elsewhere:1"},
+                         headers={"Authorization": f"Bearer {'k' * 32}"})
+    assert unknown.status_code == 404
+    open_server = TestClient(create_app(Settings(triton_url="127.0.0.1:9")))  # its client is not on loopback
+    assert open_server.get("/metrics").status_code == 200
+    assert open_server.get("/admin/endpoints").status_code == 401
