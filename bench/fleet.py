@@ -4,8 +4,9 @@
 E tritonservers and G gateway processes that all list them (each its own port and MINICPMO_GATEWAY_URL) start on
 loopback; for each dialect, N real-time sessions (espeak-ng speech, 1 s of audio a second, random phases) are
 opened round-robin over the gateways. Printed per dialect: the sessions each endpoint and each gateway held at
-the peak (from the gateways' /health), chunk latency, and the gateways' CPU time per session-second, read from
-/proc: sessions per gateway core = session-seconds served / CPU seconds spent (tritonserver's work excluded).
+the peak (from the gateways' /health), chunk latency, and the gateways' CPU time (from /proc) per second a
+session was open (its speech, then its reply and the client's close): sessions per gateway core = session-seconds
+held / CPU seconds spent (tritonserver's work is not the gateway's).
 """
 
 from __future__ import annotations
@@ -134,13 +135,14 @@ DIALECTS = {
 
 
 async def drive(gateways: list[Gateway], n: int, speech: list[np.ndarray],
-                session: Session) -> tuple[list[float], int, Counter, Counter]:
-    """N sessions round-robin over the gateways; their latencies, failures, and the peak sessions per endpoint
-    and per gateway seen on /health meanwhile."""
+                session: Session) -> tuple[list[float], int, float, Counter, Counter]:
+    """N sessions round-robin over the gateways; their latencies, failures, the seconds they were open in all,
+    and the peak sessions per endpoint and per gateway seen on /health meanwhile."""
     rng = random.Random(n)
     peak_endpoint: Counter[str] = Counter()
     peak_gateway: Counter[str] = Counter()
     done = asyncio.Event()
+    open_s: list[float] = []  # how long each session was open: what a gateway holds it for
 
     async def watch() -> None:
         while not done.is_set():
@@ -157,7 +159,11 @@ async def drive(gateways: list[Gateway], n: int, speech: list[np.ndarray],
     async def caller(i: int) -> list[float]:
         await asyncio.sleep(rng.random())
         url = f"ws://127.0.0.1:{gateways[i % len(gateways)].port}"
-        return await session(url, speech[i % len(speech)])
+        started = time.perf_counter()
+        try:
+            return await session(url, speech[i % len(speech)])
+        finally:
+            open_s.append(time.perf_counter() - started)
 
     watcher = asyncio.create_task(watch())
     results = await asyncio.gather(*(caller(i) for i in range(n)), return_exceptions=True)
@@ -165,7 +171,7 @@ async def drive(gateways: list[Gateway], n: int, speech: list[np.ndarray],
     await watcher
     latencies = [x for r in results if not isinstance(r, BaseException) for x in r]
     failed = sum(isinstance(r, BaseException) for r in results)
-    return latencies, failed, peak_endpoint, peak_gateway
+    return latencies, failed, sum(open_s), peak_endpoint, peak_gateway
 
 
 def run(model_repository: Path, work: Path, speech: list[np.ndarray], seconds: int, endpoints: int, gateways: int,
@@ -174,9 +180,8 @@ def run(model_repository: Path, work: Path, speech: list[np.ndarray], seconds: i
     with fleet(model_repository, work, endpoints, gateways, max(sessions, 8) * 2) as (_, gws):
         for name, session in DIALECTS.items():
             cpu = [gw.cpu_s() for gw in gws]
-            latencies, failed, per_endpoint, per_gateway = asyncio.run(drive(gws, sessions, speech, session))
+            latencies, failed, served, per_endpoint, per_gateway = asyncio.run(drive(gws, sessions, speech, session))
             spent = sum(gw.cpu_s() - was for gw, was in zip(gws, cpu, strict=True))
-            served = (sessions - failed) * seconds
             rows.append((name, latencies, failed, per_endpoint, per_gateway, spent, served))
             print(f"{name}: {sessions} sessions, {failed} failed, gateway CPU {spent:.1f} s", file=sys.stderr)
     print(f"\nfleet: {endpoints} tritonservers, {gateways} gateways, {sessions} sessions per dialect of {seconds} s of "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
+from . import workers
 from .auth import RedactKeys
 from .registry import Gateway
 from .routes import create_app
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-address", default=LOOPBACK,
                         help="interface the started Triton binds to (default loopback: only the gateway reaches it)")
     parser.add_argument("--max-sessions", type=int)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="gateway processes sharing --port (each also on its own port: docs/deploy.md)")
+    parser.add_argument("--worker-port", type=int, help=argparse.SUPPRESS)  # one worker's own port (gateway.workers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tritonserver ready (pid {server.pid}): grpc {server.ports.grpc_url}, "
               f"metrics {server.ports.metrics_url}", flush=True)
     try:
+        if args.workers > 1:
+            return workers.run(sys.argv[1:] if argv is None else argv, args.host, args.port, args.workers,
+                               settings.triton_url)
         print(f"gateway on ws://{args.host}:{args.port}/backend and /v1/realtime "
               f"(health: http://{args.host}:{args.port}/health)",
               flush=True)
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                                 ws_per_message_deflate=settings.ws_deflate, log_level="info")
         for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted
             logging.getLogger(name).addFilter(RedactKeys())
-        GatewayServer(config, app.state.gateway).run()
+        own = None if args.worker_port is None else workers.sockets(args.host, args.port, args.worker_port)
+        GatewayServer(config, app.state.gateway).run(sockets=own)
     finally:
         if supervisor is not None:
             supervisor.stop()

@@ -15,6 +15,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +31,15 @@ import minicpmo_client as mc
 from gateway.triton import TritonServer, free_port, free_ports
 
 from .balancer import RoundRobin
-from .conftest import MODEL_REPOSITORY, RunningGateway, RunningTriton, ensure_exported, start_gateway, stop_gateway
+from .conftest import (
+    MODEL_REPOSITORY,
+    REPO,
+    RunningGateway,
+    RunningTriton,
+    ensure_exported,
+    start_gateway,
+    stop_gateway,
+)
 from .helpers import GREEDY, SPEAKING_TEXT, append_message, audio_of, open_session, transcript
 
 pytestmark = [pytest.mark.fleet, pytest.mark.asyncio(loop_scope="function")]
@@ -75,6 +85,13 @@ class Fleet:
         while not check():
             assert time.monotonic() < deadline, "the gateways never got there"
             await asyncio.sleep(0.1)
+
+    async def settled(self) -> None:
+        """No session anywhere, as the gateways and the servers count them, and the gateways have read the
+        servers' metrics since (placement judges room from them)."""
+        await self.until(lambda: all(sum(self.sessions(gw).values()) == 0 for gw in self.gateways), 60)
+        await self.until(lambda: self.a.live()["duplex"] == 0 and self.b.live()["duplex"] == 0, 60)
+        await asyncio.sleep(2 * FAILOVER_S / 5 + 0.2)  # two probe periods
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +148,7 @@ class Caller:
 
 async def test_sessions_spread_over_both_endpoints(fleet: Fleet, speech) -> None:
     audio = speech(SPEAKING_TEXT)
+    await fleet.settled()  # sessions of other tests on A (the shared server) would tilt its room
     callers = [await Caller.open(gw.ws, audio) for gw in (fleet.one, fleet.one, fleet.two, fleet.two)]
     try:
         await asyncio.gather(*(c.step(0) for c in callers))
@@ -146,7 +164,7 @@ async def test_sessions_spread_over_both_endpoints(fleet: Fleet, speech) -> None
 async def test_a_drained_endpoint_takes_no_new_session_while_its_live_ones_finish(fleet: Fleet, speech) -> None:
     a, b = fleet.a.grpc_url, fleet.b.grpc_url
     audio = speech(SPEAKING_TEXT)
-    await fleet.until(lambda: all(sum(fleet.sessions(gw).values()) == 0 for gw in fleet.gateways))
+    await fleet.settled()
     live = [await Caller.open(gw.ws, audio) for gw in (fleet.one, fleet.one, fleet.two, fleet.two)]
     fresh: list[Caller] = []
     try:
@@ -211,6 +229,59 @@ async def test_a_resume_sent_to_the_wrong_gateway_ends_on_the_right_one(fleet: F
     await s.close()
 
 
+async def test_workers_share_one_port_and_send_resumes_to_each_other(triton: RunningTriton, tmp_path: Path) -> None:
+    """`gateway.serve --workers 2`: the kernel spreads connections to the one port over both workers, and a
+    resume it hands to the worker that does not hold the session is redirected to the one that does."""
+    port = free_port()
+    with open(tmp_path / "workers.log", "ab") as log:
+        parent = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--workers", "2", "--port", str(port),
+                                   "--triton-url", triton.endpoint], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    own = [port + 1, port + 2]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(_ready(p) for p in own):
+            assert parent.poll() is None and time.monotonic() < deadline, (tmp_path / "workers.log").read_text()
+            await asyncio.sleep(0.2)
+        sockets = [(await open_session(f"ws://127.0.0.1:{port}/backend"))[0] for _ in range(16)]
+        held = [httpx.get(f"http://127.0.0.1:{p}/health", timeout=5).json()["active_sessions"] for p in own]
+        assert sum(held) == 16 and min(held) > 0, held  # all 16 on one worker: 2 in 65,536
+        await asyncio.gather(*(ws.close() for ws in sockets))
+
+        trace: list[dict] = []
+        s = await mc.connect(f"ws://127.0.0.1:{port}/v1/realtime", session=GREEDY, on_server_event=trace.append)
+        holder = next(p for p in own if s.session_id in
+                      httpx.get(f"http://127.0.0.1:{p}/health", timeout=5).json()["active_session_ids"])
+        events = s.events()
+        for _ in range(16):  # each resume reaches the other worker with odds of one half
+            s.drop_connection()
+            async with asyncio.timeout(30):
+                async for ev in events:
+                    if isinstance(ev, mc.Resumed):
+                        break
+            if any(e.get("type") == "error" and e["error"]["code"] == "session_elsewhere" for e in trace):
+                break
+        redirects = [e for e in trace if e.get("type") == "error" and e["error"]["code"] == "session_elsewhere"]
+        assert redirects and redirects[0]["error"]["redirect_url"] == f"ws://127.0.0.1:{holder}/v1/realtime"
+        assert s.url == f"ws://127.0.0.1:{holder}/v1/realtime"
+        await s.send_text("still there?")
+        async with asyncio.timeout(60):
+            async for ev in events:
+                if isinstance(ev, mc.TurnFinal):
+                    break
+        await s.close()
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=60)
+    assert not any(_ready(p) for p in own), "a worker outlived the parent"
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def test_a_killed_endpoint_fails_its_sessions_over_and_spares_the_others(fleet: Fleet, gateway,
                                                                              speech) -> None:
     """Last in this module: B dies. Its sessions are told `backend_unavailable` (retryable) within the bound;
@@ -225,7 +296,7 @@ async def test_a_killed_endpoint_fails_its_sessions_over_and_spares_the_others(f
     await solo.close()
     assert any(e.get("kind") == "audio" for e in solo.events), "the reference should speak within its steps"
 
-    await fleet.until(lambda: all(sum(fleet.sessions(gw).values()) == 0 for gw in fleet.gateways))
+    await fleet.settled()
     callers = [await Caller.open(gw.ws, audio) for gw in (fleet.one, fleet.one, fleet.two, fleet.two)]
     for gw in fleet.gateways:
         assert fleet.sessions(gw) == {a: 1, b: 1}

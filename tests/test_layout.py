@@ -9,11 +9,13 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page"},
-    {"engine", "inputs", "registry", "triton", "auth", "triton.supervisor"},
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.client", "page",
+     "triton.endpoints", "triton.placement", "workers"},
+    {"engine", "inputs", "triton", "auth", "triton.supervisor", "triton.pool", "peers"},
+    {"registry"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation"},
     {"dialects.openai_events"},
-    {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
+    {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell", "admin"},
     {"routes"},
     {"serve", "client", "triton.__main__"},
 ]

@@ -91,7 +91,7 @@ class EndpointPool:
 
     def __init__(self, triton_url: str, endpoints_file: str | None, failover_s: float,
                  sessions: Callable[[], Counter[str]], on_down: Callable[[str], None]) -> None:
-        self._inline = triton_url
+        self._inline: str | None = triton_url
         self._file = Path(endpoints_file) if endpoints_file else None
         self._file_stamp: tuple[float, int] | None = None
         self.failover_s = failover_s
@@ -106,7 +106,8 @@ class EndpointPool:
     def _text(self) -> str | None:
         """The list's text; None when the file did not change since it was read."""
         if self._file is None:
-            return self._inline
+            text, self._inline = self._inline, None  # read once: it cannot change
+            return text
         stat = self._file.stat()
         stamp = (stat.st_mtime, stat.st_size)
         if stamp == self._file_stamp:
