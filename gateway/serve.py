@@ -65,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = None
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)
-    if args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file:
-        pass  # a gateway in front of running Tritons (docs/deploy.md): none is started here
-    else:
+    # Given endpoints, it is a gateway in front of running Tritons (docs/deploy.md): none is started here.
+    if not (args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file):
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)
         server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log,

@@ -33,6 +33,9 @@ from .placement import Candidate, Scrape
 log = logging.getLogger("gateway.endpoints")
 
 READY, LOADING, DOWN = "ready", "loading", "down"
+# gRPC backs off reconnecting to a server that went away up to 120 s: a server back sooner would stay `down`.
+PROBE_CHANNEL = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                 ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class Endpoint:
@@ -58,7 +61,7 @@ class Endpoint:
     def client(self) -> grpcaio.InferenceServerClient:
         """Made on first use, inside the event loop that uses it (a gRPC aio channel belongs to one loop)."""
         if self._client is None:
-            self._client = grpcaio.InferenceServerClient(self.url)
+            self._client = grpcaio.InferenceServerClient(self.url, channel_args=PROBE_CHANNEL)
         return self._client
 
     async def close(self) -> None:
