@@ -4,6 +4,7 @@ docs/deploy.md on small inputs."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -100,17 +101,23 @@ def test_a_pool_spreads_its_own_sessions_and_follows_its_file(tmp_path: Path) ->
     asyncio.run(pool.close())
 
 
-def test_a_silent_endpoint_ends_its_sessions_once_after_the_bound() -> None:
+async def test_a_silent_endpoint_ends_its_sessions_once_after_the_bound() -> None:
     ended: list[str] = []
-    pool = EndpointPool("a:1 metrics=2", None, failover_s=0.0, sessions=lambda: Counter({"a:1": 2}),
+    pool = EndpointPool("a:1 metrics=2, b:3", None, failover_s=0.2, sessions=lambda: Counter({"a:1": 2}),
                         on_down=ended.append)
-    endpoint = pool.endpoints["a:1"]
-    assert endpoint.state == LOADING
-    pool._silent(endpoint)
-    pool._silent(endpoint)
-    assert endpoint.state == DOWN and ended == ["a:1"] and endpoint.failovers == 1
+    a, b = pool.endpoints["a:1"], pool.endpoints["b:3"]
+    assert a.state == LOADING
+    pool._silent(a, time.monotonic())
+    pool._silent(a, time.monotonic())  # still silent: one deadline, from the first unanswered probe
+    assert a.state == DOWN and ended == []  # no new sessions at once; its sessions not yet ended
+    pool._silent(b, time.monotonic())
+    pool._answered(b)  # it answered before the bound: nothing ends
+    await asyncio.sleep(0.3)
+    assert ended == ["a:1"] and a.failovers == 1 and b.failovers == 0
     pool.suspect("a:1")  # a broken stream on a down endpoint: nothing more
+    await asyncio.sleep(0.3)
     assert ended == ["a:1"]
+    await pool.close()
 
 
 def test_correlation_ids_are_63_bit_random_and_avoid_live_ones() -> None:

@@ -8,8 +8,9 @@ re-read when it changes) may change meanwhile. An endpoint's state:
   the list: then it is forgotten once its sessions ended);
 - `loading`: it answers but its entry model is not ready: no new sessions; live ones go on;
 - `down`: it did not answer, or a session's stream to it broke: no new sessions from that moment. Once it has
-  not answered for `failover_s`, its sessions still open are ended with `backend_unavailable` (retryable):
-  those whose stream broke were told already; this catches a server that hangs or a network that splits.
+  not answered for `failover_s` since its first unanswered probe, its sessions still open are ended with
+  `backend_unavailable` (retryable): those whose stream broke were told already; this catches a server that
+  hangs or a network that splits. From the moment it goes silent: within failover_s + one probe period.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class Endpoint:
         self.placed = 0  # sessions placed here since its metrics page was last read
         self.placements = 0
         self.failovers = 0  # times its sessions were ended for it
-        self.silent_since: float | None = None  # when it stopped answering
-        self.failed_over = False  # its sessions were ended for this silence
+        self.silent_since: float | None = None  # when the first unanswered probe was sent
+        self.deadline: asyncio.TimerHandle | None = None  # then its sessions are ended, unless it answers first
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -65,6 +66,8 @@ class Endpoint:
         return self._client
 
     async def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.close()
@@ -200,12 +203,13 @@ class EndpointPool:
             log.info("endpoint %s: drained and forgotten", url)
 
     async def _probe(self, endpoint: Endpoint) -> None:
+        sent = time.monotonic()
         try:
             ready = bool(await endpoint.client.is_model_ready(placement.ENTRY, client_timeout=self.probe_s))
         except Exception:  # noqa: BLE001 (refused, timed out, reset: it does not answer)
-            self._silent(endpoint)
+            self._silent(endpoint, sent)
             return
-        endpoint.silent_since, endpoint.failed_over = None, False
+        self._answered(endpoint)
         if not ready:
             self._set_state(endpoint, LOADING)
             endpoint.slots = {}  # its models may come back with other configs
@@ -233,18 +237,28 @@ class EndpointPool:
                 slots[model] = int(oldest["max_candidate_sequences"])
         return slots
 
-    def _silent(self, endpoint: Endpoint) -> None:
-        now = time.monotonic()
-        if endpoint.silent_since is None:
-            endpoint.silent_since = now
+    def _silent(self, endpoint: Endpoint, since: float) -> None:
+        """A probe sent at `since` went unanswered: no new sessions there; its sessions are ended once it has
+        been silent for failover_s (a timer: the bound does not wait for the probes' cycle)."""
         self._set_state(endpoint, DOWN)
         endpoint.scrape, endpoint.slots = None, {}
-        if now - endpoint.silent_since >= self.failover_s and not endpoint.failed_over:
-            endpoint.failed_over = True
-            endpoint.failovers += 1
-            log.error("endpoint %s: no answer for %.1f s: its sessions are ended (backend_unavailable)",
-                      endpoint.url, now - endpoint.silent_since)
-            self._on_down(endpoint.url)
+        if endpoint.silent_since is None:
+            endpoint.silent_since = since
+            delay = max(0.0, since + self.failover_s - time.monotonic())
+            endpoint.deadline = asyncio.get_running_loop().call_later(delay, self._fail_over, endpoint)
+
+    def _answered(self, endpoint: Endpoint) -> None:
+        endpoint.silent_since = None
+        if endpoint.deadline is not None:
+            endpoint.deadline.cancel()
+            endpoint.deadline = None
+
+    def _fail_over(self, endpoint: Endpoint) -> None:
+        endpoint.deadline = None
+        endpoint.failovers += 1
+        log.error("endpoint %s: no answer for %.1f s: its sessions are ended (backend_unavailable)", endpoint.url,
+                  self.failover_s)
+        self._on_down(endpoint.url)
 
     @staticmethod
     def _set_state(endpoint: Endpoint, state: str) -> None:
