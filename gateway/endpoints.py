@@ -17,7 +17,6 @@ session on its Triton stream), `serve` (the receive loop).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -101,7 +100,7 @@ async def health(request: Request) -> JSONResponse:
     e = edge(request)
     gw = e.gateway
     body: dict[str, Any] = {
-        "status": "ready" if gw.ready else "loading",
+        "status": gw.pool.status,  # ready | draining | loading
         "backend": "triton",
         "active_sessions": gw.active_sessions,
         "max_sessions": e.settings.max_sessions,
@@ -112,6 +111,7 @@ async def health(request: Request) -> JSONResponse:
     who = caller(request)
     if who is not None:
         body["active_session_ids"] = sorted(sid for sid, s in gw.sessions.items() if s.owner == who)
+        body["endpoints"] = gw.pool.describe()  # the Triton servers: internal addresses, for key holders
     return JSONResponse(body)
 
 
@@ -161,7 +161,7 @@ async def backend_socket(ws: WebSocket) -> None:
         check_ready(ws)
         try:
             text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
-        except (asyncio.TimeoutError, Disconnected):
+        except (TimeoutError, Disconnected):
             raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
         init = backend.parse_init(backend.loads(text))
         state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
@@ -210,7 +210,7 @@ async def realtime_socket(ws: WebSocket) -> None:
         if ext.events:  # a refusal before any session: seq 0
             refusal["server_event_seq"] = 0
         await _refuse(ws, refusal, err.close_code or CLOSE_POLICY)
-    except (Disconnected, asyncio.TimeoutError):
+    except (TimeoutError, Disconnected):
         await _close(ws, CLOSE_POLICY)
     except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
         log.error("/v1/realtime: the opening failed: %s", describe(exc))
@@ -224,7 +224,7 @@ async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions) -> 
     async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=ext.events, owner=who) as session:
         try:
             text = await receive_text(ws, e.settings.idle_timeout_s, e.settings.test_faults)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await session.close("timeout")
             return None
         except Disconnected:

@@ -1,21 +1,19 @@
 """The gateway's sessions: slots (one limit for every dialect), a FIFO of callers waiting for one,
-the live sessions by id, and whether Triton's entry model is ready."""
+the live sessions by id, and the Triton endpoints they are placed on (`gateway.triton.pool`)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Protocol
 
-from tritonclient.grpc import aio as grpcaio
-
+from . import peers
 from .settings import Settings
-from .triton.stream import ENTRY_MODEL
-from .wire import CLOSE_GOING_AWAY
-
-log = logging.getLogger("gateway")
+from .triton.placement import NoEndpoint
+from .triton.pool import EndpointPool
+from .triton.stream import next_correlation_id
+from .wire import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, ProtocolError
 
 
 class SessionLimitReached(Exception):
@@ -30,27 +28,42 @@ class _State(Protocol):
     stale_dropped: int
 
 
+class _Stream(Protocol):
+    url: str  # the Triton endpoint it is placed on
+    corr_id: int
+
+
 class LiveSession(Protocol):
     session_id: str
     owner: str  # the principal (gateway.auth) that opened it
     state: _State
+    triton: _Stream
     started_at: float
     offloaded: int  # client frames decided in a worker thread
 
     async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
 
+    def lost(self) -> None: ...
+
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
+        if settings.gateway_url:
+            peers.check_url(settings.gateway_url)  # a wrong one would send resumes nowhere: refuse to start
         self.settings = settings
         self.sessions: dict[str, LiveSession] = {}  # every dialect's, attached or within a resume grace
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self.ready = False
-        self._not_ready_why: str | None = None  # None: not checked yet (the first check is always logged)
+        self.pool = EndpointPool(settings.triton_url, settings.triton_endpoints_file or None, settings.failover_s,
+                                 self.sessions_per_endpoint, self._endpoint_down)
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
+
+    @property
+    def ready(self) -> bool:
+        """Some endpoint takes new sessions."""
+        return self.pool.ready
 
     @property
     def active_sessions(self) -> int:
@@ -98,12 +111,31 @@ class Gateway:
                 return
         self._reserved -= 1
 
-    # ---- live sessions ----
-    def place(self) -> str:
-        """The Triton endpoint (host:grpc_port) a new session's stream goes to: the one configured. Placing
-        sessions over several endpoints belongs here (`shell.running` asks it, once per session)."""
-        return self.settings.triton_url
+    # ---- placement: where a session's Triton sequence lives ----
+    def place(self) -> tuple[str, int]:
+        """The endpoint for a new session and a correlation ID for it there; refused (retryable) when no
+        endpoint takes one."""
+        try:
+            url = self.pool.place().url
+        except NoEndpoint as exc:
+            raise ProtocolError(exc.code, exc.message, close_code=CLOSE_TRY_AGAIN, error_type="server_error",
+                                retryable=True) from None
+        taken = {s.triton.corr_id for s in self.sessions.values() if s.triton.url == url}
+        return url, next_correlation_id(taken)
 
+    def sessions_per_endpoint(self) -> Counter[str]:
+        return Counter(s.triton.url for s in self.sessions.values())
+
+    def stream_lost(self, session: LiveSession) -> None:
+        """A session's stream to Triton broke: no new sessions on that endpoint until it answers again."""
+        self.pool.suspect(session.triton.url)
+        session.lost()
+
+    def _endpoint_down(self, url: str) -> None:
+        for session in [s for s in self.sessions.values() if s.triton.url == url]:
+            session.lost()
+
+    # ---- live sessions ----
     def add(self, session: LiveSession) -> None:
         self.sessions[session.session_id] = session
 
@@ -114,27 +146,7 @@ class Gateway:
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
-        client = grpcaio.InferenceServerClient(self.settings.triton_url)
-        try:
-            while True:
-                try:
-                    ready = bool(await client.is_model_ready(ENTRY_MODEL))
-                    why = "" if ready else f"the {ENTRY_MODEL} model is not ready (still loading, or failed to load)"
-                except Exception as exc:  # noqa: BLE001 (not up yet, or gone: report `loading`, say why)
-                    ready, why = False, f"Triton at {self.settings.triton_url} does not answer ({type(exc).__name__})"
-                self._set_ready(ready, why)
-                await asyncio.sleep(1.0 if self.ready else 0.25)
-        finally:
-            await client.close()
-
-    def _set_ready(self, ready: bool, why: str) -> None:
-        """Readiness as /health reports it; each change (and each new reason for not being ready) is logged once."""
-        if (ready, why) != (self.ready, self._not_ready_why):
-            if ready:
-                log.info("Triton is ready: new sessions are admitted")
-            else:
-                log.warning("Triton is not ready: %s; new sessions are refused (not_ready)", why)
-        self.ready, self._not_ready_why = ready, why
+        await self.pool.run()
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

@@ -89,6 +89,21 @@ def with_extensions(url: str) -> str:
     return url if "extensions" in parse_qs(urlsplit(url).query) else with_query(url, extensions=EXTENSIONS)
 
 
+def redirected(url: str, target: object) -> str:
+    """Where a `session_elsewhere` redirect sends a resume: the target's scheme, host and path, with this URL's
+    own query kept (the dialect's mode, a key given in the query). ValueError for a target that is no ws(s)
+    URL, or that would move a wss:// session to plain ws:// (its key would then travel in clear)."""
+    if not isinstance(target, str):
+        raise ValueError("the redirect names no URL")
+    to, here = urlsplit(target), urlsplit(url)
+    if to.scheme not in ("ws", "wss") or not to.netloc:
+        raise ValueError(f"not a ws:// or wss:// URL: {target!r}")
+    if here.scheme == "wss" and to.scheme != "wss":
+        raise ValueError(f"refused: {target} would drop TLS")
+    query = "&".join(q for q in (to.query, here.query) if q)
+    return urlunsplit((to.scheme, to.netloc, to.path or here.path, query, ""))
+
+
 def http_base(ws_url: str) -> str:
     """`ws://host:port/v1/realtime?...` -> `http://host:port`."""
     parts = urlsplit(ws_url)

@@ -58,7 +58,7 @@ class RealtimeClient:
         while True:
             try:
                 got.append(await self.recv(seconds))
-            except (asyncio.TimeoutError, websockets.ConnectionClosed):
+            except (TimeoutError, websockets.ConnectionClosed):
                 return got
 
     def of(self, event_type: str) -> list[dict[str, Any]]:
@@ -69,6 +69,6 @@ class RealtimeClient:
         try:
             await self.send("session.close")
             await self.until("session.closed", timeout_s=10)
-        except (websockets.ConnectionClosed, asyncio.TimeoutError):
+        except (TimeoutError, websockets.ConnectionClosed):
             pass
         await self.ws.close()

@@ -9,13 +9,16 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page"},
-    {"dialects.state", "dialects.openai_extensions", "inputs", "registry", "triton", "auth", "triton.supervisor"},
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
+     "triton.endpoints", "triton.placement", "workers"},
+    {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
+     "peers"},
+    {"registry"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
     {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
-    {"endpoints"},
+    {"endpoints", "admin"},
     {"routes"},
     {"serve", "triton.__main__"},
 ]

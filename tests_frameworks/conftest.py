@@ -178,7 +178,7 @@ class Seen:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

@@ -108,7 +108,7 @@ async def resolved(what: str, awaitable: Any, seen: Seen, why: Callable[[Seen], 
     """A LiveKit call that must resolve (generate_reply has its own 10 s timeout: its RealtimeError says so)."""
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
-    except (asyncio.TimeoutError, llm.RealtimeError) as exc:
+    except (TimeoutError, llm.RealtimeError) as exc:
         raise AssertionError(f"{what} did not resolve: {type(exc).__name__}: {exc}. {why(seen)}") from exc
 
 

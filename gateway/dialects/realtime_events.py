@@ -87,7 +87,8 @@ class SessionClosed(RealtimeEvent, Closed):
 
 def error_event(err: ProtocolError) -> Error:
     return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {})})
+                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {}),
+                  **({"redirect_url": err.redirect_url} if err.redirect_url else {})})
 
 
 def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:
