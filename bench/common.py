@@ -65,7 +65,7 @@ def serving_stack(model_repository: Path, work: Path, max_sessions: int,
         server.wait_ready()
         port = free_port()
         gateway = subprocess.Popen([sys.executable, *(gateway_main or ["-m", "gateway.serve"]),
-                                    "--triton-url", server.ports.grpc_url, "--port", str(port),
+                                    "--triton-url", server.ports.endpoint, "--port", str(port),
                                     "--max-sessions", str(max_sessions)],
                                    cwd=ROOT, stdout=open(gateway_log, "ab") if gateway_log else subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT,

@@ -42,14 +42,16 @@ PNG_SIDE = 4096  # the largest image a stage takes
 @dataclass(frozen=True)
 class Urls:
     backend: str  # ws://host:port/backend
-    realtime: str  # ws://host:port/v1/realtime
+    realtime: str  # ws://host:port/v1/realtime?extensions=duplex,events (the close reasons are counted)
     # The hostile callers' own address (uvicorn takes X-Forwarded-For from loopback): the per-address bound is
     # theirs, not the clean sessions' (all on 127.0.0.1 here).
     headers: tuple[tuple[str, str], ...] = (("X-Forwarded-For", "10.66.6.6"),)
 
     @classmethod
     def of(cls, base: str) -> Urls:
-        return cls(f"{base}/backend", f"{base}/v1/realtime")
+        # Opted into the extensions: session.closed says why each socket was cut, and the old default (duplex)
+        # is what long_say speaks in; the server's bounds are the same for a stock client.
+        return cls(f"{base}/backend", f"{base}/v1/realtime?extensions=duplex,events")
 
     def connect(self, url: str, **kw: Any) -> Any:
         return websockets.connect(url, additional_headers=list(self.headers), **kw)
@@ -66,7 +68,7 @@ async def _events(ws: websockets.ClientConnection, out: Outcome, stop: asyncio.E
     while not stop.is_set() and time.monotonic() < deadline:
         try:
             raw = await asyncio.wait_for(ws.recv(), 0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             continue
         except websockets.ConnectionClosed:
             out["closed"] += 1
@@ -225,7 +227,7 @@ async def voice_churn(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
 @_loop
 async def bogus_resumes(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
     """session.resume with made-up ids and tokens, as fast as answered."""
-    async with urls.connect(urls.realtime + "?resume=1") as ws:
+    async with urls.connect(urls.realtime + "&resume=1") as ws:
         await ws.send(json.dumps({"type": "session.resume", "session_id": "sess_bogus", "resume_token": "x"}))
         await _events(ws, out, stop, lambda e: e["type"] == "error", timeout_s=5)
 

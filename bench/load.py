@@ -2,6 +2,7 @@
 
     python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
                          [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=0]
+    python bench/load.py --endpoints 2 --gateways 2 --sessions 8     (bench/fleet.py: placement, per dialect)
 
 Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
 starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
@@ -234,10 +235,18 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "load_latency.png")
     parser.add_argument("--variants", nargs="+", default=["default", "MINICPMO_LLM_BATCH_WINDOW_MS=0"],
                         help="one sweep each: default, or MINICPMO_<KEY>=VALUE[,...] for the entry model")
+    parser.add_argument("--endpoints", type=int, default=1, help="tritonservers (more than 1: bench/fleet.py)")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (more than 1: bench/fleet.py)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="load-"))
     speech = make_speech(work, args.seconds)
+    if args.endpoints > 1 or args.gateways > 1:
+        import fleet
+
+        for n in args.sessions:
+            fleet.run(args.model_repository, work / f"fleet{n}", speech, args.seconds, args.endpoints, args.gateways, n)
+        return 0
     base = baseline(args.model_repository, args.baseline_workers, speech)
     bytes_per_stage = state_bytes(args.model_repository, speech[0])
     print(f"\nload: tiny preset, {args.seconds} s of espeak-ng speech per session, real-time pace, random phases, "

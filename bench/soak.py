@@ -75,7 +75,8 @@ async def backend_session(base: str, audio: np.ndarray) -> str:
 
 
 async def openai_session(base: str, audio: np.ndarray) -> str:
-    async with websockets.connect(base + "/v1/realtime", max_size=64 << 20) as ws:
+    # duplex (a step per second) and session.closed: the extensions, as the page asks for them
+    async with websockets.connect(base + "/v1/realtime?extensions=duplex,events", max_size=64 << 20) as ws:
         await drain(ws, {"session.created"})
         await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                   "audio": encode_pcm16_base64(resample(audio[:16_000], 16_000, 24_000))}))

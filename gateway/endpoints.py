@@ -4,9 +4,9 @@ importable and testable alone. What they share is one `Edge` on `app.state.edge`
 - `GET /health`, `POST /sessions/{session_id}/close`, `POST /v1/voices/check` (a voice reference judged as a
   session would judge it);
 - `/backend`: the MiniCPM-o backend protocol; the first frame is `session.init`.
-- `/v1/realtime` (OpenAI's Realtime dialect): `session.created` on connect. `?resume=1` makes no session:
-  the first event must be `session.resume`. A fresh session whose first event is `session.resume` is
-  dropped for the resumed one.
+- `/v1/realtime` (OpenAI's Realtime dialect): `session.created` on connect; `?extensions=duplex,events` opts into
+  ours (`dialects/openai_extensions`). `?resume=1` makes no session: the first event must be `session.resume`.
+  A fresh session whose first event is `session.resume` is dropped for the resumed one.
 - `/v1/realtime?mode=audio|video` (MiniCPM-o's dialect): `session.queued` / `queue_update` (every 3 s)
   while all slots are taken, `session.queue_done` always, then `session.update` (or `session.resume`).
 
@@ -17,7 +17,6 @@ session on its Triton stream), `serve` (the receive loop).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -34,6 +33,7 @@ from minicpmo_triton.errors import describe
 from . import inputs
 from .auth import origin_allowed, presented_key, principal, unauthorized
 from .dialects import backend, minicpm, openai
+from .dialects.openai_extensions import ALL, QUERY, STOCK, Extensions
 from .dialects.realtime_events import error_event as realtime_error
 from .fairness import Quotas, ResumeFailures, VoiceBudget
 from .http_body import bounded_body
@@ -113,7 +113,7 @@ async def health(request: Request) -> JSONResponse:
     e = edge(request)
     gw = e.gateway
     body: dict[str, Any] = {
-        "status": "ready" if gw.ready else "loading",
+        "status": gw.pool.status,  # ready | draining | loading
         "backend": "triton",
         "backend_state": gw.backend_state,  # ready | loading | unresponsive | broken (gateway/stage_health.py)
         "active_sessions": gw.active_sessions,
@@ -125,6 +125,7 @@ async def health(request: Request) -> JSONResponse:
     who = caller(request)
     if who is not None:
         body["active_session_ids"] = sorted(sid for sid, s in gw.sessions.items() if s.owner == who)
+        body["endpoints"] = gw.pool.describe()  # the Triton servers: internal addresses, for key holders
     return JSONResponse(body)
 
 
@@ -172,7 +173,7 @@ async def backend_socket(ws: WebSocket) -> None:
         check_ready(ws)
         try:
             text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
-        except (asyncio.TimeoutError, Disconnected):
+        except (TimeoutError, Disconnected):
             raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
         init = backend.parse_init(backend.loads(text), e.limits)
         charge = e.voices.charger(who, address(ws))
@@ -195,41 +196,50 @@ async def backend_socket(ws: WebSocket) -> None:
 async def realtime_socket(ws: WebSocket) -> None:
     e = edge(ws)
     mode = ws.query_params.get("mode")
+    ext = STOCK  # until the URL is read: a refusal shows a stock client nothing but the spec
     await ws.accept()
     try:
         who = admit(ws)
         if mode is not None and mode not in minicpm.MODES:
             raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
                                 close_code=CLOSE_POLICY)
+        resuming = ws.query_params.get("resume") in ("1", "true")
+        ext = Extensions.parse(ws.query_params.get(QUERY))
+        if mode is not None or resuming:  # MiniCPM-o's dialect, and a resume, are ours throughout
+            ext = ALL
         check_ready(ws)
         msg: dict[str, Any] | None  # a session.resume to go on with
-        if ws.query_params.get("resume") in ("1", "true"):
+        if resuming:
             msg = _as_event(await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults))
             if msg.get("type") != "session.resume":
                 raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
                                     "type", close_code=CLOSE_POLICY)
         else:
             with e.quotas.held(who, address(ws)):
-                msg = await (_openai_session(e, ws, who) if mode is None else _minicpm_session(e, ws, mode, who))
+                msg = await (_openai_session(e, ws, who, ext) if mode is None else _minicpm_session(e, ws, mode, who))
         if msg is not None:  # the first event resumed another session: this socket goes on with it
             async with e.resumes.counted(who, address(ws)):  # only a failed resume counts against the caller
                 await resume(e.gateway, ws, msg, who)
     except ProtocolError as err:
-        await _refuse(ws, {**realtime_error(err).encode(), "server_event_seq": 0}, err.close_code or CLOSE_POLICY)
-    except (Disconnected, asyncio.TimeoutError):
+        refusal = realtime_error(err).encode()
+        if ext.events:  # a refusal before any session: seq 0
+            refusal["server_event_seq"] = 0
+        await _refuse(ws, refusal, err.close_code or CLOSE_POLICY)
+    except (TimeoutError, Disconnected):
         await _close(ws, CLOSE_POLICY)
     except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
         log.error("/v1/realtime: the opening failed: %s", describe(exc))
         await _close(ws, CLOSE_SERVER_ERROR)
 
 
-async def _openai_session(e: Edge, ws: WebSocket, who: str) -> dict[str, Any] | None:
-    """Returns the first event when it is `session.resume` (this fresh session is then dropped)."""
-    state = openai.OpenAIRealtimeState(new_session_id(), vad=_vad(), limits=e.limits)
-    async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=True, owner=who) as session:
+async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions) -> dict[str, Any] | None:
+    """Returns the first event when it is `session.resume` (this fresh session is then dropped). A stock client's
+    session ends with its socket: only a client that opted into the extensions has the token and seqs to resume."""
+    state = openai.OpenAIRealtimeState(new_session_id(), ext=ext, vad=_vad(), limits=e.limits)
+    async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=ext.events, owner=who) as session:
         try:  # the first-event deadline, as every dialect's
             text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await session.close("init_timeout", ws_code=CLOSE_POLICY)
             return None
         except Disconnected:

@@ -1,20 +1,26 @@
 """The gateway's sessions: slots (one limit for every dialect), a FIFO of callers waiting for one,
-the live sessions by id, and whether the backend is healthy (every stage: gateway/stage_health.py)."""
+the live sessions by id, the Triton endpoints they are placed on (`gateway.triton.pool`), and whether every
+stage of each is healthy (`gateway.stage_health`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
+from . import peers
 from .settings import Settings
 from .stage_health import StageHealth
-from .wire import CLOSE_GOING_AWAY
+from .triton.placement import NoEndpoint
+from .triton.pool import EndpointPool
+from .triton.stream import next_correlation_id
+from .wire import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, ProtocolError
 
-log = logging.getLogger("gateway")
+log = logging.getLogger("gateway.health")
 
 
 class SessionLimitReached(Exception):
@@ -29,10 +35,16 @@ class _State(Protocol):
     stale_dropped: int
 
 
+class _Stream(Protocol):
+    url: str  # the Triton endpoint it is placed on
+    corr_id: int
+
+
 class LiveSession(Protocol):
     session_id: str
     owner: str  # the principal (gateway.auth) that opened it
     state: _State
+    triton: _Stream
     started_at: float
     offloaded: int  # client frames decided in a worker thread
 
@@ -44,17 +56,24 @@ class LiveSession(Protocol):
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
+        if settings.gateway_url:
+            peers.check_url(settings.gateway_url)  # a wrong one would send resumes nowhere: refuse to start
         self.settings = settings
         self.sessions: dict[str, LiveSession] = {}  # every dialect's, attached or within a resume grace
         self._reserved = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self.ready = False
-        self._not_ready_why: str | None = None  # None: not checked yet (the first check is always logged)
-        self.backend_state = "loading"  # stage_health's verdict: ready | loading | unresponsive | broken
-        self.heal: Callable[[], None] | None = None  # restarts the backend (set by gateway.serve, which owns it)
+        self.pool = EndpointPool(settings.triton_url, settings.triton_endpoints_file or None, settings.failover_s,
+                                 self.sessions_per_endpoint, self._endpoint_down)
+        # endpoint url -> what restarts that Triton, for those this gateway owns (set by gateway.serve)
+        self.healers: dict[str, Callable[[], None]] = {}
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
+
+    @property
+    def ready(self) -> bool:
+        """Some endpoint takes new sessions."""
+        return self.pool.ready
 
     @property
     def active_sessions(self) -> int:
@@ -102,12 +121,31 @@ class Gateway:
                 return
         self._reserved -= 1
 
-    # ---- live sessions ----
-    def place(self) -> str:
-        """The Triton endpoint (host:grpc_port) a new session's stream goes to: the one configured. Placing
-        sessions over several endpoints belongs here (`shell.running` asks it, once per session)."""
-        return self.settings.triton_url
+    # ---- placement: where a session's Triton sequence lives ----
+    def place(self) -> tuple[str, int]:
+        """The endpoint for a new session and a correlation ID for it there; refused (retryable) when no
+        endpoint takes one."""
+        try:
+            url = self.pool.place().url
+        except NoEndpoint as exc:
+            raise ProtocolError(exc.code, exc.message, close_code=CLOSE_TRY_AGAIN, error_type="server_error",
+                                retryable=True) from None
+        taken = {s.triton.corr_id for s in self.sessions.values() if s.triton.url == url}
+        return url, next_correlation_id(taken)
 
+    def sessions_per_endpoint(self) -> Counter[str]:
+        return Counter(s.triton.url for s in self.sessions.values())
+
+    def stream_lost(self, session: LiveSession) -> None:
+        """A session's stream to Triton broke: no new sessions on that endpoint until it answers again."""
+        self.pool.suspect(session.triton.url)
+        session.lost()
+
+    def _endpoint_down(self, url: str) -> None:
+        for session in [s for s in self.sessions.values() if s.triton.url == url]:
+            session.lost()
+
+    # ---- live sessions ----
     def add(self, session: LiveSession) -> None:
         self.sessions[session.session_id] = session
 
@@ -118,27 +156,49 @@ class Gateway:
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
-        """Every stage's health (gateway/stage_health.py): /health, and the sessions of a backend that broke."""
+        await asyncio.gather(self.pool.run(), self._watch_stages())
+
+    async def _watch_stages(self) -> None:
+        """One `StageHealth` per listed endpoint, started as endpoints join the list and stopped as they leave."""
         s = self.settings
-        await StageHealth(s.triton_url, s.health_period_s, s.health_timeout_s, s.step_timeout_s, self._backend_is,
-                          self._tell_sessions, heal=lambda: self.heal() if self.heal is not None else None).watch()
+        watches: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for url in self.pool.endpoints.keys() - watches.keys():
+                    health = StageHealth(url, s.health_period_s, s.health_timeout_s, s.step_timeout_s,
+                                         lambda state, why, url=url: self._stages_are(url, state, why),
+                                         lambda url=url: self._endpoint_down(url),
+                                         heal=lambda url=url: self._heal(url))
+                    watches[url] = asyncio.get_running_loop().create_task(health.watch())
+                for url in watches.keys() - self.pool.endpoints.keys():
+                    watches.pop(url).cancel()
+                await asyncio.sleep(s.health_period_s)
+        finally:
+            for task in watches.values():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*watches.values(), return_exceptions=True)
 
-    def _backend_is(self, state: str, why: str) -> None:
-        self.backend_state = state
-        self._set_ready(state == "ready", f"{state}: {why}" if why else state)
-
-    def _tell_sessions(self) -> None:
-        for session in list(self.sessions.values()):
-            session.lost()
-
-    def _set_ready(self, ready: bool, why: str) -> None:
-        """Readiness as /health reports it; each change (and each new reason for not being ready) is logged once."""
-        if (ready, why) != (self.ready, self._not_ready_why):
-            if ready:
-                log.info("Triton is ready: new sessions are admitted")
+    def _stages_are(self, url: str, state: str, why: str) -> None:
+        endpoint = self.pool.endpoints.get(url)
+        if endpoint is None:
+            return
+        if state != endpoint.stages and (state == "ready" or endpoint.stages == "ready"):
+            if state == "ready":
+                log.info("endpoint %s: every stage answers", url)
             else:
-                log.warning("Triton is not ready: %s; new sessions are refused (not_ready)", why)
-        self.ready, self._not_ready_why = ready, why
+                log.warning("endpoint %s: stages %s: %s; no new sessions there", url, state, why)
+        endpoint.stages = state
+
+    def _heal(self, url: str) -> None:
+        healer = self.healers.get(url)
+        if healer is not None:
+            healer()
+
+    @property
+    def backend_state(self) -> str:
+        """The stages' verdict over the endpoints: the first not ready one's, else ready (stage_health's words)."""
+        return next((e.stages for e in self.pool.endpoints.values() if e.stages != "ready"), "ready")
 
     async def shutdown(self) -> None:
         sessions = list(self.sessions.values())

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from . import page
+from . import admin, page
 from .endpoints import Edge, backend_socket, close_session, health, realtime_socket, voices_check
 from .settings import Settings
 
@@ -22,6 +22,7 @@ ROUTES: list[BaseRoute] = [
     WebSocketRoute("/backend", backend_socket),
     WebSocketRoute("/v1/realtime", realtime_socket),
     *page.routes,
+    *admin.routes,
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
+from . import workers
 from .auth import RedactKeys
 from .registry import Gateway
 from .routes import create_app
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8006)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
-    parser.add_argument("--triton-url", help="use a running Triton (host:grpc_port) instead of starting one")
+    parser.add_argument("--triton-url", help="use running Tritons instead of starting one: host:grpc_port, or a comma "
+                        "list of them (options: metrics=HOST:PORT, sessions=N, drain; docs/deploy.md)")
     parser.add_argument("--triton-ports", default="8000,8001,8002", help="http,grpc,metrics for the started Triton")
     parser.add_argument("--triton-log", type=Path, default=Path(".triton_work/tritonserver.log"))
     parser.add_argument("--triton-address", default=LOOPBACK,
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-sessions", type=int)
     parser.add_argument("--insecure", action="store_true",
                         help="listen on a non-loopback address with no API keys (an open server)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="gateway processes sharing --port (each also on its own port: docs/deploy.md)")
+    parser.add_argument("--worker-port", type=int, help=argparse.SUPPRESS)  # one worker's own port (gateway.workers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = None
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)
-    else:
+    # Given endpoints, it is a gateway in front of running Tritons (docs/deploy.md): none is started here.
+    if not (args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file):
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)
         server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log,
@@ -107,21 +114,25 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             raise
         supervisor.start()  # from here on, a Triton that dies is reaped and started again
-        settings = replace(settings, triton_url=server.ports.grpc_url)
+        settings = replace(settings, triton_url=server.ports.endpoint)
         print(f"tritonserver ready (pid {server.pid}): grpc {server.ports.grpc_url}, "
               f"metrics {server.ports.metrics_url}", flush=True)
     try:
+        if args.workers > 1:
+            return workers.run(sys.argv[1:] if argv is None else argv, args.host, args.port, args.workers,
+                               settings.triton_url)
         print(f"gateway on ws://{args.host}:{args.port}/backend and /v1/realtime "
               f"(health: http://{args.host}:{args.port}/health)",
               flush=True)
         app = create_app(settings)
         if supervisor is not None:  # a broken stage is healed by a fresh Triton (gateway/stage_health.py)
-            app.state.gateway.heal = supervisor.server.kill
+            app.state.gateway.healers[server.ports.grpc_url] = supervisor.server.kill
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
                                 ws_per_message_deflate=settings.ws_deflate, log_level="info")
         for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted
             logging.getLogger(name).addFilter(RedactKeys())
-        GatewayServer(config, app.state.gateway).run()
+        own = None if args.worker_port is None else workers.sockets(args.host, args.port, args.worker_port)
+        GatewayServer(config, app.state.gateway).run(sockets=own)
     finally:
         if supervisor is not None:
             supervisor.stop()

@@ -23,7 +23,12 @@ def setting(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    triton_url: str = setting("127.0.0.1:8001", "Triton's gRPC endpoint (host:port)")
+    # The Triton servers sessions are placed on (docs/deploy.md): a comma list in gateway.triton.endpoints'
+    # grammar, or the file named by triton_endpoints_file, re-read when it changes.
+    triton_url: str = setting("127.0.0.1:8001", "Triton gRPC endpoints (host:port), comma-separated")
+    triton_endpoints_file: str = setting("", "a file of Triton endpoints, one a line, re-read when it changes")
+    failover_s: float = setting(5.0, "an endpoint silent this long: its sessions are told backend_unavailable")
+    gateway_url: str = setting("", "where clients reach this very gateway (ws://host:port); resume tokens name it")
     max_sessions: int = setting(64, "live sessions, every dialect together (the reference demo allows 1 per worker)")
     max_pending_steps: int = setting(8, "appends waiting behind the one in flight, per session")
     idle_timeout_s: float = setting(300.0, "no message but heartbeats for this long closes the session")

@@ -33,6 +33,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from minicpmo_triton.duplex_contract import ChatInput, StepInput
 from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, describe
 
+from . import peers
 from .auth import ANONYMOUS
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
@@ -157,7 +158,7 @@ class Session:
         self.ws: WebSocket | None = None
         self.seq = 0
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
-        self.resume_token = secrets.token_urlsafe(24)
+        self.resume_token = peers.new_token(settings.gateway_url)  # names this gateway (gateway/peers.py)
         self._send_lock = asyncio.Lock()
         # The state's inputs in the order they arrived: a big frame holds it from the moment its reading is
         # planned until it is decided, so a step event that arrives meanwhile is decided after it (a barge-in
@@ -203,7 +204,7 @@ class Session:
             return
         try:
             await asyncio.wait_for(ws.send_text(text), self.settings.send_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._drop_slow(ws)
         except Exception as exc:  # noqa: BLE001 (a send to a closed socket is a disconnect)
             log.info("session %s: a send failed (%s): the client is taken as gone", self.session_id, describe(exc))
@@ -315,7 +316,7 @@ class Session:
                 await self._run_step(step)
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.fail("step_timeout", f"a step made no progress for {self.settings.step_timeout_s:.0f} s")
                 return
             except TritonUnavailable:
@@ -382,7 +383,7 @@ class Session:
                     await old.close(code=CLOSE_NORMAL, reason="replaced")
             if after_seq is None or self.journal is None:
                 return
-            self.resume_token = secrets.token_urlsafe(24)
+            self.resume_token = peers.new_token(self.settings.gateway_url)
             missed = self.journal.since(after_seq)
             if missed is None:
                 await ws.send_text(self._control(ResyncRequired(self.session_id, "journal_gap", self.resume_token)))
@@ -465,13 +466,15 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
-    triton = TritonStream(gw.place())
+    url, corr_id = gw.place()  # the endpoint with the most room (gateway/triton/placement.py), for its life
+    triton = TritonStream(url, corr_id)
     try:
         await triton.open()
     except Exception as exc:
         raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
     session = Session(state, triton, gw.settings, resumable, owner)
+    triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
     gw.add(session)
     try:
         await session.attach(ws)
@@ -495,7 +498,7 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
         while not session.closed and session.ws is ws:
             try:
                 text = await receive_text(ws, activity.remaining_s(), session.settings.test_faults)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await session.close("timeout")
                 return
             except Disconnected:
@@ -515,6 +518,10 @@ async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any], owner: str = A
     principal that opened a session resumes it (another one is told it does not exist)."""
     session_id = msg.get("session_id")
     session = gw.sessions.get(session_id) if isinstance(session_id, str) else None
+    if session is None:  # held by the gateway its token names, if another one: the client is sent there
+        redirect = peers.redirect(msg.get("resume_token"), gw.settings.gateway_url, ws.url.path)
+        if redirect is not None:
+            raise redirect
     if not isinstance(session, Session) or session.closed or not session.resumable or session.owner != owner:
         raise ProtocolError("session_resume_expired", "no such session, or its disconnect grace is over",
                             "session_id", close_code=CLOSE_POLICY)

@@ -138,7 +138,7 @@ async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: floa
 
     try:
         live, ready = await asyncio.wait_for(readiness(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Report(live=None)
     except Exception as exc:  # noqa: BLE001 (refused, reset: Triton is not up)
         return Report(live=False, why=f"Triton at {url} does not answer ({type(exc).__name__})")
@@ -154,7 +154,7 @@ async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: floa
 
     try:
         await asyncio.wait_for(asyncio.gather(*(probe(m) for m in MODELS)), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return Report(live=True, models_ready=True, failed=failed, probes_answered=False)
     return Report(live=True, models_ready=True, failed=failed, probes_answered=True)
 

@@ -35,6 +35,7 @@ class ProtocolError(Exception):
         self.error_type = error_type
         self.http_status = http_status
         self.event_id: str | None = None  # the client event it answers (the Realtime dialects report it)
+        self.redirect_url: str | None = None  # session_elsewhere: where the session is (gateway.peers)
 
 
 def new_id(prefix: str) -> str:

@@ -34,6 +34,8 @@ MAX_MESSAGE = 64 << 20
 HANDSHAKE_TIMEOUT_S = 30.0
 DEFAULT_BACKOFF = Backoff()
 FATAL_RESUME = frozenset({"session_resume_expired", "invalid_resume_token"})
+REDIRECT = "session_elsewhere"  # another gateway holds the session: its URL comes with the error
+MAX_REDIRECTS = 3  # per attempt: a loop between misconfigured gateways ends
 
 ServerHook = Callable[[dict[str, Any]], None]
 
@@ -67,8 +69,9 @@ class Session:
         return self._queue.qsize()
 
     # ---- opening ----
-    async def _open(self, resume: bool) -> ClientConnection:
-        url = wire.with_query(self.url, resume="1") if resume else self.url
+    async def _open(self, url: str, resume: bool) -> ClientConnection:
+        # a fresh session opts into the extensions this client reads (a resume is an extension itself)
+        url = wire.with_query(url, resume="1") if resume else wire.with_extensions(url)
         return await ws_connect(url, additional_headers=self._headers, max_size=MAX_MESSAGE,
                                 open_timeout=HANDSHAKE_TIMEOUT_S)
 
@@ -86,7 +89,7 @@ class Session:
             await asyncio.sleep(delay)
             ws: ClientConnection | None = None
             try:
-                ws = await self._open(resume=False)
+                ws = await self._open(self.url, resume=False)
                 await self._expect(ws, "session.created")
                 await ws.send(setup)
                 await self._expect(ws, "session.updated")
@@ -95,7 +98,7 @@ class Session:
                     raise
                 last = exc
                 continue
-            except (OSError, InvalidHandshake, ConnectionClosed, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, InvalidHandshake, ConnectionClosed) as exc:
                 if ws is not None:
                     await ws.close()
                 last = ClientError("connection_failed", f"{type(exc).__name__}: {exc}", retryable=True)
@@ -148,21 +151,40 @@ class Session:
     async def _put(self, ev: ClientEvent) -> None:
         await self._queue.put(ev)  # blocks when full: see the slow consumer policy above
 
+    async def _resume_once(self) -> tuple[ClientConnection, dict[str, Any]]:
+        """One resume attempt: the socket and the server's answer. A gateway that does not hold the session
+        names the one that does (`session_elsewhere`): followed at once. The session's URL becomes that one
+        once it answers; an attempt that cannot reach it leaves the URL as it was (the next goes there)."""
+        url = self.url
+        for _ in range(MAX_REDIRECTS + 1):
+            ws = await self._open(url, resume=True)
+            await ws.send(wire.resume(self.state.session_id or "", self.state.resume_token or "",
+                                      self.state.last_seq))
+            answer = await self._recv(ws)
+            err = answer.get("error") or {}
+            if answer.get("type") != "error" or err.get("code") != REDIRECT:
+                self.url = url
+                return ws, answer
+            await ws.close()
+            try:
+                url = wire.redirected(url, err.get("redirect_url"))
+            except ValueError as exc:
+                raise ClientError("resume_failed", f"{REDIRECT}: {exc}", retryable=False) from None
+        raise ClientError("resume_failed", f"more than {MAX_REDIRECTS} redirects", retryable=False)
+
     async def _resume(self) -> Resumed:
         self._online.clear()
         last: Exception | None = None
         for attempt, delay in enumerate(self._backoff.delays(), 1):
             await asyncio.sleep(delay)
             try:
-                ws = await self._open(resume=True)
-                await ws.send(wire.resume(self.state.session_id or "", self.state.resume_token or "",
-                                          self.state.last_seq))
-                answer = await self._recv(ws)
-            except (OSError, InvalidHandshake, ConnectionClosed, asyncio.TimeoutError) as exc:
+                ws, answer = await self._resume_once()
+            except (TimeoutError, OSError, InvalidHandshake, ConnectionClosed) as exc:
                 last = exc
                 continue
             kind = answer.get("type")
             if kind == "error":
+                await ws.close()
                 err = answer.get("error") or {}
                 if err.get("code") in FATAL_RESUME:
                     raise ClientError("resume_failed", f"{err.get('code')}: {err.get('message')}", retryable=False)
@@ -284,11 +306,14 @@ async def connect(url: str, *, api_key: str | None = None, key_in_query: bool = 
     """Open a session on `ws://HOST:PORT/v1/realtime`.
 
     `api_key` goes in an `Authorization: Bearer` header (or as `?key=` with `key_in_query`, as browsers
-    must); `turn_detection`: "duplex" (the model decides when to speak), "server_vad" or None (manual);
+    must); `turn_detection`: "duplex" (the model decides when to speak), "server_vad", "semantic_vad" or None
+    (manual); the session opts into the extensions this client reads (`?extensions=duplex,events`);
     `session`: more `session.update` keys (sampling, overlap policy, ...). `on_server_event` sees every
     server event as it arrives (a trace). Retries a busy or unreachable server with `backoff`."""
     if input_rate not in wire.RATES or output_rate not in wire.RATES:
         raise ValueError(f"rates must be one of {wire.RATES}")
+    if turn_detection not in wire.TURN_DETECTION:
+        raise ValueError(f"turn_detection must be one of {wire.TURN_DETECTION}")
     headers: dict[str, str] = {}
     if api_key and key_in_query:
         url = wire.with_query(url, key=api_key)

@@ -127,8 +127,9 @@ class ConversationState:
         if reply is None or reply.id != rid:
             reply = Reply(rid, None)
         out: list[ClientEvent] = []
-        if status == "cancelled":
-            out.append(BargeIn(rid, (response.get("status_details") or {}).get("reason", "cancelled")))
+        if status == "cancelled":  # why, in the server's words (`cause`), else the spec's
+            details = response.get("status_details") or {}
+            out.append(BargeIn(rid, details.get("cause") or details.get("reason") or "cancelled"))
         had_audio = reply.first_audio_at is not None
         if had_audio:
             out.append(AudioChunk(rid, np.zeros(0, np.float32), self.output_rate, is_final=True))

@@ -228,10 +228,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("MINICPMO_API_KEY"))
     parser.add_argument("--voice", help="the assistant's voice (a name)")
     parser.add_argument("--instructions", help="the system prompt")
-    parser.add_argument("--turn-detection", choices=("duplex", "server_vad", "manual"), default="duplex",
-                        help="who decides when the assistant speaks: the model (duplex), server VAD, or you")
+    parser.add_argument("--turn-detection", choices=("duplex", "server_vad", "semantic_vad", "manual"),
+                        default="duplex", help="who decides when the assistant speaks: the model (duplex), "
+                        "server VAD (semantic_vad: the same VAD, OpenAI's name), or you")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (do_sample: false)")
-    parser.add_argument("--max-output-tokens", type=int, help="a reply's token budget (server_vad and manual turns)")
+    parser.add_argument("--max-output-tokens", type=int, help="a reply's token budget (VAD and manual turns)")
     parser.add_argument("--tail", type=float, default=3.0, help="seconds of silence streamed after the WAV")
     parser.add_argument("--max-tail", type=float, default=30.0, help="at most this much silence after the WAV")
     parser.add_argument("--idle", type=float, default=2.0, help="quit after this many quiet seconds once done")

@@ -6,12 +6,16 @@ from __future__ import annotations
 import base64
 import json
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
-MAX_APPEND_S = 5  # the server refuses longer appends (`bad_audio`)
+MAX_APPEND_S = 5  # a long recording goes in appends of this (the server takes up to a 15 MiB event)
 RATES = (16_000, 24_000)
+# What this client opts into on /v1/realtime (a stock OpenAI client gets the spec alone): the model's own turns,
+# and the extension events and fields it reads (`response.listen`, `session.closed`, seqs and a resume token).
+EXTENSIONS = "duplex,events"
+TURN_DETECTION = ("duplex", "server_vad", "semantic_vad", None)
 
 
 def encode_pcm16(audio: np.ndarray) -> str:
@@ -29,12 +33,13 @@ def event(kind: str, **fields: Any) -> str:
 
 def session_update(*, instructions: str | None, voice: str | None, turn_detection: str | None,
                    input_rate: int, output_rate: int, extra: dict[str, Any] | None = None) -> str:
-    """`turn_detection`: "duplex" (the model decides when to speak), "server_vad", or None (manual)."""
+    """`turn_detection`: "duplex" (the model decides when to speak: `duplex: true`), "server_vad", "semantic_vad",
+    or None (manual); the spec's `turn_detection` beside it (null for duplex, which has no VAD turns)."""
+    td = None if turn_detection in (None, "duplex") else {"type": turn_detection}
     session: dict[str, Any] = {"audio": {
-        "input": {"format": {"type": "audio/pcm", "rate": input_rate},
-                  "turn_detection": None if turn_detection is None else {"type": turn_detection}},
+        "input": {"format": {"type": "audio/pcm", "rate": input_rate}, "turn_detection": td},
         "output": {"format": {"type": "audio/pcm", "rate": output_rate}},
-    }, **(extra or {})}
+    }, "duplex": turn_detection == "duplex", **(extra or {})}
     if voice is not None:
         session["audio"]["output"]["voice"] = voice
     if instructions is not None:
@@ -77,6 +82,26 @@ def with_query(url: str, **params: str) -> str:
     parts = urlsplit(url)
     query = "&".join(q for q in (parts.query, urlencode(params)) if q)
     return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
+
+
+def with_extensions(url: str) -> str:
+    """`url` opting into this client's extensions, unless it names some itself."""
+    return url if "extensions" in parse_qs(urlsplit(url).query) else with_query(url, extensions=EXTENSIONS)
+
+
+def redirected(url: str, target: object) -> str:
+    """Where a `session_elsewhere` redirect sends a resume: the target's scheme, host and path, with this URL's
+    own query kept (the dialect's mode, a key given in the query). ValueError for a target that is no ws(s)
+    URL, or that would move a wss:// session to plain ws:// (its key would then travel in clear)."""
+    if not isinstance(target, str):
+        raise ValueError("the redirect names no URL")
+    to, here = urlsplit(target), urlsplit(url)
+    if to.scheme not in ("ws", "wss") or not to.netloc:
+        raise ValueError(f"not a ws:// or wss:// URL: {target!r}")
+    if here.scheme == "wss" and to.scheme != "wss":
+        raise ValueError(f"refused: {target} would drop TLS")
+    query = "&".join(q for q in (to.query, here.query) if q)
+    return urlunsplit((to.scheme, to.netloc, to.path or here.path, query, ""))
 
 
 def http_base(ws_url: str) -> str:

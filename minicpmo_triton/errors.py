@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 import traceback
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 
-class Code(str, Enum):
+class Code(StrEnum):
     """The error codes a step can answer with (`StepEvent.code`, `StepError.code`); on the wire, the value.
 
     What the gateway does with each: `CLIENT_ERRORS` are the client's input (refused, the session goes on),

@@ -12,6 +12,14 @@ import websockets
 
 from gateway.audio import encode_pcm16_base64, resample
 
+# What the page, `talk` and minicpmo_client opt into on /v1/realtime (a stock client gets the spec alone): the
+# model's own turns, and the extension events and fields (seqs, resume tokens, response.listen, ...).
+EXTENSIONS = "extensions=duplex,events"
+
+
+def opted_in(url: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{EXTENSIONS}"
+
 
 class RealtimeClient:
     def __init__(self, ws: websockets.ClientConnection) -> None:
@@ -50,7 +58,7 @@ class RealtimeClient:
         while True:
             try:
                 got.append(await self.recv(seconds))
-            except (asyncio.TimeoutError, websockets.ConnectionClosed):
+            except (TimeoutError, websockets.ConnectionClosed):
                 return got
 
     def of(self, event_type: str) -> list[dict[str, Any]]:
@@ -61,6 +69,6 @@ class RealtimeClient:
         try:
             await self.send("session.close")
             await self.until("session.closed", timeout_s=10)
-        except (websockets.ConnectionClosed, asyncio.TimeoutError):
+        except (TimeoutError, websockets.ConnectionClosed):
             pass
         await self.ws.close()

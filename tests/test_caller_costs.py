@@ -20,6 +20,7 @@ from gateway.audio import encode_f32_base64
 from gateway.auth import ANONYMOUS, redact
 from gateway.dialects import backend, minicpm
 from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_extensions import ALL
 from gateway.fairness import Activity, Quotas, ResumeFailures, paced
 from gateway.inputs import image_bytes
 from gateway.limits import Limits
@@ -45,6 +46,12 @@ def refused(call: Any, *args: Any) -> ProtocolError:
     return info.value
 
 
+def update_refused(st: OpenAIRealtimeState, session: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fields a `session.update` refused (each on its own: the others apply): their error objects."""
+    return [e.error for e in st.on_client({"type": "session.update", "session": session}).events
+            if e.type == "error"]
+
+
 def backend_msg(kind: str, **payload: Any) -> dict[str, Any]:
     return {"type": kind, **payload}
 
@@ -65,8 +72,8 @@ def test_a_long_system_prompt_is_refused_at_the_door_in_every_dialect() -> None:
     err = refused(backend.parse_init, {"type": "session.init", "payload": {"system_prompt": long}}, Limits.default())
     assert (err.code, err.close_code) == ("input_too_large", 1008)
     st, _ = openai_state()
-    assert refused(st.on_client, {"type": "session.update", "session": {"instructions": long}}).code == \
-        "input_too_large"
+    assert [e["code"] for e in update_refused(st, {"instructions": long})] == ["input_too_large"]
+    assert st.config.instructions != long
     mini = minicpm.MiniCPMRealtimeState("s")
     assert refused(mini.on_client, {"type": "session.update", "session": {"instructions": long}}).code == \
         "input_too_large"
@@ -98,8 +105,9 @@ def test_the_voice_is_a_name_not_a_payload() -> None:
     """OpenAI's `voice` is echoed in every response.created / response.done: a 12 MB voice amplified echoes."""
     st, _ = openai_state()
     for voice in ("v" * 100_000, {"id": "voice_1"}, "../etc/passwd", 7):
-        err = refused(st.on_client, {"type": "session.update", "session": {"voice": voice}})
-        assert err.code == "invalid_value" and err.param == "session.audio.output.voice"
+        [err] = update_refused(st, {"voice": voice})
+        assert err["code"] == "invalid_value" and err["param"] == "session.audio.output.voice"
+        assert st.config.voice != voice
     fx = st.on_client({"type": "session.update", "session": {"voice": "alloy"}})
     assert fx.events[0].session["audio"]["output"]["voice"] == "alloy"
 
@@ -158,12 +166,40 @@ def test_a_turn_based_conversation_is_bounded_in_items_and_bytes() -> None:
 
 def test_a_duplex_conversation_keeps_its_latest_items() -> None:
     """In duplex the conversation is only a record (the model's context is its KV cache): the oldest items go."""
-    st = OpenAIRealtimeState("s", limits=limits(conversation_items=2))
+    st = OpenAIRealtimeState("s", ext=ALL, limits=limits(conversation_items=2))
+    st.on_client({"type": "session.update", "session": {"duplex": True}})
+    assert st.config.duplex
     first = st.on_client(item("one"))
     st.on_client(item("two"))
     third = st.on_client(item("three"))
     assert "conversation.item.deleted" in types(third) and len(st.conversation.items) == 2
     assert third.events[0].item_id == first.events[0].item["id"]
+
+
+def test_the_input_buffer_holds_the_callers_audio_bound() -> None:
+    """The uncommitted turn-based buffer is one conversation item's audio: `MAX_ITEM_AUDIO_S`, not a constant."""
+    st = OpenAIRealtimeState("s", limits=limits(item_audio_s=2.0))
+    st.on_client({"type": "session.update", "session": {"turn_detection": None, "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16_000}}}}})
+    second = base64.b64encode(np.zeros(16_000, np.int16).tobytes()).decode()
+    for _ in range(2):
+        st.on_client({"type": "input_audio_buffer.append", "audio": second})
+    err = refused(st.on_client, {"type": "input_audio_buffer.append", "audio": second})
+    assert err.code == "input_audio_buffer_full" and "2 s" in err.message
+    assert st.buffer.samples == 32_000  # the refused append left nothing
+
+
+def test_trimming_a_duplex_conversation_keeps_the_open_response() -> None:
+    st = OpenAIRealtimeState("s", ext=ALL, limits=limits(conversation_items=2))
+    st.on_client({"type": "session.update", "session": {"duplex": True}})
+    one = st.on_client(item("one")).events[-1].item["id"]
+    st._open_response()  # the model opened a turn (as a step's first delta does)
+    answer = st.active.item
+    two = st.on_client(item("two"))  # three items: the oldest goes, the open response's stays
+    three = st.on_client(item("three"))
+    assert [i.id for i in st.conversation.items] == [answer.id, three.events[-1].item["id"]]
+    deleted = [e.item_id for fx in (two, three) for e in fx.events if e.type == "conversation.item.deleted"]
+    assert deleted == [one, two.events[-1].item["id"]]
 
 
 # ---- fair sharing ----

@@ -55,7 +55,9 @@ async def test_the_api_key_goes_in_a_bearer_header_or_the_query() -> None:
         await s.close()
         s = await mc.connect(url, api_key="sk 2", key_in_query=True, backoff=FAST)
         await s.close()
-    assert script.requests == [("/v1/realtime", "Bearer sk-1"), ("/v1/realtime?key=sk+2", None)]
+    # the client opts into the extensions it reads (a stock OpenAI client gets the spec alone)
+    assert script.requests == [("/v1/realtime?extensions=duplex%2Cevents", "Bearer sk-1"),
+                               ("/v1/realtime?key=sk+2&extensions=duplex%2Cevents", None)]
     assert s.state.closed == "client_closed"
 
 

@@ -74,11 +74,13 @@ async def test_silent_sockets_are_cut_off_and_leave_room(gateway_factory) -> Non
     """max_sessions silent sockets (each from its own address) fill the server; the first-event deadline cuts
     them off (not the 300 s idle timeout), and a caller that was refused gets in."""
     gw = gateway_factory(max_sessions="3", init_timeout_s="2")
-    silent = [await opened(gw.realtime, f"10.0.1.{i}") for i in range(3)]
+    # a stock client (told nothing but the close) and clients that opted into session.closed
+    silent = [await opened(gw.realtime + ("?extensions=events" if i else ""), f"10.0.1.{i}") for i in range(3)]
     assert (await refusal(gw.realtime, "10.0.2.1")) == ("too_many_sessions", 1013)
     started = time.monotonic()
     ends = await asyncio.gather(*(closed(ws, 10) for ws in silent))
-    assert all(e.get("type") == "session.closed" and e["reason"] == "init_timeout" for e in ends), ends
+    assert all(e.get("type") == "session.closed" and e["reason"] == "init_timeout" for e in ends[1:]), ends
+    assert [ws.close_code for ws in silent] == [1008] * 3
     assert time.monotonic() - started < 6
     clean = await opened(gw.realtime, "10.0.2.1")
     await leave(clean)
@@ -88,7 +90,7 @@ async def test_heartbeats_alone_do_not_hold_a_session(gateway_factory) -> None:
     """A socket that sends one event and then only heartbeats is cut off at the idle timeout, however often it
     beats."""
     gw = gateway_factory(idle_timeout_s="3")
-    ws = await opened(gw.realtime)
+    ws = await opened(gw.realtime + "?extensions=events")  # session.closed says why
     await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
     assert json.loads(await ws.recv())["type"] == "session.updated"
     started = time.monotonic()
@@ -114,7 +116,8 @@ async def test_bogus_resumes_never_refuse_another_callers_real_resume(gateway_fa
     """Keys off: two callers behind one address. One sends bogus resumes past the limit; the other's resume of
     its own session (right id, right token) still goes through."""
     gw = gateway_factory(resume_attempts="2", disconnect_grace_s="30")
-    ws = await websockets.connect(gw.realtime, additional_headers=at("10.0.5.1"))
+    # resuming is an extension (the token, the seqs)
+    ws = await websockets.connect(gw.realtime + "?extensions=events", additional_headers=at("10.0.5.1"))
     created = json.loads(await ws.recv())
     session_id, token = created["session"]["id"], created["resume_token"]
     await ws.send(json.dumps({"type": "session.heartbeat"}))  # a first event: the session is the caller's now

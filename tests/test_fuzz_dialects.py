@@ -28,6 +28,8 @@ from gateway.audio import (
     encode_pcm16_base64,
 )
 from gateway.dialects import backend, minicpm, openai
+from gateway.dialects.openai_duplex import MAX_AHEAD
+from gateway.dialects.openai_extensions import ALL
 from gateway.dialects.realtime_events import parse_event
 from gateway.dialects.state import DialectState, Effects, PlannedStep
 from gateway.wire import ProtocolError, parse_json
@@ -88,7 +90,10 @@ VALID = {  # events that get somewhere (a step planned), their fields fuzzed a l
                                                                                             "text": t}]}}), texts),
         st.sampled_from([_dump({"type": "response.create"}), _dump({"type": "response.cancel"}),
                          _dump({"type": "input_audio_buffer.commit"}),
-                         _dump({"type": "session.update", "session": {"turn_detection": None}})])),
+                         _dump({"type": "session.update", "session": {"turn_detection": None}}),
+                         _dump({"type": "session.update", "session": {"duplex": False}}),
+                         _dump({"type": "response.create", "response": {"instructions": "Hi.",
+                                                                        "metadata": {"k": "v"}}})])),
     "minicpm": st.one_of(
         st.just(_dump({"type": "session.update", "session": {}})),
         st.builds(lambda a, f: _dump({"type": "input_audio_buffer.append", "audio": a, "force_listen": f}),
@@ -137,6 +142,7 @@ def legal(state: DialectState) -> None:
     assert all(v >= 0 for v in state.usage.counts.values()), state.usage.counts
     if isinstance(state, openai.OpenAIRealtimeState):
         assert state.response is None or state.active in (None, state.response)
+        assert 0 <= state.duplex.ahead <= MAX_AHEAD
 
 
 def drive(state: DialectState, frames: list[str], plan: list[tuple[str, Any]]) -> None:
@@ -187,7 +193,9 @@ def drive(state: DialectState, frames: list[str], plan: list[tuple[str, Any]]) -
 STATES = {
     "backend": lambda: backend.BackendState("sess_fuzz"),
     "backend_turn": lambda: backend.BackendState("sess_fuzz", mode="turn_based"),
+    # a stock client (turns by its commits here: no VAD model) and one that opted into duplex and the extensions
     "openai": lambda: openai.OpenAIRealtimeState("sess_fuzz", vad=None),
+    "openai_extended": lambda: openai.OpenAIRealtimeState("sess_fuzz", ext=ALL, vad=None),
     "minicpm_audio": lambda: minicpm.MiniCPMRealtimeState("sess_fuzz", mode="audio"),
     "minicpm_video": lambda: minicpm.MiniCPMRealtimeState("sess_fuzz", mode="video"),
 }

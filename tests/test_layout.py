@@ -9,15 +9,17 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page"},
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
+     "triton.endpoints", "triton.placement", "workers"},
     {"limits"},
-    {"dialects.state", "inputs", "triton", "auth", "triton.supervisor", "http_body", "stage_health"},
-    {"registry", "fairness", "dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation",
-     "dialects.openai_duplex"},
+    {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
+     "peers", "http_body", "stage_health"},
+    {"registry", "fairness"},
+    {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
     {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
-    {"endpoints"},
+    {"endpoints", "admin"},
     {"routes"},
     {"serve", "triton.__main__"},
 ]
@@ -27,7 +29,8 @@ DIALECTS = {
     "dialects.minicpm": {"dialects.state", "dialects.realtime_events"},
     "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
                         "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
-                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
+                        "dialects.openai_input", "dialects.openai_states", "dialects.openai_response",
+                        "dialects.openai_extensions"},
 }
 
 

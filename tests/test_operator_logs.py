@@ -14,35 +14,39 @@ import pytest
 from starlette.websockets import WebSocketState
 
 from gateway.dialects.openai import OpenAIRealtimeState
+from gateway.dialects.openai_extensions import ALL
 from gateway.registry import Gateway
 from gateway.settings import Settings
 from gateway.shell import Session
 from gateway.triton import free_port
+from gateway.triton.pool import READY, EndpointPool
 from minicpmo_triton.duplex_contract import StepEvent
 from minicpmo_triton.errors import Code
 from tests.test_shell_offload import FakeTriton, append, until
 
 
 def gateway_lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "gateway" and r.levelno == level]
+    return [r.getMessage() for r in caplog.records if r.name.split(".")[0] == "gateway" and r.levelno == level]
 
 
 async def test_readiness_changes_are_logged_once_with_why(caplog: pytest.LogCaptureFixture) -> None:
     gw = Gateway(Settings(triton_url=f"127.0.0.1:{free_port()}"))  # nothing listens there
+    [endpoint] = gw.pool.endpoints.values()
     with caplog.at_level(logging.INFO, "gateway"):
         watcher = asyncio.create_task(gw.watch_triton())
         await asyncio.sleep(1.0)  # several checks
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-        gw._set_ready(True, "")
-        gw._set_ready(True, "")
+        EndpointPool._set_state(endpoint, READY)
+        EndpointPool._set_state(endpoint, READY)
     [line] = gateway_lines(caplog, logging.WARNING)
-    assert "not ready" in line and "does not answer" in line and gw.settings.triton_url in line
-    assert gateway_lines(caplog, logging.INFO) == ["Triton is ready: new sessions are admitted"]
+    assert "no new sessions" in line and "does not answer" in line and endpoint.url in line
+    [ready] = gateway_lines(caplog, logging.INFO)
+    assert ready.endswith("-> ready: new sessions are placed there") and endpoint.url in ready
 
 
 async def session_with_a_step(triton: FakeTriton) -> tuple[Session, OpenAIRealtimeState]:
-    state = OpenAIRealtimeState("sess_ops", vad=None)
+    state = OpenAIRealtimeState("sess_ops", ext=ALL, vad=None)  # duplex: a step per second
     session = Session(state, triton, Settings(), resumable=True)
     await session.handle(json.dumps({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}}}))

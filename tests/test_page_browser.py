@@ -51,7 +51,9 @@ def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
             page.get_by_role("button", name="Start").focus()
             page.keyboard.press("Enter")  # the keyboard starts it, as a click would
             page.wait_for_function("window.talk.appends > 10", timeout=30_000)
-            assert page.evaluate("window.talk.url").endswith("/v1/realtime?key=test-key")
+            # the page opts into the extensions it speaks (duplex turns, response.listen, ...); a stock client gets
+            # the spec alone
+            assert page.evaluate("window.talk.url").endswith("/v1/realtime?extensions=duplex%2Cevents&key=test-key")
             expect(page.get_by_role("status")).to_have_text("listening")
             # the reply: words, then audio chunks that play (the worklet reports samples played)
             page.wait_for_function("window.talk.chunks > 0 && window.talk.queued > 12000", timeout=90_000)

@@ -13,7 +13,7 @@ import websockets
 from gateway.audio import decode_pcm16_base64, encode_f32_base64
 
 from .helpers import SPEAKING_TEXT
-from .realtime_client import RealtimeClient
+from .realtime_client import RealtimeClient, opted_in
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 GREEDY = {"do_sample": False}
@@ -32,7 +32,11 @@ IN_16K = {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}  # whole s
 
 
 async def open_session(url: str, **session) -> tuple[RealtimeClient, dict]:
-    c = await RealtimeClient.connect(url)
+    """A session opted into the extensions (these tests exercise them, as the page does): duplex, unless a turn
+    detection is named (`duplex: false` leaves duplex)."""
+    if "turn_detection" in session:
+        session["duplex"] = False
+    c = await RealtimeClient.connect(opted_in(url))
     created = await c.recv()
     assert created["type"] == "session.created", created
     await c.send("session.update", session={**GREEDY, **session})
@@ -152,7 +156,7 @@ async def test_barge_in_cancels_and_no_late_delta_gets_out(gateway, speech) -> N
     assert decision["reason"] == "speech_onset"
     done = await c.until("response.done")
     assert done["response"]["id"] == speak["response_id"]
-    assert (done["response"]["status"], done["response"]["status_details"]["reason"]) == ("cancelled", "barge_in")
+    assert done["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected", "cause": "barge_in"}
     after = c.events[c.events.index(done) + 1:] + await c.quiet(1.5)
     assert not [e for e in after if e.get("response_id") == speak["response_id"]
                 and e["type"].endswith(".delta")], "a delta of the cancelled reply reached the client"
@@ -187,7 +191,8 @@ async def test_a_backchannel_does_not_interrupt(gateway, speech) -> None:
     await c.until("session.closed")
     done = c.of("response.done")
     assert [d["response"]["id"] for d in done] == [speak["response_id"]]
-    assert done[0]["response"]["status_details"]["reason"] == "client_closed"
+    # the spec has no reason for a session's end; ours is the cause
+    assert done[0]["response"]["status_details"] == {"type": "cancelled", "cause": "client_closed"}
 
 
 async def test_truncate_and_playback_ack(gateway, speech) -> None:
@@ -395,8 +400,8 @@ async def test_items_with_text_and_an_image(gateway) -> None:
     assert (await c.until("response.done"))["response"]["status"] == "failed"
     await c.send("conversation.item.delete", item_id=bad["id"])
     await c.until("conversation.item.deleted")
-    await c.send("response.create")  # the conversation now ends with the assistant: nothing to answer
-    assert (await c.until("error"))["error"]["code"] == "invalid_value"
+    await c.send("response.create")  # the conversation now ends with the assistant: answered all the same, as OpenAI
+    assert (await c.until("response.done"))["response"]["status"] in ("completed", "incomplete")
     await c.send("conversation.item.create", item={"type": "message", "role": "user",
                                                    "content": [{"type": "input_text", "text": "And now?"}]})
     await c.send("response.create")

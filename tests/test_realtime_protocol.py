@@ -10,8 +10,9 @@ import pytest
 
 from gateway.audio import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
 from gateway.dialects.openai import OpenAIRealtimeState
-from gateway.dialects.openai_config import RealtimeConfig, apply_update
+from gateway.dialects.openai_config import RealtimeConfig, Update, apply_update
 from gateway.dialects.openai_conversation import Item
+from gateway.dialects.openai_extensions import ALL, Extensions
 from gateway.journal import Journal
 from gateway.overlap import OverlapPolicy, OverlapSettings
 from gateway.vad import WINDOW, SpeechSegmenter
@@ -42,8 +43,12 @@ def pcm(seconds: float, loud: bool, rate: int = 16_000) -> str:
 
 
 def state(**session) -> tuple[OpenAIRealtimeState, Clock]:
+    """A session that opted into the extensions, as the page, `talk` and minicpmo_client do: duplex unless the
+    test names a turn detection (which leaves duplex, as `duplex: false` says)."""
+    if "turn_detection" in session:
+        session.setdefault("duplex", False)
     clock = Clock()
-    st = OpenAIRealtimeState("sess_test", vad=LoudnessVad().probabilities, clock=clock)
+    st = OpenAIRealtimeState("sess_test", ext=ALL, vad=LoudnessVad().probabilities, clock=clock)
     # 16 kHz in: whole seconds of audio make whole steps (at 24 kHz the resampler holds back a few ms)
     st.on_client({"type": "session.update", "session": {
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
@@ -122,26 +127,63 @@ def test_a_cut_keeps_the_words_heard_and_only_moves_earlier() -> None:
 
 
 # ---- configuration ----
+def update(session: dict, started: bool = False, config: RealtimeConfig | None = None,
+           ext=ALL) -> tuple[RealtimeConfig, list[str]]:
+    """`session.update` over a config: the new config and the codes of the fields refused."""
+    out, refused = apply_update(config or RealtimeConfig(), Update(session, started, ext, vad=True))
+    return out, [err.code for err in refused]
+
+
 def test_session_update_reads_ga_and_beta_shapes() -> None:
-    ga = apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
-                                                             "turn_detection": {"type": "server_vad",
-                                                                                "silence_duration_ms": 300}}},
-                                         "output_modalities": ["text"]}, started=False)
+    ga, refused = update({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                                              "turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}},
+                          "output_modalities": ["text"]})
     assert (ga.input_rate, ga.turn_detection.type, ga.turn_detection.silence_duration_ms) == (16000, "server_vad", 300)
-    assert not ga.audio_out
-    beta = apply_update(RealtimeConfig(), {"input_audio_format": "pcm16", "turn_detection": None,
-                                           "temperature": 0.0}, started=False)
+    assert not ga.audio_out and refused == []
+    beta, _ = update({"input_audio_format": "pcm16", "turn_detection": None, "temperature": 0.0})
     assert beta.turn_detection.type is None and beta.options().temperature == 0.0
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, started=False)
-    assert err.value.code == "unsupported_audio_format"
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"turn_detection": {"type": "server_vad"}}, started=True)
-    assert err.value.code == "session_update_not_allowed"
-    with pytest.raises(ProtocolError) as err:
-        apply_update(RealtimeConfig(), {"instructions": "Be brief."}, started=True)
-    assert err.value.code == "session_update_not_allowed"
-    assert apply_update(RealtimeConfig(), {"overlap_barge_in_ms": 900}, started=True).overlap.barge_in_ms == 900
+    assert update({"audio": {"input": {"format": {"type": "audio/pcmu"}}}})[1] == ["unsupported_audio_format"]
+    duplex = RealtimeConfig.first(ALL)
+    assert update({"turn_detection": {"type": "server_vad"}}, started=True, config=duplex)[1] == \
+        ["session_update_not_allowed"]
+    assert update({"instructions": "Be brief."}, started=True)[1] == ["session_update_not_allowed"]
+    assert update({"overlap_barge_in_ms": 900}, started=True)[0].overlap.barge_in_ms == 900
+
+
+def test_one_bad_field_refuses_that_field_not_the_others() -> None:
+    """What the Agents SDK and LiveKit send first, with one value the session cannot take: the rest applies."""
+    config, refused = update({"instructions": "Be brief.", "max_output_tokens": 99, "temperature": -3,
+                              "audio": {"output": {"voice": "marin", "format": {"type": "audio/pcmu"}},
+                                        "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}})
+    assert refused == ["unsupported_audio_format", "invalid_config"]
+    assert (config.instructions, config.max_output_tokens, config.voice) == ("Be brief.", 99, "marin")
+    assert config.turn_detection.type == "semantic_vad" and config.model == {}
+
+
+def test_semantic_vad_is_served_by_the_vad_its_eagerness_setting_the_silence() -> None:
+    for eagerness, silence in (("low", 1000), ("medium", 500), ("auto", 500), ("high", 250)):
+        config, _ = update({"turn_detection": {"type": "semantic_vad", "eagerness": eagerness}})
+        assert (config.turn_detection.vad, config.turn_detection.silence_ms) == (True, silence)
+        assert config.turn_detection.to_dict() == {"type": "semantic_vad", "eagerness": eagerness,
+                                                   "create_response": True, "interrupt_response": True}
+    assert update({"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}})[1] == ["invalid_value"]
+
+
+def test_duplex_is_offered_where_the_url_opted_in_and_reported_in_spec_values() -> None:
+    stock = RealtimeConfig.first(Extensions())
+    assert stock.turn_detection.type == "server_vad"  # OpenAI's default
+    assert update({"duplex": True}, ext=Extensions())[1] == ["invalid_value"]
+    assert update({"turn_detection": {"type": "duplex"}})[1] == ["invalid_value"]  # not a spec value
+    duplex = RealtimeConfig.first(ALL)
+    shown = duplex.to_dict("sess_1", ALL)
+    assert (shown["audio"]["input"]["turn_detection"], shown["duplex"]) == (None, True)
+    assert update({"turn_detection": None}, config=duplex)[0].duplex  # what it reports, sent back: no change
+    assert update({"duplex": False, "turn_detection": None}, config=duplex)[0].turn_detection.type is None
+    assert update({"duplex": False}, config=duplex)[0].turn_detection.type == "server_vad"
+    assert update({"turn_detection": {"type": "semantic_vad"}}, config=duplex)[0].turn_detection.type == "semantic_vad"
+    assert update({"duplex": True}, config=stock)[0].duplex
+    assert "duplex" not in stock.to_dict("sess_1", Extensions()) and "overlap_policy" not in stock.to_dict(
+        "sess_1", Extensions())
 
 
 # ---- the OpenAI state machine ----
@@ -160,8 +202,7 @@ def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response(
     done = st.on_step_event(steps[1], StepEvent("listen", end_of_turn=True, chunk_usage={"output_text_tokens": 2}))
     assert types(done) == [
         "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
-        "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
-        "response.listen"]
+        "response.output_item.done", "conversation.item.done", "response.done", "response.listen"]
     response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
     assert response["status"] == "completed" and response["usage"]["output_tokens"] == 2
     assert response["output"][0]["content"][0]["transcript"] == "hi"
@@ -186,6 +227,8 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     # The step in flight (the old epoch) keeps talking: none of it gets out, its usage still counts.
     late = st.on_step_event(steps[3], StepEvent("text", text="late", chunk_usage={"output_text_tokens": 1}))
     assert late.events == [] and st.stale_dropped == 1 and st.usage.counts["output_text_tokens"] == 1
+    for s in steps:  # each answered, as the shell says once a step's events are all in
+        st.on_step_end(s)
     # The next step rolls the LLM back to step 1 (partly heard) and hears steps 2 and 3 again.
     nxt = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
     req = st.prepare(nxt)
@@ -208,7 +251,7 @@ def test_sustained_speech_under_a_reply_barges_in_and_a_backchannel_does_not() -
     decisions = [(e["action"], e["reason"]) for e in encoded(more) if e["type"] == "overlap.decision"]
     assert decisions == [("barge_in", "sustained_speech")] and more.cancel
     done = next(e for e in encoded(more) if e["type"] == "response.done")["response"]
-    assert done["status_details"]["reason"] == "barge_in"
+    assert done["status_details"] == {"type": "cancelled", "reason": "turn_detected", "cause": "barge_in"}
 
 
 def test_client_errors_are_coded() -> None:
@@ -281,7 +324,7 @@ def test_the_turn_based_buffer_is_bounded() -> None:
     vad, _ = state(turn_detection={"type": "server_vad", "prefix_padding_ms": 300})
     for _ in range(20):  # a minute and more of silence: only the prefix padding is kept
         vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(5, loud=False)})
-    assert sum(len(a) for a in vad.buffer) == 300 * 16
+    assert vad.buffer.samples == 300 * 16
     fx = vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=True)})
     fx.extend(vad.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}))
     assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
@@ -391,9 +434,124 @@ def test_turn_based_says_an_assistant_message_then_answers_past_it() -> None:
     assert step.request.say and [(m.role, m.text) for m in step.request.messages] == [("assistant", "Hello!")]
     st.on_step_event(step, StepEvent("text", text="Hello!"))
     st.on_step_event(step, StepEvent("done", text="Hello!", reason="turn_end"))
-    with pytest.raises(ProtocolError):  # said once: nothing left to respond to
-        st.on_client({"type": "response.create"})
+    # Said once; asked again with the conversation ending with the assistant, it is answered (as OpenAI's is): the
+    # session's instructions come last, so the model has a turn to take.
+    [again] = st.on_client({"type": "response.create"}).steps
+    assert not again.request.say
+    assert [(m.role, m.text) for m in again.request.messages] == [("assistant", "Hello!"),
+                                                                  ("system", st.config.instructions)]
+    st.on_step_event(again, StepEvent("done", text="", reason="turn_end"))
     st.on_client(item("user", "Hi."))
     [answer] = st.on_client({"type": "response.create"}).steps
     assert not answer.request.say  # the reply's item carries the words said, once
-    assert [(m.role, m.text) for m in answer.request.messages] == [("assistant", "Hello!"), ("user", "Hi.")]
+    assert [(m.role, m.text) for m in answer.request.messages][-1] == ("user", "Hi.")
+
+
+# ---- what a stock client sends (the OpenAI SDKs, the voice-agent frameworks) ----
+def stock(**session) -> OpenAIRealtimeState:
+    """A session as a stock client opens it (no ?extensions=): server VAD by default."""
+    st = OpenAIRealtimeState("sess_stock", vad=LoudnessVad().probabilities, clock=Clock())
+    st.on_client({"type": "session.update", "session": {
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16_000}}}, **session}})
+    return st
+
+
+def test_a_stock_session_starts_in_server_vad_and_sees_no_extension() -> None:
+    st = stock()
+    created = st.created()[0].encode()
+    assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert "capabilities" not in created and "duplex" not in created["session"] and "epoch" not in created["session"]
+    fx = st.on_client({"type": "session.update", "session": {"duplex": True, "instructions": "Be brief."}})
+    assert [e["type"] for e in encoded(fx)] == ["error", "session.updated"]  # that field refused, the rest taken
+    assert encoded(fx)[0]["error"]["param"] == "session.duplex" and st.config.instructions == "Be brief."
+
+
+def test_response_metadata_is_echoed_and_instructions_come_last() -> None:
+    st = stock(turn_detection=None)
+    fx = st.on_client({"type": "response.create", "event_id": "evt_greet", "response": {
+        "instructions": "Greet the caller.", "metadata": {"client_event_id": "response_create_1"}}})
+    created = next(e for e in encoded(fx) if e["type"] == "response.created")["response"]
+    assert created["metadata"] == {"client_event_id": "response_create_1"}
+    chat = fx.steps[0].request  # a greeting: nothing in the conversation, the instructions alone
+    assert [(m.role, m.text) for m in chat.messages] == [("system", "Greet the caller.")] and not chat.say
+    done = st.on_step_event(fx.steps[0], StepEvent("done", text="Hi!", reason="length"))
+    response = next(e for e in encoded(done) if e["type"] == "response.done")["response"]
+    assert response["metadata"] == created["metadata"]
+    assert response["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+    st.on_client(item("user", "What time is it?"))
+    chat = st.on_client({"type": "response.create", "response": {"instructions": "Answer in French."}}).steps[0].request
+    assert [(m.role, m.text) for m in chat.messages][-2:] == [("user", "What time is it?"),
+                                                            ("system", "Answer in French.")]
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({"type": "response.create", "response": {"metadata": {"n": 1}}})
+    assert (err.value.code, err.value.param) == ("invalid_value", "response.metadata")
+
+
+def test_a_duplex_response_carries_the_metadata_of_the_response_create_it_answers() -> None:
+    st, _ = state()
+    [step] = st.on_client({"type": "response.create", "response": {"metadata": {"k": "v"}}}).steps
+    st.prepare(step)
+    out = st.on_step_event(step, StepEvent("text", text="Hello", metrics={"kv_cache_length": 9}))
+    assert next(e for e in encoded(out) if e["type"] == "response.created")["response"]["metadata"] == {"k": "v"}
+
+
+def test_client_item_ids_are_kept_unique_and_placed_where_asked() -> None:
+    st = stock(turn_detection=None)
+
+    def create(text: str, **fields) -> dict:
+        out = st.on_client({**item("user", text), **fields})
+        return encoded(out)[0]
+
+    def with_id(text: str, item_id: str) -> dict:
+        return {"type": "message", "role": "user", "id": item_id, "content": [{"type": "input_text", "text": text}]}
+
+    added = create("one", item=with_id("one", "item_lk_1"))
+    assert (added["item"]["id"], added.get("previous_item_id")) == ("item_lk_1", None)
+    assert create("zero", item=with_id("zero", "item_lk_0"), previous_item_id="root").get("previous_item_id") is None
+    assert create("half", item=with_id("half", "item_lk_h"), previous_item_id="item_lk_0")["previous_item_id"] \
+        == "item_lk_0"
+    assert [i.id for i in st.conversation.items] == ["item_lk_0", "item_lk_h", "item_lk_1"]
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({**item("user", "again"), "item": with_id("again", "item_lk_1")})
+    assert (err.value.code, err.value.param) == ("item_create_duplicate_item_id", "item.id")
+    with pytest.raises(ProtocolError) as err:
+        st.on_client({**item("user", "where"), "previous_item_id": "item_nope"})
+    assert (err.value.code, err.value.param) == ("item_not_found", "previous_item_id")
+    st.on_client({"type": "conversation.item.delete", "item_id": "item_lk_1"})
+    assert create("back", item=with_id("back", "item_lk_1"))["item"]["id"] == "item_lk_1"  # LiveKit's edit: re-made
+
+
+def test_a_long_append_is_turn_detected_as_if_streamed() -> None:
+    """A 7 s recording in one append (OpenAI takes events up to 15 MiB): speech, its end, a reply."""
+    st = stock()
+    clip = np.concatenate([0.3 * np.sin(np.arange(2 * 16_000) * 0.05), np.zeros(5 * 16_000)]).astype(np.float32)
+    fx = st.on_client({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(clip)})
+    assert types(fx)[:3] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed"]
+    user = st.conversation.items[0]
+    assert 2.0 <= len(user.audio) / 16_000 <= 3.5  # the speech and the silence that ended it, not all 7 s
+    assert fx.steps[0].kind == "chat"
+
+
+def test_a_long_duplex_append_waits_as_seconds_and_goes_out_as_steps_are_answered() -> None:
+    st, _ = state()
+    fx = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(20, loud=False)})
+    assert len(fx.steps) == 4 and len(st.duplex.waiting) == 16  # four ahead, the rest in order behind them
+    with pytest.raises(ProtocolError) as err:  # the caller streams faster than the model hears
+        st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
+    assert err.value.code == "input_backpressure"
+    seconds = [s.second for s in fx.steps]
+    for step in fx.steps:
+        st.prepare(step)
+        st.on_step_event(step, StepEvent("listen", metrics={"kv_cache_length": 10}))
+        nxt = st.on_step_end(step).steps
+        seconds += [s.second for s in nxt]
+    assert seconds == list(range(1, 9)) and len(st.duplex.waiting) == 12
+
+
+def test_the_extensions_are_named_on_the_url() -> None:
+    assert Extensions.parse(None) == Extensions() and Extensions.parse("duplex") == Extensions(duplex=True)
+    assert Extensions.parse("duplex, events") == ALL
+    with pytest.raises(ProtocolError) as err:
+        Extensions.parse("duplex,telepathy")
+    assert (err.value.code, err.value.close_code) == ("invalid_value", 1008)

@@ -36,7 +36,7 @@ from gateway.triton.stream import TritonStream
 from gateway.vad import SileroVad
 
 from .helpers import append_message, open_session, recv_until
-from .realtime_client import RealtimeClient
+from .realtime_client import RealtimeClient, opted_in
 
 ROUNDS = 3
 # A session's objects: none may outlive it (the watcher of Triton holds one gRPC client for good; the VAD's
@@ -94,8 +94,10 @@ async def backend_binary_after_init(base: str, audio: np.ndarray) -> None:
     await ws.close()
 
 
+# The OpenAI dialect's kinds opt into the extensions (duplex: a step per second; events: a resume and its grace),
+# but for the stock one: no resume, its session ends with its socket.
 async def realtime_clean(base: str, audio: np.ndarray) -> None:
-    c = await RealtimeClient.connect(base + "/v1/realtime")
+    c = await RealtimeClient.connect(opted_in(base + "/v1/realtime"))
     await c.until("session.created")
     await c.append(audio)
     await c.close()
@@ -103,7 +105,7 @@ async def realtime_clean(base: str, audio: np.ndarray) -> None:
 
 async def realtime_resumed_then_dropped(base: str, audio: np.ndarray) -> None:
     """Dropped, resumed on a new socket, dropped again: the grace expires."""
-    c = await RealtimeClient.connect(base + "/v1/realtime")
+    c = await RealtimeClient.connect(opted_in(base + "/v1/realtime"))
     created = await c.until("session.created")
     await c.ws.close()
     r = await RealtimeClient.connect(base + "/v1/realtime?resume=1")
@@ -114,8 +116,17 @@ async def realtime_resumed_then_dropped(base: str, audio: np.ndarray) -> None:
     await r.ws.close()
 
 
-async def realtime_surrogate(base: str, audio: np.ndarray) -> None:
+async def realtime_stock_dropped_mid_turn(base: str, audio: np.ndarray) -> None:
+    """A stock client (server VAD) drops its socket as its turn is answered: the session ends at once."""
     c = await RealtimeClient.connect(base + "/v1/realtime")
+    await c.until("session.created")
+    await c.append(np.concatenate([audio, np.zeros(16_000, np.float32)]))
+    await c.until("response.created")
+    await c.ws.close()
+
+
+async def realtime_surrogate(base: str, audio: np.ndarray) -> None:
+    c = await RealtimeClient.connect(opted_in(base + "/v1/realtime"))
     await c.until("session.created")
     await c.ws.send('{"type": "session.update", "session": {"instructions": "\\ud800"}}')
     await c.until("error")
@@ -140,7 +151,8 @@ async def minicpm_long_number(base: str, audio: np.ndarray) -> None:
 
 
 KINDS = (backend_clean, backend_vanishes_mid_step, backend_binary_after_init, realtime_clean,
-         realtime_resumed_then_dropped, realtime_surrogate, minicpm_clean, minicpm_long_number)
+         realtime_resumed_then_dropped, realtime_stock_dropped_mid_turn, realtime_surrogate, minicpm_clean,
+         minicpm_long_number)
 
 
 async def settled(app: Starlette, triton) -> None:

@@ -20,7 +20,7 @@ from gateway.settings import TEST_FAULTS_PHRASE
 from gateway.shell import FAULT_FRAME
 
 from .helpers import GREEDY, append_message, open_session
-from .realtime_client import RealtimeClient
+from .realtime_client import RealtimeClient, opted_in
 
 BAD_FRAMES = {
     "binary": b"\xff\xfe\x00\x9c garbage \x80",
@@ -84,7 +84,7 @@ async def test_backend(gw, triton, speech, fault: str) -> None:
 @pytest.mark.parametrize("first", [True, False], ids=["first_event", "after_a_step"])
 async def test_openai_realtime(gw, triton, speech, fault: str, first: bool) -> None:
     await settled(gw, triton, GRACE_S)
-    c = await RealtimeClient.connect(gw.realtime)
+    c = await RealtimeClient.connect(opted_in(gw.realtime))  # duplex: each second is a step, in flight at the fault
     await c.until("session.created")
     if first:
         await c.ws.send(FAULT_FRAME if fault == "raise" else BAD_FRAMES[fault])

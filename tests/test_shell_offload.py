@@ -18,6 +18,7 @@ import numpy as np
 
 from gateway.audio import encode_pcm16_base64
 from gateway.dialects.openai import OFFLOAD_FRAME_BYTES, OpenAIRealtimeState
+from gateway.dialects.openai_extensions import ALL
 from gateway.settings import Settings
 from gateway.shell import Session
 from gateway.vad import WINDOW
@@ -103,7 +104,7 @@ async def barge_in_with_a_step_event_in_between(offload: bool) -> tuple[Session,
     unless `offload` is off) during which Triton delivers one more word of the reply."""
     triton = FakeTriton()
     vad = GatedVad(triton)
-    state = OpenAIRealtimeState("sess_test", vad=vad)
+    state = OpenAIRealtimeState("sess_test", ext=ALL, vad=vad)  # duplex, as the page opts into
     vad.state = state
     decide = state.on_frame
 

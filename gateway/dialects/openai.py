@@ -1,13 +1,17 @@
 """The OpenAI Realtime dialect as a state machine (pure code: read client events and step events in, effects out).
 
 Turn detection decides who opens a response:
-- `duplex` (default): every second of caller audio is a duplex step and the model decides whether to
-  speak; a spoken turn opens a response (`response.speak`) and its end closes it (`response.listen`).
-  While the assistant speaks, the overlap policy judges the caller's audio: noise is dropped, a
-  backchannel is heard and the reply goes on, sustained speech barges in.
-- `server_vad`: Silero VAD segments the caller's speech; its end commits the buffer as a user item and
-  starts a response (a chat turn over the conversation); speech during a reply interrupts it.
+- `server_vad` (the default, as OpenAI's) and `semantic_vad` (the same VAD, its silence set by its eagerness):
+  Silero VAD segments the caller's speech; its end commits the buffer as a user item and starts a response (a
+  chat turn over the conversation); speech during a reply interrupts it.
 - `null`: the client commits and asks for responses itself.
+- duplex (where the URL opted in, `openai_extensions`): every second of caller audio is a duplex step and the
+  model decides whether to speak; a spoken turn opens a response and its end closes it. While the assistant
+  speaks, the overlap policy judges the caller's audio: noise is dropped, a backchannel is heard and the reply
+  goes on, sustained speech barges in.
+
+What a stock client sees is the spec alone; the extension events and fields go to a client that opted in
+(`self.ext`, from the URL).
 
 The response's states and what moves between them are written down in `openai_states`; a frame's CPU work
 (decoding, resampling, VAD) is done before this code sees it, by `openai_input.CallerAudio`.
@@ -37,9 +41,10 @@ from ..vad import WINDOW_MS, SpeechSegmenter
 from ..wire import ProtocolError, new_id
 from . import openai_events as oe
 from . import openai_response as responses
-from .openai_config import RealtimeConfig, apply_update, max_output_tokens
-from .openai_conversation import Conversation, Item
+from .openai_config import RealtimeConfig, Update, apply_update, max_output_tokens
+from .openai_conversation import Conversation, InputBuffer, Item
 from .openai_duplex import DuplexInput, Mark
+from .openai_extensions import STOCK, Extensions, status_details
 from .openai_input import (
     CallerAudio,
     ClientInput,
@@ -53,7 +58,7 @@ from .openai_input import (
 )
 from .openai_response import Response
 from .openai_states import Phase, Trigger, check_allowed, next_phase
-from .realtime_events import answering, closed_event, error_event
+from .realtime_events import answering, closed_event, error_event, name_refusals
 from .state import DialectState, Effects, PlannedStep, ServerEvent
 
 MIN_COMMIT_MS = 100
@@ -64,7 +69,7 @@ MIN_COMMIT_MS = 100
 # 20-100 ms; a barge-in is decided on one) stay inline, where a hand-off would only make them later.
 OFFLOAD_FRAME_BYTES = 64_000
 CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
-                "server_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
+                "server_vad": True, "semantic_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
 __all__ = ["OFFLOAD_FRAME_BYTES", "OpenAIRealtimeState", "Resampling", "SpeechProbabilities"]
 
@@ -72,7 +77,7 @@ __all__ = ["OFFLOAD_FRAME_BYTES", "OpenAIRealtimeState", "Resampling", "SpeechPr
 @dataclass
 class OpenAIRealtimeState(DialectState):
     offload_frame_bytes: ClassVar[int | None] = OFFLOAD_FRAME_BYTES
-    config: RealtimeConfig = field(default_factory=RealtimeConfig)
+    ext: Extensions = STOCK  # what the client opted into (the URL's ?extensions=)
     vad: SpeechProbabilities | None = None
     resampling: Resampling = StreamResampler
     clock: Callable[[], float] = time.monotonic
@@ -81,17 +86,20 @@ class OpenAIRealtimeState(DialectState):
     response: Response | None = None  # the latest response, open (phase RESPONDING) or done
     past_responses: set[str] = field(default_factory=set)
     duplex: DuplexInput = field(default_factory=DuplexInput)  # the caller's audio in duplex
-    buffer: list[np.ndarray] = field(default_factory=list)  # uncommitted caller audio (turn-based), 16 kHz
+    buffer: InputBuffer = field(default_factory=InputBuffer)  # uncommitted caller audio (turn-based)
     speech_item: str | None = None  # server VAD: the user item the caller's speech will be
     to_say: Item | None = None  # an assistant message the next response.create voices
     said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
     reported: tuple[str, str] | None = None  # the overlap decision last reported in this reply
+    config: RealtimeConfig = field(init=False)
     overlap: OverlapPolicy = field(init=False)
     segmenter: SpeechSegmenter = field(init=False)
     caller_audio: CallerAudio = field(init=False)
 
     def __post_init__(self) -> None:
+        self.config = RealtimeConfig.first(self.ext, vad=self.vad is not None)
         self.caller_audio = CallerAudio(self.vad, self.resampling)
+        self.buffer.most_s = self.limits.item_audio_s
         self._reset_detectors(position_ms=0)
 
     def options(self) -> DuplexOptions:
@@ -103,8 +111,7 @@ class OpenAIRealtimeState(DialectState):
     def _reset_detectors(self, position_ms: int) -> None:
         td = self.config.turn_detection
         self.overlap = OverlapPolicy(self.config.overlap)
-        self.segmenter = SpeechSegmenter(td.threshold, td.prefix_padding_ms, td.silence_duration_ms,
-                                         position_ms=position_ms)
+        self.segmenter = SpeechSegmenter(td.threshold, td.prefix_padding_ms, td.silence_ms, position_ms=position_ms)
 
     @property
     def active(self) -> Response | None:
@@ -116,18 +123,19 @@ class OpenAIRealtimeState(DialectState):
 
     # ---- session ----
     def created(self) -> list[ServerEvent]:
-        return [oe.SessionCreated(self._session_dict(), CAPABILITIES)]
+        return [oe.SessionCreated(self._session_dict(), CAPABILITIES if self.ext.events else None)]
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
         return error_event(err)
 
     def _session_dict(self) -> dict[str, Any]:
-        return {**self.config.to_dict(self.session_id), "epoch": self.epoch}
+        session = self.config.to_dict(self.session_id, self.ext)
+        return {**session, "epoch": self.epoch} if self.ext.events else session
 
     # ---- client events: read (openai_input), then decided here ----
     def frame_plan(self) -> ReadPlan:
         # The VAD runs where it is needed: server VAD, or judging speech under a reply (duplex).
-        vad = self.config.turn_detection.type == "server_vad" or (self.config.duplex and self.active is not None)
+        vad = self.config.turn_detection.vad or (self.config.duplex and self.active is not None)
         return ReadPlan(self.config.input_rate, vad, self.limits)
 
     def read_frame(self, text: str, plan: ReadPlan) -> ReadEvent:
@@ -138,23 +146,39 @@ class OpenAIRealtimeState(DialectState):
             return Effects()  # a frame that raced the close: nobody is told anything more
         with answering(read.event_id):
             check_allowed(self.phase, read.event, self.response.id if self.response else None)
-            return _HANDLERS[type(read.event)](self, read.event)
+            fx = _HANDLERS[type(read.event)](self, read.event)
+        name_refusals(fx.events, read.event_id)  # a part refused (a field of session.update) names the event too
+        return fx
 
     def on_client(self, msg: dict[str, Any]) -> Effects:
         """A client event as a JSON object, read and decided at once (tests)."""
         return self.on_frame(self.caller_audio.read_event(msg, self.frame_plan()))
 
     def _session_update(self, msg: oe.SessionUpdate) -> Effects:
-        config = apply_update(self.config, msg.session, self.started, self.limits)
-        if config.turn_detection.type == "server_vad" and self.vad is None:
-            raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
-                                "session.audio.input.turn_detection.type")
-        self.config = config
+        """Each field on its own: the ones the session cannot take are refused, the others apply."""
+        self.config, refused = apply_update(self.config, Update(msg.session, self.started, self.ext,
+                                                                self.vad is not None, self.limits))
         self._reset_detectors(self.segmenter.position_ms)
-        return Effects([oe.SessionUpdated(self._session_dict())])
+        return Effects([*(error_event(err) for err in refused), oe.SessionUpdated(self._session_dict())])
 
     def _heard(self, heard: Heard) -> Effects:
-        """Caller audio (16 kHz float32, its speech probabilities beside it)."""
+        """Caller audio (16 kHz float32, its speech probabilities beside it); a long append a second at a time."""
+        if self.config.duplex:
+            self.duplex.check_room()
+        elif not self.config.turn_detection.vad and not self.buffer.room(len(heard.audio)):
+            raise self.buffer.full()
+        out = Effects()
+        full = False
+        for piece in heard.pieces():
+            if self.config.turn_detection.vad and self.segmenter.in_speech and not self.buffer.room(len(piece.audio)):
+                full = True  # speech longer than the buffer holds: what does not fit is dropped, and said once
+                continue
+            out.extend(self._hear(piece))
+        if full:
+            out.events.append(error_event(self.buffer.full()))
+        return out
+
+    def _hear(self, heard: Heard) -> Effects:
         out = Effects()
         vad_events = self.segmenter.feed(heard.probs)
         if self.config.duplex:
@@ -162,13 +186,8 @@ class OpenAIRealtimeState(DialectState):
             audio = self._judge_overlap(heard.audio, heard.probs, onset, heard.hint, out)
             out.steps += self.duplex.add(audio, self.epoch)
             return out
-        self.buffer.append(heard.audio)
-        if sum(len(a) for a in self.buffer) > self.limits.audio_samples(INPUT_RATE):
-            self.buffer.pop()
-            most = self.limits.item_audio_s
-            raise ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {most:.0f} s; commit or "
-                                "clear it (this append was dropped)")
-        if self.config.turn_detection.type != "server_vad":
+        self.buffer.add(heard.audio)
+        if not self.config.turn_detection.vad:
             return out
         for vad_ev in vad_events:
             if vad_ev.kind == "speech_started":
@@ -182,9 +201,7 @@ class OpenAIRealtimeState(DialectState):
                 if self.config.turn_detection.create_response and self.active is None:
                     out.extend(self._respond())
         if not self.segmenter.in_speech:  # before speech starts only its prefix padding is worth keeping
-            keep = self.config.turn_detection.prefix_padding_ms * INPUT_RATE // 1000
-            tail = np.concatenate(self.buffer)[-keep:] if keep and self.buffer else np.zeros(0, np.float32)
-            self.buffer = [tail] if len(tail) else []
+            self.buffer.keep_last(self.config.turn_detection.prefix_padding_ms * INPUT_RATE // 1000)
         return out
 
     def _judge_overlap(self, audio: np.ndarray, probs: list[float], onset: bool, hint: str | None,
@@ -198,7 +215,7 @@ class OpenAIRealtimeState(DialectState):
         else:  # no VAD model: loud enough counts as speech
             speech_ms = len(audio) * 1000 // INPUT_RATE if rms(audio) >= self.config.overlap.silence_rms else 0
         decision = self.overlap.decide(audio, speech_ms, onset, hint)
-        if (decision.action, decision.reason) != self.reported or decision.action == "barge_in":
+        if self.ext.events and ((decision.action, decision.reason) != self.reported or decision.action == "barge_in"):
             self.reported = (decision.action, decision.reason)
             out.events.append(self._decision_event(decision))
         if decision.action == "barge_in":
@@ -220,46 +237,48 @@ class OpenAIRealtimeState(DialectState):
 
     def _commit(self, msg: oe.ClientEvent) -> Effects:
         if self.config.duplex:
+            # The model hears what is pending now. No user item is made in duplex (the caller's audio is the
+            # model's context, not the conversation's items), so there is no `committed` to say.
             audio = _committable(self.duplex.pending)
             self.duplex.take_pending()
-            return Effects([oe.BufferCommitted(None)], [self.duplex.step(audio, self.epoch)])
+            return Effects(steps=self.duplex.queue(self.duplex.step(audio, self.epoch)))
         return self._commit_buffer(None)
 
     def _commit_buffer(self, item_id: str | None) -> Effects:
-        audio = _committable(np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.float32))
-        self.buffer = []
+        audio = _committable(self.buffer.take())
         item = Item(item_id or new_id("item"), "user", audio=audio)
-        evicted = self._room(item)
-        previous, _ = self.conversation.add(item)
+        self._room(item)
+        previous = self.conversation.add(item)
         return Effects([
-            *evicted,
+            *self._trim(item),
             oe.BufferCommitted(item.id, previous),
             oe.ItemAdded(previous, item.to_dict()),
             oe.ItemDone(item.to_dict()),
         ])
 
     def _clear(self, msg: oe.ClientEvent) -> Effects:
-        self.buffer = []
+        self.buffer.take()
         self.duplex.take_pending()
         return Effects([oe.BufferCleared()])
 
     def _item_create(self, new: NewItem) -> Effects:
-        item = self.conversation.new_item(new.role, spoken=False)
-        item.text, item.audio, item.images = new.text, new.audio, list(new.images)
-        out = Effects(self._room(item))
+        item = Item(new.id or new_id("item"), new.role, new.text, new.audio, list(new.images), spoken=False)
+        self._room(item)
         if self.config.duplex:
             if item.audio is not None:
                 raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
                                     "item.content")
             if len(self.duplex.images) + len(item.images) > MAX_FRAMES:
                 raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
+        previous = self.conversation.add(item, new.after)  # a duplicate id or an unknown place refuses it
+        out = Effects(self._trim(item))
+        if self.config.duplex:
             self.duplex.images += item.images  # seen with the next second of audio
             if item.text and item.role != "assistant":
                 req = StepInput.of_context(Context(item.text, item.role, respond=False))
-                out.steps.append(PlannedStep("context", req, self.epoch))
+                out.steps += self.duplex.queue(PlannedStep("context", req, self.epoch))
         if item.role == "assistant" and item.text:
             self.to_say = item  # said by the next response.create; in duplex it enters the context only then
-        previous, _ = self.conversation.add(item)
         out.events += [oe.ItemAdded(previous, item.to_dict()),
                        oe.ItemDone(item.to_dict())]
         return out
@@ -292,37 +311,43 @@ class OpenAIRealtimeState(DialectState):
     def _response_create(self, msg: oe.ResponseCreate) -> Effects:
         budget = self.config.max_output_tokens if msg.max_output_tokens is None \
             else max_output_tokens(msg.max_output_tokens, "response.max_output_tokens")
+        if isinstance(msg.instructions, str):  # prefilled with the turn: a text within the caller's bounds
+            self.limits.text(msg.instructions, "response.instructions")
         if self.config.duplex:
-            # second: a barge-in into a spoken turn replays the caller's seconds sent after it began
-            return Effects(steps=[PlannedStep("context", self._duplex_response(msg.instructions, budget), self.epoch,
-                                              second=self.duplex.seconds)])
-        return self._respond(budget)
+            # second: a barge-in into a spoken turn replays the caller's seconds sent after it began; cause: the
+            # response the model opens on it carries the request's metadata
+            return Effects(steps=self.duplex.queue(PlannedStep(
+                "context", self._duplex_response(msg.instructions, budget), self.epoch, second=self.duplex.seconds,
+                cause=msg)))
+        return self._respond(budget, msg.instructions, msg.metadata)
 
     def _duplex_response(self, instructions: Any, budget: int) -> StepInput:
         """Duplex: instructions prompt the model (it decides whether to speak); without them the model
         speaks now: an assistant message waiting to be voiced is said as is, else it answers in voice."""
         if isinstance(instructions, str) and instructions.strip():
-            self.limits.text(instructions, "response.instructions")
             return StepInput.of_context(Context(instructions.strip(), "instructions", respond=True))
         if self.to_say is not None:
             item, self.to_say = self.to_say, None
             return StepInput(say=item.text)
         return StepInput(answer_tokens=budget)
 
-    def _respond(self, budget: int | None = None) -> Effects:
-        """A turn-based response: a chat turn over the conversation so far."""
+    def _respond(self, budget: int | None = None, instructions: str | None = None,
+                 metadata: dict[str, str] | None = None) -> Effects:
+        """A turn-based response: a chat turn over the conversation so far, whatever it ends with (as OpenAI's).
+        Its instructions, or when the conversation gives the model nothing to answer (it is empty: a greeting; it
+        ends with the assistant) the session's, come last, as a system message of this turn only."""
         items = [i for i in self.conversation.items if (i.text or i.audio is not None or i.images)
                  and i.id not in self.said]
         say = self.to_say is not None and bool(items) and items[-1] is self.to_say
-        if not items or (items[-1].role == "assistant" and not say):
-            raise ProtocolError("invalid_value", "nothing to respond to: the conversation ends with the assistant")
         self._room(Item("", "assistant"))  # the reply's item
         if say and self.to_say is not None:  # the response's item holds the words from now on
             self.said.add(self.to_say.id)
             self.to_say = None
-        out, r = self._open_response()
-        chat = ChatInput([_chat_message(i) for i in items], budget or self.config.max_output_tokens,
-                         self.config.audio_out, say=say)
+        messages = [_chat_message(i) for i in items]
+        if not say and (instructions or not items or items[-1].role == "assistant"):
+            messages.append(ChatMessage("system", instructions or self.config.instructions))
+        out, r = self._open_response(metadata)
+        chat = ChatInput(messages, budget or self.config.max_output_tokens, self.config.audio_out, say=say)
         out.steps.append(PlannedStep("chat", chat, self.epoch, response_id=r.id))
         return out
 
@@ -331,7 +356,8 @@ class OpenAIRealtimeState(DialectState):
 
     def _output_clear(self, msg: oe.ClientEvent) -> Effects:
         out = self._interrupt("output_cleared") if self.active is not None else Effects()
-        out.events.append(oe.OutputBufferCleared(self.response.id if self.response else None))
+        if self.response is not None:  # none yet: there was no audio to clear
+            out.events.append(oe.OutputBufferCleared(self.response.id))
         return out
 
     def _playback_ack(self, msg: oe.PlaybackAck) -> Effects:
@@ -359,31 +385,37 @@ class OpenAIRealtimeState(DialectState):
     def _heartbeat(self, msg: oe.ClientEvent) -> Effects:
         return Effects()
 
-    def _room(self, item: Item) -> list[ServerEvent]:
-        """Room for `item` in the conversation (limits.conversation). A duplex conversation is only a record (the
-        model's context is its KV cache): it keeps its latest items, the older ones deleted. A turn-based one is
-        what each response sends: the caller deletes items, else `conversation_full`."""
+    def _room(self, item: Item) -> None:
+        """Whether `item` may join the conversation (limits.conversation), checked before anything changes. A
+        turn-based conversation is what each response sends: past its bounds the caller deletes items, else
+        `conversation_full`. A duplex one is only a record (the model's context is its KV cache): `_trim` makes
+        room once the item is in; only the item alone must fit."""
         limits, conversation = self.limits, self.conversation
-        if not self.config.duplex:
+        if self.config.duplex:
+            limits.conversation(1, item.nbytes)
+        else:
             limits.conversation(len(conversation.items) + 1, conversation.nbytes() + item.nbytes)
+
+    def _trim(self, item: Item) -> list[ServerEvent]:
+        """Duplex, after `item` joined: the oldest items forgotten (`conversation.item.deleted`) to keep within the
+        bounds; the new item and the open response's are kept."""
+        if not self.config.duplex:
             return []
-        limits.conversation(1, item.nbytes)
-        gone = conversation.keep_latest(limits.conversation_items - 1)
-        while conversation.items and conversation.nbytes() + item.nbytes > limits.conversation_bytes:
-            gone += conversation.keep_latest(len(conversation.items) - 1)
+        active = self.active.item if self.active is not None else None
+        gone = self.conversation.trim(self.limits.conversation_items, self.limits.conversation_bytes, (item, active))
         return [oe.ItemDeleted(item_id) for item_id in gone]
 
     # ---- the response's transitions (openai_states.TRANSITIONS) ----
-    def _open_response(self) -> tuple[Effects, Response]:
+    def _open_response(self, metadata: dict[str, str] | None = None) -> tuple[Effects, Response]:
         """IDLE -> RESPONDING."""
         self._move(Trigger.OPEN)
         item = self.conversation.new_item("assistant", status="in_progress", spoken=self.config.audio_out)
         if self.response is not None:
             self.past_responses.add(self.response.id)
-        r = self.response = Response(new_id("resp"), item, self.epoch, before=self.duplex.last_listen)
-        evicted = self._room(item)
-        previous, _ = self.conversation.add(item)
-        return Effects([*evicted, *responses.opened(r, previous, self.config, self.epoch)]), r
+        r = self.response = Response(new_id("resp"), item, self.epoch, before=self.duplex.last_listen,
+                                     metadata=metadata)
+        previous = self.conversation.add(item)  # its room: checked by _respond (turn-based), made by _trim (duplex)
+        return Effects([*self._trim(item), *responses.opened(r, previous, self.config, self.ext, self.epoch)]), r
 
     def _finish_response(self, trigger: Trigger, status: str, details: dict[str, Any] | None = None) -> Effects:
         """RESPONDING -> IDLE (COMPLETE, INTERRUPT, FAIL) or CLOSED (CLOSE)."""
@@ -392,7 +424,7 @@ class OpenAIRealtimeState(DialectState):
         self._move(trigger)
         r.done = True
         r.item.status = "completed" if status == "completed" else "incomplete"
-        return Effects(responses.finished(r, self.config, self.epoch, status, details))
+        return Effects(responses.finished(r, self.config, self.ext, self.epoch, status, details))
 
     def heard_ms(self, r: Response) -> float:
         """How much of a reply the listener has heard: acked, else as if played in real time from its first audio."""
@@ -416,7 +448,7 @@ class OpenAIRealtimeState(DialectState):
         self._plan_rollback(r, always=True)  # the step in flight may have said more than was sent
         self.epoch += 1
         out = Effects(cancel=True)
-        out.extend(self._finish_response(Trigger.INTERRUPT, "cancelled", {"type": "cancelled", "reason": reason}))
+        out.extend(self._finish_response(Trigger.INTERRUPT, "cancelled", status_details("cancelled", reason, self.ext)))
         out.events.append(oe.ItemTruncated(r.item.id, 0, round(cut)))
         self.overlap.reset()
         return out
@@ -448,13 +480,13 @@ class OpenAIRealtimeState(DialectState):
                 out.extend(self._finish_response(Trigger.COMPLETE, "completed"))
             return out
         r = self.active
-        if r is None:  # the model speaks: a response opens
-            opened, r = self._open_response()
+        if r is None:  # the model speaks: a response opens (for a response.create's step, with its metadata)
+            opened, r = self._open_response(step.cause.metadata if isinstance(step.cause, oe.ResponseCreate) else None)
             out.extend(opened)
         r.count(ev)
         if kv >= 0:
             r.kv_length = kv
-        out.events += responses.deltas(r, ev, self.config, self.epoch, self.clock(), kv, step.second)
+        out.events += responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock(), kv, step.second)
         return out
 
     def _chat_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
@@ -466,26 +498,33 @@ class OpenAIRealtimeState(DialectState):
             r.kv_length = int(ev.metrics.kv_cache_length or 0)
             if ev.reason == "length":
                 return self._finish_response(Trigger.COMPLETE, "incomplete",
-                                             {"type": "incomplete", "reason": "max_output_tokens"})
+                                             status_details("incomplete", "max_output_tokens", self.ext))
             return self._finish_response(Trigger.COMPLETE, "completed")
-        return Effects(responses.deltas(r, ev, self.config, self.epoch, self.clock()))
+        return Effects(responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock()))
+
+    def on_step_end(self, step: PlannedStep) -> Effects:
+        """A duplex session's step was answered: the next ones waiting (a long append's seconds) go out."""
+        return Effects(steps=self.duplex.answered()) if step.kind != "chat" else Effects()
 
     def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
         out = Effects([error_event(ProtocolError(code, message))])
         if step.epoch == self.epoch and self.active is not None and step.kind == "chat":
             out.extend(self._finish_response(Trigger.FAIL, "failed", {"type": "failed", "error": {
-                "code": code, "message": message}}))
-        return out
+                "type": "invalid_request_error", "code": code, "message": message}}))
+        return out.extend(self.on_step_end(step))
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:
         if self.phase is Phase.CLOSED:
             return []
         out: list[ServerEvent] = []
-        if self.active is not None:  # a reply still open ends first
-            out = self._finish_response(Trigger.CLOSE, "cancelled", {"type": "cancelled", "reason": reason}).events
+        if self.active is not None:  # a reply still open ends first (the spec has no reason for a session's end)
+            details = status_details("cancelled", reason, self.ext)
+            out = self._finish_response(Trigger.CLOSE, "cancelled", details).events
         else:
             self._move(Trigger.CLOSE)
+        if not self.ext.events:
+            return out
         return [*out, closed_event(self.session_id, reason, self.usage.snapshot(), message)]
 
     def wanted(self, step: PlannedStep) -> bool:

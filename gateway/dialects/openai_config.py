@@ -2,13 +2,17 @@
 
 Accepts OpenAI's GA shape (`audio.input.format`, `audio.input.turn_detection`, `output_modalities`)
 and the beta one (`input_audio_format: "pcm16"`, top-level `turn_detection`, `modalities`), plus our
-extensions: `turn_detection.type: "duplex"` (the default: the model decides each second whether to
-speak), the overlap policy keys, `playback_commit_policy`, and the model's sampling keys.
+vendor keys: `duplex` (the model's own turns, where the URL opted in: `openai_extensions`), the overlap
+policy keys, `playback_commit_policy`, and the model's sampling keys.
+
+Each field of an update is applied on its own: one the session cannot take is refused (a `ProtocolError`
+for it) and the others still apply, as OpenAI's server does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,25 +21,48 @@ from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions,
 from ..limits import Limits, identifier
 from ..overlap import POLICIES, OverlapSettings
 from ..wire import ProtocolError
+from .openai_extensions import Extensions
 
-TURN_DETECTION = ("duplex", "server_vad", None)
+VAD_TYPES = ("server_vad", "semantic_vad")  # the spec's turn detection; null: none, the client commits
+DUPLEX = "duplex"  # our own: the model's turns (reported as turn_detection null, `duplex: true`)
+# semantic_vad is served by the same VAD; its eagerness sets how long a silence ends the caller's turn
+# (OpenAI: "low" waits longer for the caller to go on, "high" answers sooner, "auto" is "medium").
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
 RATES = (16_000, 24_000)
 COMMIT_POLICIES = ("commit_all_on_done", "ack_only")
 MAX_OUTPUT_TOKENS = 4096
 MODEL_KEYS = {f.name for f in dataclasses.fields(DuplexOptions)} - {"system_prompt"} | {"do_sample"}
+TD_PARAM = "session.audio.input.turn_detection"
 
 
 @dataclass(frozen=True)
 class TurnDetection:
-    type: str | None = "duplex"
+    type: str | None = "server_vad"  # server_vad | semantic_vad | duplex | None
     threshold: float = 0.5
     prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
+    silence_duration_ms: int = 500  # server_vad's; semantic_vad's follows its eagerness
+    eagerness: str = "auto"  # semantic_vad
     create_response: bool = True
     interrupt_response: bool = True
 
+    @property
+    def vad(self) -> bool:
+        """The caller's turns are cut by the VAD."""
+        return self.type in VAD_TYPES
+
+    @property
+    def silence_ms(self) -> int:
+        return EAGERNESS_SILENCE_MS[self.eagerness] if self.type == "semantic_vad" else self.silence_duration_ms
+
     def to_dict(self) -> dict[str, Any] | None:
-        return None if self.type is None else dataclasses.asdict(self)
+        """As the spec shows it: each type with its own fields; duplex has no VAD turns (null)."""
+        common = {"create_response": self.create_response, "interrupt_response": self.interrupt_response}
+        if self.type == "server_vad":
+            return {"type": self.type, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                    "silence_duration_ms": self.silence_duration_ms, **common}
+        if self.type == "semantic_vad":
+            return {"type": self.type, "eagerness": self.eagerness, **common}
+        return None
 
 
 @dataclass(frozen=True)
@@ -51,9 +78,17 @@ class RealtimeConfig:
     max_output_tokens: int = 256  # a turn-based reply's token budget ("inf" means MAX_OUTPUT_TOKENS)
     model: dict[str, Any] = field(default_factory=dict)  # DuplexOptions keys
 
+    @classmethod
+    def first(cls, ext: Extensions, vad: bool = True) -> RealtimeConfig:
+        """A new session's: duplex where the URL opted into it, else server VAD (as OpenAI's default; with no VAD
+        model installed, none: the client commits)."""
+        if ext.duplex:
+            return cls(turn_detection=TurnDetection(type=DUPLEX))
+        return cls() if vad else cls(turn_detection=TurnDetection(type=None))
+
     @property
     def duplex(self) -> bool:
-        return self.turn_detection.type == "duplex"
+        return self.turn_detection.type == DUPLEX
 
     @property
     def audio_out(self) -> bool:
@@ -62,20 +97,52 @@ class RealtimeConfig:
     def options(self) -> DuplexOptions:
         return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
 
-    def to_dict(self, session_id: str) -> dict[str, Any]:
+    def to_dict(self, session_id: str, ext: Extensions) -> dict[str, Any]:
+        """The session as `session.created | updated` show it: the spec's fields, and ours where opted in."""
         fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731 (a one-line helper, used twice)
-        return {
+        out: dict[str, Any] = {
             "id": session_id, "object": "realtime.session", "type": "realtime", "model": "minicpm-o-4.5",
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
             "audio": {
                 "input": {"format": fmt(self.input_rate), "turn_detection": self.turn_detection.to_dict()},
                 "output": {"format": fmt(self.output_rate), "voice": self.voice},
             },
-            "overlap_policy": self.overlap.policy, "overlap_short_ack_ms": self.overlap.short_ack_ms,
-            "overlap_barge_in_ms": self.overlap.barge_in_ms, "overlap_silence_rms": self.overlap.silence_rms,
-            "playback_commit_policy": self.playback_commit_policy, "max_output_tokens": self.max_output_tokens,
-            **self.model,
+            "max_output_tokens": self.max_output_tokens,
         }
+        if ext.duplex:
+            out["duplex"] = self.duplex
+        if ext.events:
+            out.update({
+                "overlap_policy": self.overlap.policy, "overlap_short_ack_ms": self.overlap.short_ack_ms,
+                "overlap_barge_in_ms": self.overlap.barge_in_ms, "overlap_silence_rms": self.overlap.silence_rms,
+                "playback_commit_policy": self.playback_commit_policy, **self.model})
+        return out
+
+
+@dataclass(frozen=True)
+class Update:
+    """One `session.update`'s `session` object, and what the session it updates allows."""
+
+    session: dict[str, Any]
+    started: bool  # audio has reached the model: what the Triton sequence started with stays
+    ext: Extensions
+    vad: bool  # a VAD model is there (server_vad / semantic_vad need it)
+    limits: Limits = field(default_factory=Limits.default)  # the session's cost model
+
+    def audio(self, direction: str) -> dict[str, Any]:
+        audio = self.session.get("audio")
+        part = audio.get(direction) if isinstance(audio, dict) else None
+        return part if isinstance(part, dict) else {}
+
+    def fixed(self, config: RealtimeConfig, changes: dict[str, Any], what: str) -> dict[str, Any]:
+        """Changes to what is fixed once the sequence started: refused then, unless they change nothing."""
+        if self.started and any(getattr(config, k) != v for k, v in changes.items()):
+            raise ProtocolError("session_update_not_allowed", f"{what} can only change before the first audio",
+                                f"session.{what}")
+        return changes
+
+
+Field = Callable[[RealtimeConfig, Update], dict[str, Any]]  # a field of the update -> the config's changes
 
 
 def _rate(fmt: Any, param: str) -> int | None:
@@ -98,101 +165,184 @@ def _number(value: Any, kind: type, param: str, low: float, high: float) -> Any:
     return kind(value)
 
 
-def _turn_detection(raw: Any, current: TurnDetection, param: str) -> TurnDetection:
-    if raw is None:
-        return TurnDetection(type=None)
-    if not isinstance(raw, dict):
-        raise ProtocolError("invalid_value", "turn_detection must be an object or null", param)
-    kind = raw.get("type", current.type or "server_vad")
-    if kind not in TURN_DETECTION:
-        raise ProtocolError("invalid_value", "turn_detection.type must be duplex, server_vad or null", f"{param}.type")
-    out = dataclasses.replace(current, type=kind)
-    for key, kind_, low, high in (("threshold", float, 0.0, 1.0), ("prefix_padding_ms", int, 0, 5000),
-                                  ("silence_duration_ms", int, 0, 10_000)):
-        if raw.get(key) is not None:
-            out = dataclasses.replace(out, **{key: _number(raw[key], kind_, f"{param}.{key}", low, high)})
-    for key in ("create_response", "interrupt_response"):
-        if raw.get(key) is not None:
-            out = dataclasses.replace(out, **{key: bool(raw[key])})
-    return out
-
-
 def max_output_tokens(value: Any, param: str) -> int:
     if value == "inf":
         return MAX_OUTPUT_TOKENS
     return _number(value, int, param, 1, MAX_OUTPUT_TOKENS)
 
 
-def apply_update(config: RealtimeConfig, session: Any, started: bool, limits: Limits | None = None) -> RealtimeConfig:
-    """`session.update`'s `session` over the current config. `started`: audio has reached the model,
-    so what is fixed at the Triton sequence's start (model options, instructions, duplex or not) stays."""
-    if not isinstance(session, dict):
-        raise ProtocolError("invalid_value", "session.update needs a `session` object", "session")
-    audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
-    audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
-    audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
-    changes: dict[str, Any] = {}
+def _input_format(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    rate = _rate(u.audio("input").get("format", u.session.get("input_audio_format")), "session.audio.input.format")
+    return {"input_rate": rate} if rate else {}
 
-    rate_in = _rate(audio_in.get("format", session.get("input_audio_format")), "session.audio.input.format")
-    rate_out = _rate(audio_out.get("format", session.get("output_audio_format")), "session.audio.output.format")
-    if rate_in:
-        changes["input_rate"] = rate_in
-    if rate_out:
-        changes["output_rate"] = rate_out
-    modalities = session.get("output_modalities", session.get("modalities"))
-    if modalities is not None:
-        if not isinstance(modalities, list) or not set(modalities) <= {"audio", "text"} or not modalities:
-            raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
-                                "session.output_modalities")
-        changes["output_modalities"] = ("audio",) if "audio" in modalities else ("text",)
-    limits = limits or Limits.default()
-    voice = audio_out.get("voice", session.get("voice"))
-    if voice is not None:  # echoed in every response: a name, not a payload
-        changes["voice"] = identifier(voice, "session.audio.output.voice", "invalid_value")
-    if "turn_detection" in audio_in or "turn_detection" in session:
-        raw = audio_in["turn_detection"] if "turn_detection" in audio_in else session["turn_detection"]
-        td = _turn_detection(raw, config.turn_detection, "session.audio.input.turn_detection")
-        if started and (td.type == "duplex") != config.duplex:
-            raise ProtocolError("session_update_not_allowed",
-                                "turn_detection cannot switch between duplex and turn-based once audio was sent",
-                                "session.audio.input.turn_detection.type")
-        changes["turn_detection"] = td
-    overlap = config.overlap
-    if session.get("overlap_policy") is not None:
-        if session["overlap_policy"] not in POLICIES:
-            raise ProtocolError("invalid_value", f"overlap_policy must be one of {', '.join(POLICIES)}",
-                                "session.overlap_policy")
-        overlap = dataclasses.replace(overlap, policy=session["overlap_policy"])
-    for key, attr, kind, low, high in (("overlap_short_ack_ms", "short_ack_ms", int, 0, 60_000),
-                                       ("overlap_barge_in_ms", "barge_in_ms", int, 0, 60_000),
-                                       ("overlap_silence_rms", "silence_rms", float, 0.0, 1.0)):
-        if session.get(key) is not None:
-            overlap = dataclasses.replace(overlap, **{attr: _number(session[key], kind, f"session.{key}", low, high)})
-    changes["overlap"] = overlap
-    if session.get("playback_commit_policy") is not None:
-        if session["playback_commit_policy"] not in COMMIT_POLICIES:
-            raise ProtocolError("invalid_value", f"playback_commit_policy must be one of {', '.join(COMMIT_POLICIES)}",
-                                "session.playback_commit_policy")
-        changes["playback_commit_policy"] = session["playback_commit_policy"]
 
-    if session.get("max_output_tokens") is not None:
-        changes["max_output_tokens"] = max_output_tokens(session["max_output_tokens"], "session.max_output_tokens")
+def _output_format(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    rate = _rate(u.audio("output").get("format", u.session.get("output_audio_format")),
+                 "session.audio.output.format")
+    return {"output_rate": rate} if rate else {}
 
-    fixed: dict[str, Any] = {}
-    if session.get("instructions") is not None:
-        fixed["instructions"] = limits.prompt(session["instructions"], "session.instructions")
-    extra = session.get("extra_body") if isinstance(session.get("extra_body"), dict) else {}
-    model = {k: v for k, v in {**session, **extra}.items() if k in MODEL_KEYS and v is not None}
-    if model:
-        fixed["model"] = {**config.model, **model}
-    if fixed and started:
-        changed = [k for k, v in fixed.items() if getattr(config, k) != v]
-        if changed:
-            raise ProtocolError("session_update_not_allowed",
-                                f"{', '.join(changed)} can only change before the first audio", f"session.{changed[0]}")
-    out = dataclasses.replace(config, **changes, **fixed)
-    try:
-        out.options()
-    except InvalidOptions as exc:  # the init's ranges: the update is refused, the session keeps its settings
-        raise ProtocolError("invalid_config", str(exc), "session") from exc
+
+def _modalities(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    modalities = u.session.get("output_modalities", u.session.get("modalities"))
+    if modalities is None:
+        return {}
+    if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"audio", "text"}:
+        raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
+                            "session.output_modalities")
+    return {"output_modalities": ("audio",) if "audio" in modalities else ("text",)}
+
+
+def _voice(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    voice = u.audio("output").get("voice", u.session.get("voice"))
+    if voice is None:
+        return {}
+    # echoed in every response.created / done: a name, not a payload
+    return {"voice": identifier(voice, "session.audio.output.voice", "invalid_value")}
+
+
+def _switch(config: RealtimeConfig, u: Update, td: TurnDetection) -> dict[str, Any]:
+    """A new turn detection, if the session can take it."""
+    if u.started and (td.type == DUPLEX) != config.duplex:
+        raise ProtocolError("session_update_not_allowed",
+                            "a session cannot switch between duplex and turn-based once audio was sent",
+                            "session.duplex" if td.type == DUPLEX or config.duplex else f"{TD_PARAM}.type")
+    if td.vad and not u.vad:
+        raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
+                            f"{TD_PARAM}.type")
+    return {"turn_detection": td}
+
+
+def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
+    """The spec's `turn_detection`: an object (server_vad, semantic_vad), or null / false (none)."""
+    if raw is None or raw is False:  # false: Pipecat's "turn detection off"
+        return TurnDetection(type=None)
+    if not isinstance(raw, dict):
+        raise ProtocolError("invalid_value", "turn_detection must be an object or null", TD_PARAM)
+    kind = raw.get("type", current.type if current.vad else "server_vad")
+    if kind not in VAD_TYPES:
+        hint = " (the model's own turns: `session.duplex: true` on a URL with ?extensions=duplex)" \
+            if kind == DUPLEX else ""
+        raise ProtocolError("invalid_value", f"turn_detection.type must be server_vad, semantic_vad or null{hint}",
+                            f"{TD_PARAM}.type")
+    out = dataclasses.replace(current if current.vad else TurnDetection(), type=kind)
+    for key, kind_, low, high in (("threshold", float, 0.0, 1.0), ("prefix_padding_ms", int, 0, 5000),
+                                  ("silence_duration_ms", int, 0, 10_000)):
+        if raw.get(key) is not None:
+            out = dataclasses.replace(out, **{key: _number(raw[key], kind_, f"{TD_PARAM}.{key}", low, high)})
+    if raw.get("eagerness") is not None:
+        if raw["eagerness"] not in EAGERNESS_SILENCE_MS:
+            raise ProtocolError("invalid_value", f"eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
+                                f"{TD_PARAM}.eagerness")
+        out = dataclasses.replace(out, eagerness=raw["eagerness"])
+    for key in ("create_response", "interrupt_response"):
+        if raw.get(key) is not None:
+            out = dataclasses.replace(out, **{key: bool(raw[key])})
     return out
+
+
+def _raw_turn_detection(u: Update) -> tuple[bool, Any]:
+    """Whether the update names a turn detection (GA or beta shape), and what it says."""
+    audio_in = u.audio("input")
+    if "turn_detection" in audio_in:
+        return True, audio_in["turn_detection"]
+    return "turn_detection" in u.session, u.session.get("turn_detection")
+
+
+def _turn_detection(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    given, raw = _raw_turn_detection(u)
+    if not given:
+        return {}
+    td = _spec_turn_detection(raw, config.turn_detection)
+    if td.type is None and config.duplex:
+        return {}  # what a duplex session reports (no VAD turns), sent back: it stays duplex (`duplex: false` leaves)
+    return _switch(config, u, td)
+
+
+def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    if "duplex" not in u.session:
+        return {}
+    want = u.session["duplex"]
+    if not u.ext.duplex:
+        raise ProtocolError("invalid_value", "the model's own turns are offered on /v1/realtime?extensions=duplex",
+                            "session.duplex")
+    if not isinstance(want, bool):
+        raise ProtocolError("invalid_value", "duplex must be true or false", "session.duplex")
+    if want == config.duplex:
+        return {}
+    if want:
+        return _switch(config, u, TurnDetection(type=DUPLEX))
+    given, raw = _raw_turn_detection(u)  # leaving duplex: for the turn detection this update names, if any
+    return _switch(config, u, _spec_turn_detection(raw, TurnDetection()) if given else TurnDetection())
+
+
+def _one_of(u: Update, key: str, choices: tuple[str, ...]) -> str | None:
+    value = u.session.get(key)
+    if value is not None and value not in choices:
+        raise ProtocolError("invalid_value", f"{key} must be one of {', '.join(choices)}", f"session.{key}")
+    return value
+
+
+def _overlap_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    policy = _one_of(u, "overlap_policy", POLICIES)
+    return {} if policy is None else {"overlap": dataclasses.replace(config.overlap, policy=policy)}
+
+
+def _overlap_number(key: str, attr: str, kind: type, high: float) -> Field:
+    def read(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+        if u.session.get(key) is None:
+            return {}
+        value = _number(u.session[key], kind, f"session.{key}", 0, high)
+        return {"overlap": dataclasses.replace(config.overlap, **{attr: value})}
+    return read
+
+
+def _commit_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    policy = _one_of(u, "playback_commit_policy", COMMIT_POLICIES)
+    return {} if policy is None else {"playback_commit_policy": policy}
+
+
+def _max_output_tokens(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    value = u.session.get("max_output_tokens")
+    return {} if value is None else {"max_output_tokens": max_output_tokens(value, "session.max_output_tokens")}
+
+
+def _instructions(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    text = u.session.get("instructions")
+    if text is None:
+        return {}
+    return u.fixed(config, {"instructions": u.limits.prompt(text, "session.instructions")}, "instructions")
+
+
+def _model_key(key: str) -> Field:
+    def read(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+        extra = u.session.get("extra_body") if isinstance(u.session.get("extra_body"), dict) else {}
+        value = extra.get(key, u.session.get(key))
+        if value is None:
+            return {}
+        changes = u.fixed(config, {"model": {**config.model, key: value}}, key)
+        try:  # the init's ranges: the key is refused, the session keeps its value
+            dataclasses.replace(config, **changes).options()
+        except InvalidOptions as exc:
+            raise ProtocolError("invalid_config", str(exc), f"session.{key}") from exc
+        return changes
+    return read
+
+
+FIELDS: tuple[Field, ...] = (
+    _input_format, _output_format, _modalities, _voice, _turn_detection, _duplex, _overlap_policy,
+    _overlap_number("overlap_short_ack_ms", "short_ack_ms", int, 60_000),
+    _overlap_number("overlap_barge_in_ms", "barge_in_ms", int, 60_000),
+    _overlap_number("overlap_silence_rms", "silence_rms", float, 1.0),
+    _commit_policy, _max_output_tokens, _instructions, *(_model_key(k) for k in sorted(MODEL_KEYS)),
+)
+
+
+def apply_update(config: RealtimeConfig, update: Update) -> tuple[RealtimeConfig, list[ProtocolError]]:
+    """The update's fields over the config, each on its own: the new config and each field refused."""
+    refused: list[ProtocolError] = []
+    for read in FIELDS:
+        try:
+            config = dataclasses.replace(config, **read(config, update))
+        except ProtocolError as err:
+            refused.append(err)
+    return config, refused

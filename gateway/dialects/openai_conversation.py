@@ -1,5 +1,6 @@
 """The conversation a Realtime session keeps: its items, and for spoken replies which words went with
-which stretch of audio, so a cut at `audio_end_ms` leaves exactly the words the listener heard (pure code).
+which stretch of audio, so a cut at `audio_end_ms` leaves exactly the words the listener heard; and the caller's
+audio not made an item yet (turn-based: the input buffer) (pure code).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..audio import INPUT_RATE
 from ..wire import ProtocolError, new_id
 
 
@@ -98,10 +100,24 @@ class Item:
 class Conversation:
     items: list[Item] = field(default_factory=list)
 
-    def add(self, item: Item) -> tuple[str | None, Item]:
-        previous = self.items[-1].id if self.items else None
-        self.items.append(item)
-        return previous, item
+    def add(self, item: Item, after: str | None = None) -> str | None:
+        """Put `item` after the item `after` ("root": first; None: last); returns the id it now follows. Ids are
+        unique among the items there (a deleted item's id may come back: LiveKit re-creates an item it edits)."""
+        if any(i.id == item.id for i in self.items):
+            raise ProtocolError("item_create_duplicate_item_id", f"the conversation already has an item {item.id!r}",
+                                "item.id")
+        if after is None:
+            index = len(self.items)
+        elif after == "root":
+            index = 0
+        else:
+            try:
+                index = self.items.index(self.get(after)) + 1
+            except ProtocolError as err:
+                err.param = "previous_item_id"
+                raise
+        self.items.insert(index, item)
+        return self.items[index - 1].id if index else None
 
     def get(self, item_id: Any) -> Item:
         for item in self.items:
@@ -115,10 +131,52 @@ class Conversation:
     def nbytes(self) -> int:
         return sum(item.nbytes for item in self.items)
 
-    def keep_latest(self, count: int) -> list[str]:
-        """Forget all but the latest `count` items; the ids forgotten."""
-        gone, self.items = self.items[: max(0, len(self.items) - count)], self.items[-count:] if count else []
-        return [item.id for item in gone]
+    def trim(self, most_items: int, most_bytes: int, keep: tuple[Item | None, ...]) -> list[str]:
+        """Forget the oldest items (but those in `keep`) until at most `most_items` items of `most_bytes` are
+        left; the ids forgotten."""
+        gone: list[str] = []
+        held = self.nbytes()
+        for item in list(self.items):
+            if len(self.items) <= most_items and held <= most_bytes:
+                break
+            if any(item is k for k in keep):
+                continue
+            self.items.remove(item)
+            held -= item.nbytes
+            gone.append(item.id)
+        return gone
 
     def new_item(self, role: str, **kw: Any) -> Item:
         return Item(new_id("item"), role, **kw)
+
+
+@dataclass
+class InputBuffer:
+    """The caller's audio since the last commit (turn-based), 16 kHz float32: the next user item's."""
+
+    most_s: float = 60.0  # as a message item may hold (the session's limits.item_audio_s)
+    chunks: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def samples(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def room(self, samples: int) -> bool:
+        return self.samples + samples <= self.most_s * INPUT_RATE
+
+    def full(self) -> ProtocolError:
+        return ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {self.most_s:.0f} s; "
+                             "commit or clear it (this append was dropped)")
+
+    def add(self, audio: np.ndarray) -> None:
+        self.chunks.append(audio)
+
+    def keep_last(self, samples: int) -> None:
+        """Only the last `samples` (before speech starts, its prefix padding is all worth keeping)."""
+        tail = np.concatenate(self.chunks)[-samples:] if samples and self.chunks else np.zeros(0, np.float32)
+        self.chunks = [tail] if len(tail) else []
+
+    def take(self) -> np.ndarray:
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+        self.chunks = []
+        return audio

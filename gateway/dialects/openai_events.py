@@ -17,7 +17,7 @@ Json = dict[str, Any]
 
 class SessionCreated(RealtimeEvent, type="session.created"):
     session: Json
-    capabilities: Json
+    capabilities: Json | None = None  # extension (`events`): what this server offers
 
 
 class SessionUpdated(RealtimeEvent, type="session.updated"):
@@ -35,7 +35,7 @@ class SpeechStopped(RealtimeEvent, type="input_audio_buffer.speech_stopped"):
 
 
 class BufferCommitted(RealtimeEvent, type="input_audio_buffer.committed"):
-    item_id: str | None
+    item_id: str
     previous_item_id: str | None = None
 
 
@@ -110,10 +110,6 @@ class ResponseCreated(RealtimeEvent, type="response.created"):
 ResponseDone = ResponseCreated.retyped("ResponseDone", "response.done")
 
 
-class RateLimitsUpdated(RealtimeEvent, type="rate_limits.updated"):
-    rate_limits: list[Json]
-
-
 class OutputItemAdded(RealtimeEvent, type="response.output_item.added"):
     response_id: str
     output_index: int
@@ -146,7 +142,7 @@ class Delta(ContentEvent):
 
 
 class OutputAudioDelta(Delta, type="response.output_audio.delta"):
-    metadata: Json
+    metadata: Json | None = None  # extension (`events`): where the chunk sits in the reply
 
 
 OutputAudioDone = ContentEvent.retyped("OutputAudioDone", "response.output_audio.done")
@@ -187,11 +183,14 @@ class ClientEvent(EventFields):
 
 
 class SessionUpdate(ClientEvent, type="session.update"):
-    session: Any  # checked by openai_config.apply_update
+    session: Json  # its fields checked one by one by openai_config.apply_update
 
     @classmethod
     def decode(cls, msg: Json) -> SessionUpdate:
-        return cls(msg.get("session"))
+        session = msg.get("session")
+        if not isinstance(session, dict):
+            raise ProtocolError("invalid_value", "session.update needs a `session` object", "session")
+        return cls(session)
 
 
 class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
@@ -216,10 +215,11 @@ BufferClear = ClientEvent.retyped("BufferClear", "input_audio_buffer.clear")
 
 class ItemCreate(ClientEvent, type="conversation.item.create"):
     item: Any  # a message item, checked as its parts are read
+    previous_item_id: str | None = None  # where it goes: after that item ("root": first); none: last
 
     @classmethod
     def decode(cls, msg: Json) -> ItemCreate:
-        return cls(msg.get("item"))
+        return cls(msg.get("item"), _id(msg, "previous_item_id"))
 
 
 class ItemRetrieve(ClientEvent, type="conversation.item.retrieve"):
@@ -244,13 +244,28 @@ class ItemTruncate(ClientEvent, type="conversation.item.truncate"):
 
 
 class ResponseCreate(ClientEvent, type="response.create"):
-    instructions: Any = None
+    instructions: str | None = None  # this response's, in place of the session's
     max_output_tokens: Any = None  # checked by openai_config.max_output_tokens
+    metadata: dict[str, str] | None = None  # echoed on the response (clients match their request by it)
 
     @classmethod
     def decode(cls, msg: Json) -> ResponseCreate:
         spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
-        return cls(spec.get("instructions"), spec.get("max_output_tokens"))
+        instructions = spec.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise ProtocolError("invalid_value", "response.instructions must be a string", "response.instructions")
+        return cls(instructions or None, spec.get("max_output_tokens"), _metadata(spec.get("metadata")))
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: up to 16 string pairs, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
+        raise ProtocolError("invalid_value", "response.metadata holds up to 16 strings (keys up to 64 characters, "
+                            "values up to 512)", "response.metadata")
+    return dict(value)
 
 
 ResponseCancel = ClientEvent.retyped("ResponseCancel", "response.cancel")

@@ -16,15 +16,22 @@ from typing import Any
 import numpy as np
 
 from ..audio import INPUT_RATE, AudioDecodeError, StreamResampler, decode_pcm16_base64, resample
-from ..inputs import MAX_APPEND_SECONDS, image_bytes
+from ..inputs import image_bytes
 from ..limits import Limits
 from ..wire import ProtocolError
 from . import openai_events as oe
-from .realtime_events import answering, event_id, parse_event
+from .realtime_events import MAX_EVENT_BYTES, answering, event_id, parse_event
 
 # Work that is not protocol comes in as callables (tests give stand-ins):
 SpeechProbabilities = Callable[[np.ndarray], list[float]]  # 16 kHz audio -> one speech probability per VAD window
 Resampling = Callable[[int, int], Callable[[np.ndarray], np.ndarray]]  # (rate in, rate out) -> a stream resampler
+
+# One append may be as long as OpenAI takes: what base64 audio/pcm a 15 MiB event holds (245 s at 24 kHz). The
+# state takes it in pieces (`Heard.pieces`), as if streamed; in duplex its seconds wait to be steps in turn.
+MAX_APPEND_SAMPLES = MAX_EVENT_BYTES * 3 // 4 // 2
+MAX_ITEM_ID = 64  # characters of a client's item id
+PIECE = INPUT_RATE  # a long append is taken a second at a time, as a client streaming seconds sends it
+
 
 @dataclass(frozen=True)
 class ReadPlan:
@@ -43,12 +50,24 @@ class Heard:
     probs: list[float]  # one per VAD window; empty when the VAD did not run (or there is none)
     hint: str | None = None  # extension: what the caller said, if the client knows (a backchannel?)
 
+    def pieces(self) -> list[Heard]:
+        """The audio in pieces of a second, each with its share of the probabilities (to a window): a long append is
+        turn-detected, judged and buffered as the same audio streamed would be."""
+        n = max(1, -(-len(self.audio) // PIECE))
+        if n == 1:
+            return [self]
+        cut = [round(k * len(self.probs) / n) for k in range(n + 1)]
+        return [Heard(self.audio[k * PIECE:(k + 1) * PIECE], self.probs[cut[k]:cut[k + 1]], self.hint)
+                for k in range(n)]
+
 
 @dataclass(frozen=True)
 class NewItem:
     """`conversation.item.create`, read: a message item's role and its content, decoded."""
 
     role: str  # user | assistant | system
+    id: str | None = None  # the client's, kept (else the server makes one)
+    after: str | None = None  # previous_item_id: where it goes ("root": first; None: last)
     text: str = ""
     audio: np.ndarray | None = None  # 16 kHz float32, in whole tenths of a second (what the audio encoder takes)
     images: list[bytes] = field(default_factory=list)  # encoded images
@@ -84,13 +103,13 @@ class CallerAudio:
         if isinstance(event, oe.AudioAppend):
             return self.hear(event.audio, plan, event.hint)
         if isinstance(event, oe.ItemCreate):
-            return read_item(event.item, plan.input_rate, plan.limits)
+            return read_item(event.item, plan.input_rate, event.previous_item_id, plan.limits)
         return event
 
     def hear(self, data: str, plan: ReadPlan, hint: str | None = None) -> Heard:
         rate = plan.input_rate
         try:
-            pcm = decode_pcm16_base64(data, MAX_APPEND_SECONDS * rate)
+            pcm = decode_pcm16_base64(data, MAX_APPEND_SAMPLES)
         except AudioDecodeError as exc:
             raise ProtocolError("bad_audio", str(exc), "audio") from exc
         if self._resampler is None or self._rate != rate:
@@ -105,12 +124,15 @@ def whole_tenths(audio: np.ndarray) -> np.ndarray:
     return np.pad(audio, (0, -len(audio) % (INPUT_RATE // 10)))
 
 
-def read_item(raw: Any, input_rate: int, limits: Limits | None = None) -> NewItem:
+def read_item(raw: Any, input_rate: int, after: str | None = None, limits: Limits | None = None) -> NewItem:
     """A message item's content, checked and decoded (what the session's state has no say in), within the
     cost model's bounds: its text, its images (how many, their pixels, their format), its audio."""
     limits = limits or Limits.default()
     if not isinstance(raw, dict) or raw.get("type", "message") != "message":
         raise ProtocolError("invalid_value", "item must be a message", "item")
+    item_id = raw.get("id")
+    if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= MAX_ITEM_ID):
+        raise ProtocolError("invalid_value", f"item.id must be a string of 1 to {MAX_ITEM_ID} characters", "item.id")
     role = raw.get("role")
     if role not in ("user", "assistant", "system"):
         raise ProtocolError("invalid_value", "item.role must be user, assistant or system", "item.role")
@@ -134,7 +156,7 @@ def read_item(raw: Any, input_rate: int, limits: Limits | None = None) -> NewIte
         raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
     limits.text(text, "item.content.text")
     limits.images(images, "item.content")
-    return NewItem(role, text, audio, images)
+    return NewItem(role, item_id, after, text, audio, images)
 
 
 def _item_audio(data: str, rate: int, most: int) -> np.ndarray:

@@ -16,9 +16,12 @@ from . import openai_events as oe
 from .openai_config import RealtimeConfig
 from .openai_conversation import Item
 from .openai_duplex import Mark
+from .openai_extensions import Extensions
 from .state import ServerEvent
 
-CONTEXT_TOKENS = DuplexDefaults().context_tokens  # what rate_limits.updated reports left
+# The LLM context a session has (what `response.context_window` reports left, with `events`). Not told as
+# `rate_limits.updated`: the spec's rate limits are requests and tokens per minute, which this is not.
+CONTEXT_TOKENS = DuplexDefaults().context_tokens
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Response:
     ack_at: float | None = None
     done: bool = False
     kv_length: int = 0
+    metadata: dict[str, str] | None = None  # the client's, from its response.create: echoed
 
     def ids(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
@@ -42,26 +46,35 @@ class Response:
             self.usage.add(ev.chunk_usage)
 
 
-def response_dict(r: Response, config: RealtimeConfig, status: str = "in_progress",
+def response_dict(r: Response, config: RealtimeConfig, ext: Extensions, status: str = "in_progress",
                   details: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": r.id, "object": "realtime.response", "status": status, "status_details": details,
-            "output": [r.item.to_dict()] if status != "in_progress" else [],
-            "output_modalities": list(config.output_modalities),
-            "audio": {"output": {"format": {"type": "audio/pcm", "rate": config.output_rate},
-                                 "voice": config.voice}},
-            "usage": usage_block(r.usage.counts) if status != "in_progress" else None}
+    out = {"id": r.id, "object": "realtime.response", "status": status, "status_details": details,
+           "output": [r.item.to_dict()] if status != "in_progress" else [],
+           "output_modalities": list(config.output_modalities),
+           "audio": {"output": {"format": {"type": "audio/pcm", "rate": config.output_rate},
+                                "voice": config.voice}},
+           "metadata": r.metadata,
+           "usage": usage_block(r.usage.counts) if status != "in_progress" else None}
+    if ext.events and status != "in_progress":
+        out["context_window"] = {"limit": CONTEXT_TOKENS, "remaining": max(0, CONTEXT_TOKENS - r.kv_length)}
+    return out
 
 
-def opened(r: Response, previous: str | None, config: RealtimeConfig, epoch: int) -> list[ServerEvent]:
+def content_part(config: RealtimeConfig, text: str) -> dict[str, str]:
+    """The part as `response.content_part.*` name it (`audio` / `text`; the item itself says `output_audio`)."""
+    return {"type": "audio", "transcript": text} if config.audio_out else {"type": "text", "text": text}
+
+
+def opened(r: Response, previous: str | None, config: RealtimeConfig, ext: Extensions,
+           epoch: int) -> list[ServerEvent]:
     """What a response says as it opens (its item just added after `previous`)."""
     item = r.item
-    part = {"type": "output_audio" if config.audio_out else "output_text",
-            "transcript" if config.audio_out else "text": ""}
+    part = content_part(config, "")
     events: list[ServerEvent] = []
-    if config.duplex:
+    if config.duplex and ext.events:
         events.append(oe.ResponseSpeak(r.id, epoch))
     events += [
-        oe.ResponseCreated(response_dict(r, config)),
+        oe.ResponseCreated(response_dict(r, config, ext)),
         oe.ItemAdded(previous, item.to_dict()),
         oe.OutputItemAdded(r.id, 0, item.to_dict()),
         oe.ContentPartAdded(r.id, item.id, 0, 0, part),
@@ -69,32 +82,27 @@ def opened(r: Response, previous: str | None, config: RealtimeConfig, epoch: int
     return events
 
 
-def finished(r: Response, config: RealtimeConfig, epoch: int, status: str,
+def finished(r: Response, config: RealtimeConfig, ext: Extensions, epoch: int, status: str,
              details: dict[str, Any] | None = None) -> list[ServerEvent]:
     """What a response says as it ends with `status` (its item's status already set)."""
     item = r.item
     ids = r.ids()
     if config.audio_out:
         events: list[ServerEvent] = [oe.OutputAudioDone(**ids), oe.TranscriptDone(**ids, transcript=item.text)]
-        part = {"type": "output_audio", "transcript": item.text}
     else:
         events = [oe.TextDone(**ids, text=item.text)]
-        part = {"type": "output_text", "text": item.text}
     events += [
-        oe.ContentPartDone(**ids, part=part),
+        oe.ContentPartDone(**ids, part=content_part(config, item.text)),
         oe.OutputItemDone(r.id, 0, item.to_dict()),
         oe.ItemDone(item.to_dict()),
-        oe.ResponseDone(response_dict(r, config, status, details)),
-        oe.RateLimitsUpdated([{
-            "name": "context_tokens", "limit": CONTEXT_TOKENS,
-            "remaining": max(0, CONTEXT_TOKENS - r.kv_length), "reset_seconds": 0}]),
+        oe.ResponseDone(response_dict(r, config, ext, status, details)),
     ]
-    if config.duplex:
+    if config.duplex and ext.events:
         events.append(oe.ResponseListen(r.id, epoch, status == "completed"))
     return events
 
 
-def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, epoch: int, now: float,
+def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, ext: Extensions, epoch: int, now: float,
            kv: int = -1, second: int = -1) -> list[ServerEvent]:
     """A step event's words or voice added to the reply, and said."""
     ids = r.ids()
@@ -108,9 +116,9 @@ def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, epoch: int, now: 
         if r.first_audio_at is None:
             r.first_audio_at = now
         pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, config.output_rate))
-        return [oe.OutputAudioDelta(**ids, delta=pcm, metadata={
-            "epoch": epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
-            "kv_cache_length": kv})]
+        metadata = {"epoch": epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
+                    "kv_cache_length": kv} if ext.events else None
+        return [oe.OutputAudioDelta(**ids, delta=pcm, metadata=metadata)]
     return []
 
 

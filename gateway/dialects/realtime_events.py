@@ -43,6 +43,13 @@ def answering(client_event_id: str | None) -> Iterator[None]:
         raise
 
 
+def name_refusals(events: list[Any], client_event_id: str | None) -> None:
+    """An error among an event's answers (a part of it refused, the rest applied) names the client event too."""
+    for ev in events:
+        if isinstance(ev, Error) and ev.error.get("event_id") is None:
+            ev.error["event_id"] = client_event_id
+
+
 class RealtimeEvent(EventFields):
     """`type`, an `event_id`, then the fields. `server_event_seq` is added when sent."""
 
@@ -80,7 +87,8 @@ class SessionClosed(RealtimeEvent, Closed):
 
 def error_event(err: ProtocolError) -> Error:
     return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {})})
+                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {}),
+                  **({"redirect_url": err.redirect_url} if err.redirect_url else {})})
 
 
 def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:

@@ -6,6 +6,9 @@ import { RATE, encodePcm16, decodePcm16 } from "./audio.js";
 export function realtimeUrl(key) {
   const url = new URL("/v1/realtime", location.origin);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  // The page speaks the extensions (a stock OpenAI client gets the spec alone): the model's own turns, and
+  // the events it shows (response.listen, session.closed, the cause of a cut reply).
+  url.searchParams.set("extensions", "duplex,events");
   if (key) url.searchParams.set("key", key); // browsers cannot set headers on a WebSocket
   return url.toString();
 }
@@ -21,10 +24,12 @@ export class Realtime {
     this.ws = new WebSocket(url);
     this.ws.onmessage = (m) => this.receive(JSON.parse(m.data));
     this.ws.onclose = (e) => on.closed(e.reason || `socket closed (${e.code})`);
+    // duplex: the model's own turns (`duplex: true`; the spec's turn_detection is null: no VAD turns)
+    const vad = settings.turns === "manual" || settings.turns === "duplex" ? null : { type: settings.turns };
     this.ws.onopen = () => this.send("session.update", { session: {
+      duplex: settings.turns === "duplex",
       audio: {
-        input: { format: { type: "audio/pcm", rate: RATE },
-                 turn_detection: settings.turns === "manual" ? null : { type: settings.turns } },
+        input: { format: { type: "audio/pcm", rate: RATE }, turn_detection: vad },
         output: { format: { type: "audio/pcm", rate: RATE }, voice: settings.voice },
       },
     } });
@@ -94,7 +99,8 @@ export class Realtime {
       }
       case "response.done":
         this.reply = null;
-        on.replyDone(ev.response.id, ev.response.status, (ev.response.status_details || {}).reason);
+        const details = ev.response.status_details || {};
+        on.replyDone(ev.response.id, ev.response.status, details.cause || details.reason);
         break;
       case "response.listen":
         on.listening();

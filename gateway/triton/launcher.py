@@ -48,6 +48,11 @@ class TritonPorts:
         return f"127.0.0.1:{self.grpc}"
 
     @property
+    def endpoint(self) -> str:
+        """As the gateway lists it (gateway.triton.endpoints): gRPC address and metrics port."""
+        return f"{self.grpc_url} metrics={self.metrics}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics}/metrics"
 
@@ -103,7 +108,9 @@ def assemble_backends(install: TritonInstall, work_dir: Path) -> Path | None:
 def server_environment(install: TritonInstall) -> dict[str, str]:
     env = dict(os.environ)
     if install.lib_dir is not None:
-        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(install.lib_dir), env.get("LD_LIBRARY_PATH")]))
+        # The stub embeds this interpreter: its libpython too, where the system has none (pyenv's 3.12, say).
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(install.lib_dir), env.get("LD_LIBRARY_PATH"),
+                                                        sysconfig.get_config_var("LIBDIR")]))
     # The stub's embedded Python finds this environment's packages through PATH.
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     env["PYTHONPATH"] = ":".join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
