@@ -85,7 +85,7 @@ def test_a_pool_spreads_its_own_sessions_and_follows_its_file(tmp_path: Path) ->
     on: Counter[str] = Counter()
     pool = EndpointPool("", str(listing), 5.0, lambda: on, lambda url: None)
     for e in pool.endpoints.values():
-        e.state, e.slots, e.scrape = READY, {"llm": 4}, placement.parse_metrics("")
+        e.state, e.stages, e.slots, e.scrape = READY, READY, {"llm": 4}, placement.parse_metrics("")
     placed = [pool.place().url for _ in range(8)]
     assert Counter(placed) == {"a:1": 4, "b:3": 4}
     with pytest.raises(NoEndpoint):

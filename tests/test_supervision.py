@@ -180,9 +180,9 @@ async def test_a_hung_triton_is_not_ready_and_its_sessions_are_told(served) -> N
     os.kill(pid, signal.SIGSTOP)
     try:
         after_s = await not_ready_within(port, 10)
-        assert health(port)["backend_state"] == "unresponsive", health(port)
         _, code = await told_unavailable(ws, 30)
         assert code == 1013
+        assert health(port)["backend_state"] == "unresponsive", health(port)  # the stages' own verdict, too
     finally:
         os.kill(pid, signal.SIGCONT)
     await asyncio.to_thread(wait_status, port, "ready", 60)

@@ -4,8 +4,9 @@ Every probe period each listed endpoint is asked whether its entry model is read
 is read (HTTP); the list itself (`MINICPMO_TRITON_URL`, or the file `MINICPMO_TRITON_ENDPOINTS_FILE`,
 re-read when it changes) may change meanwhile. An endpoint's state:
 
-- `ready`: takes new sessions unless it is draining (the list says `drain`, the admin call said so, or it left
-  the list: then it is forgotten once its sessions ended);
+- `ready`: takes new sessions once every stage of it answers its probe too (`stages`: gateway/stage_health.py,
+  watched by the registry: a dead stub leaves the entry model "ready"), unless it is draining (the list says
+  `drain`, the admin call said so, or it left the list: then it is forgotten once its sessions ended);
 - `loading`: it answers but its entry model is not ready: no new sessions; live ones go on;
 - `down`: it did not answer, or a session's stream to it broke: no new sessions from that moment. Once it has
   not answered for `failover_s` since its first unanswered probe, its sessions still open are ended with
@@ -34,7 +35,6 @@ from .placement import Candidate, Scrape
 log = logging.getLogger("gateway.endpoints")
 
 READY, LOADING, DOWN = "ready", "loading", "down"
-UNHEALTHY = ("unresponsive", "broken")  # stage_health's verdicts that take an endpoint out of placement
 # gRPC backs off reconnecting to a server that went away up to 120 s: a server back sooner would stay `down`.
 PROBE_CHANNEL = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -58,7 +58,8 @@ class Endpoint:
         self.failovers = 0  # times its sessions were ended for it
         self.silent_since: float | None = None  # when the first unanswered probe was sent
         self.deadline: asyncio.TimerHandle | None = None  # then its sessions are ended, unless it answers first
-        self.stages = "loading"  # gateway/stage_health.py's verdict: ready | loading | unresponsive | broken
+        # gateway/stage_health.py's verdict, set by the registry: ready | loading | unresponsive | broken
+        self.stages = LOADING
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -88,8 +89,8 @@ class Endpoint:
 
     @property
     def healthy(self) -> bool:
-        """Ready, and no stage of it found broken or hung (its entry model's readiness says nothing of a dead stub)."""
-        return self.state == READY and self.stages not in UNHEALTHY
+        """Ready, and every stage of it answered its probe (its entry model's readiness says nothing of a dead stub)."""
+        return self.state == READY and self.stages == READY
 
     @property
     def takes_sessions(self) -> bool:
