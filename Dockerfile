@@ -41,7 +41,7 @@ COPY scripts ./scripts
 
 # As scripts/setup.sh does, less the `server` extra (this image's tritonserver is used: found on PATH) and with
 # TensorRT (`gpu`); PyPI's torch for Linux x86_64 is the CUDA build. minicpmo-utils and silero-vad go in with
-# --no-deps (why: README, pyproject.toml); tests/test_deploy.py keeps these pins equal to theirs. pip itself
+# --no-deps (why: docs/internals.md, pyproject.toml); tests/test_deploy.py keeps these pins equal to theirs. pip itself
 # refuses this Python if requires-python does not admit it.
 RUN python3 -m pip install -e ".[export,gpu]" \
  && python3 -m pip install --no-deps minicpmo-utils==1.0.7 silero-vad==6.2.3 \

@@ -6,7 +6,7 @@ Starts tritonserver and the gateway on free ports. Two clean sessions (`/backend
 streamed in real time, greedy) run alone, then beside each hostile caller in turn; the table gives the clean
 sessions' per-step latency (append -> the step's first event) p50 / p95 / max, p95 against the solo p95 (the goal:
 at most x2), whether their transcripts equal the solo run's, and what the hostile caller got (its refusals by
-code, bytes received). The hostile callers are the ones issue 21 names, each as hard as the limits allow
+code, bytes received). The hostile callers are the ones a public server meets, each as hard as the limits allow
 (docs/security.md); tests/test_hostile_callers.py runs them too, for the outputs.
 """
 

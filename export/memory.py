@@ -6,7 +6,7 @@ count on any machine). KV is computed on paper from the dims and the duplex loop
   `max_new_speak_tokens_per_chunk` text tokens when speaking; capped at `context_tokens`.
 - TTS: one spoken turn's cache: per spoken second up to that many text conditions + audio_bos + 25 codes;
   reset at each turn's end (a session that talks the whole time is the bound).
-- Audio encoder: the streaming Whisper cache (issue 10, h10c): 50 positions per second, reset at
+- Audio encoder: the streaming Whisper cache: 50 positions per second, reset at
   `max_positions` (1500 = 30 s).
 """
 
@@ -65,5 +65,5 @@ def memory_report(preset: PresetConfig) -> str:
     for stage in ("llm", "tts", "audio_encoder"):
         cells = [f"{_mib(rows[s][0][stage])} / {_mib(rows[s][1][stage])}" for s in SECONDS]
         lines.append(f"  {stage:16s} " + " ".join(f"{c:>17s}" for c in cells))
-    lines.append("  (token2wav's stream caches: Step-Audio2 flow + HiFT, issue 10/h11; vision: none kept)")
+    lines.append("  (token2wav's stream caches: Step-Audio2 flow + HiFT; vision: none kept)")
     return "\n".join(lines)

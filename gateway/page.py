@@ -1,5 +1,6 @@
 """The browser page at `/` (plain ES modules under `static/`, no build step): microphone, playback,
-transcript, interrupt, on `/v1/realtime`. `routes` goes into the app's route list."""
+transcript, interrupt and a timeline of the model's decisions, on `/v1/realtime`. `routes` goes into the
+app's route list."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The voice-agent frameworks against /v1/realtime (issue 18): the OpenAI Agents SDK, Pipecat and LiveKit
+# The voice-agent frameworks against /v1/realtime: the OpenAI Agents SDK, Pipecat and LiveKit
 # Agents, each driven as its docs say, against a real gateway + tritonserver (tiny model) that the tests
 # start from the project's .venv. Builds .venv-frameworks from tests_frameworks/requirements.txt (pinned;
 # rebuilt when that file changes). Run scripts/setup.sh first. Usage: bash scripts/frameworks.sh [pytest args]

@@ -1,4 +1,4 @@
-"""Beside the hostile callers of issue 21 at once (bench/hostile.py: silent sockets, heartbeats only, prompts at
+"""Beside the hostile callers at once (bench/hostile.py: silent sockets, heartbeats only, prompts at
 and over the bound, a 12 MB voice and create/cancel pairs, a long text to say, many and foreign images, bogus
 resumes), two clean sessions say exactly what they say alone, and each hostile caller gets its coded refusals.
 Their latency beside each one: `python -m bench.hostile`."""

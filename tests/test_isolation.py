@@ -119,7 +119,7 @@ def _settings(**kw: Any) -> Callable[[LlmRequest], LlmRequest]:
     return lambda r: dataclasses.replace(r, **kw)
 
 
-# name -> (how the hostile row differs from a clean one, its code); the issue's own cases come first.
+# name -> (how the hostile row differs from a clean one, its code); the cases that once got through come first.
 LLM_HOSTILE: dict[str, tuple[Callable[[Any], Callable[[LlmRequest], LlmRequest]], str]] = {
     "nan_temperature": (lambda p: _settings(temperature=NAN), "invalid_config"),
     "temperature_overflowing_float32": (lambda p: _settings(temperature=1e39), "invalid_config"),

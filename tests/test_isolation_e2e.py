@@ -49,7 +49,7 @@ async def llm_call(client: grpcclient.InferenceServerClient, request: LlmRequest
     return decode(LlmResult, lambda name: None if (v := result.as_numpy(name)) is None else v[0])
 
 
-# The cases: settings the init once let through, and enormous audio with default settings.
+# The cases that once got through: settings the init let through, and enormous audio with default settings.
 HOSTILE_ROWS: dict[str, tuple[dict[str, Any], str]] = {
     "nan_temperature": ({"temperature": NAN}, "invalid_config"),
     "temperature_overflowing_float32": ({"temperature": 1e39}, "invalid_config"),  # inf once float32

@@ -8,7 +8,7 @@ Realtime dialects share), so a new event cannot be forgotten: each must be produ
 Scenarios drive the real state machine as the shell does (client frames in through `on_text`, step events
 in, a refused frame answered with `error_event`), plus one real session through a gateway and tritonserver.
 
-The rules (issue 18):
+The rules:
 - a spec event type validates, in every scenario, with the `openai` package's model;
 - an event type the spec does not have (an extension) never reaches a stock client: a scenario is `stock`
   when the client sends only what OpenAI's API defines; a scenario that opts in (an extension event, a
@@ -477,7 +477,7 @@ def test_every_event_type_the_dialect_can_emit_conforms(event_type: str, emitted
 
 @pytest.mark.parametrize("event_type", sorted(emittable()))
 def test_a_stock_client_gets_no_field_outside_the_spec(event_type: str, emitted) -> None:
-    """Extensions are opt-in, fields too (issue 18): listed for the events whose values conform."""
+    """Extensions are opt-in, fields too: listed for the events whose values conform."""
     problems = report(event_type, seen_of(event_type, emitted), extras=True)
     assert not problems, "\n".join(["", *problems])
 

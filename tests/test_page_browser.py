@@ -1,9 +1,12 @@
 """The page at `/` in headless Chromium (Debian's `chromium` package, driven by Playwright; nothing is
 downloaded), its microphone faked from an espeak-ng WAV: audio goes up, the reply comes down and plays,
-the indicator follows, the interrupt button cuts the reply. A screenshot is kept in the test's tmp dir."""
+the indicator follows, the timeline draws each second the model heard (the caller's level, listen or speak, a
+barge-in, the words, a turn's latency), the interrupt button cuts the reply. A screenshot is kept in the test's
+tmp dir, or where `PAGE_SCREENSHOT` says (docs/page.png is made so)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -62,9 +65,18 @@ def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
             expect(page.get_by_role("status")).to_have_text("speaking")
             expect(page.locator("#latency")).to_have_text(re.compile(r"first audio after: \d+ ms"))
             page.wait_for_function("window.talk.played > 0", timeout=10_000)
-            shot = tmp_path / "page.png"
-            page.screenshot(path=str(shot), full_page=True)
-            print(f"screenshot: {shot}")
+            # The timeline: one column per step, in the order of the seconds heard, each with the decision the
+            # server reported for it; the first seconds are listened to (forced), the reply's speak.
+            steps = page.evaluate("window.talk.steps")
+            assert [s["second"] for s in steps] == list(range(1, len(steps) + 1)), steps
+            assert {s["decision"] for s in steps} == {"listen", "speak"}, steps
+            assert [s["decision"] for s in steps[:3]] == ["listen"] * 3, steps
+            assert page.locator("#timeline li").count() >= len(steps)
+            assert any(s["levelDb"] > -60 for s in steps), "the caller's speech was not measured"
+            # the turn's latency, on the step where its first audio came
+            expect(page.locator("#timeline li.speak .latency").first).to_have_text(re.compile(r"^\d+ ms$"))
+            started = [s for s in steps if s["latencyMs"] is not None]
+            assert started and started[0]["decision"] == "speak", steps
             # Interrupt: the queued audio stops at once, the server cuts the reply to what was heard (and stops
             # it if it is still going), the page listens again.
             before = page.evaluate("({played: window.talk.played, queued: window.talk.queued, "
@@ -83,7 +95,12 @@ def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
             assert (reply["status"], reply.get("reason")) in (("cancelled", "client_cancelled"), ("completed", None))
             assert "listening" in page.evaluate("window.talk.states")[before["states"]:]
             expect(page.locator("#transcript li.assistant").first).to_contain_text("[cut]")
+            expect(page.locator("#timeline li.barge-in")).not_to_have_count(0)
             assert not page.evaluate("window.talk.errors"), console
+            page.wait_for_function("window.talk.steps.length >= 9", timeout=30_000)  # a few listens after it
+            shot = Path(os.environ.get("PAGE_SCREENSHOT") or tmp_path / "page.png")
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
             page.get_by_role("button", name="Stop").click()
             expect(page.get_by_role("status")).to_have_text("idle")
         finally:

@@ -113,6 +113,10 @@ async def test_model_native_listen_and_speak(gateway, speech) -> None:
                                                        "output": {"format": {"type": "audio/pcm", "rate": 16000}}})
     c.rate = 16_000
     await c.append(whole_seconds(speech(SPEAKING_TEXT), 3))
+    # the first three seconds are listened to: each step's decision (`duplex.step`), and nothing else
+    heard = [await c.until("duplex.step") for _ in range(3)]
+    assert [(e["second"], e["decision"]) for e in heard] == [(1, "listen"), (2, "listen"), (3, "listen")], heard
+    assert not c.of("response.speak")
     assert await c.quiet(1.5) == [], "the first three seconds are listened to"
     await c.append(whole_seconds(speech(SPEAKING_TEXT)[48_000:], 3))
     speak = await c.until("response.speak")

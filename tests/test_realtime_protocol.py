@@ -195,9 +195,12 @@ def test_duplex_appends_become_one_second_steps_and_a_spoken_turn_is_a_response(
     for s in steps:
         st.prepare(s)
     assert steps[0].request.options is not None and steps[1].request.options is None  # options ride on the first
-    assert types(st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 50}))) == []
+    # each step's decision leads its events (`duplex.step`): a listen step has no other
+    listened = encoded(st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 50})))
+    assert listened == [{"type": "duplex.step", "event_id": listened[0]["event_id"],
+                         "second": 1, "decision": "listen", "epoch": 0, "kv_cache_length": 50}]
     assert speak(st, steps[1]) == [
-        "response.speak", "response.created", "conversation.item.added", "response.output_item.added",
+        "duplex.step", "response.speak", "response.created", "conversation.item.added", "response.output_item.added",
         "response.content_part.added", "response.output_audio_transcript.delta", "response.output_audio.delta"]
     done = st.on_step_event(steps[1], StepEvent("listen", end_of_turn=True, chunk_usage={"output_text_tokens": 2}))
     assert types(done) == [

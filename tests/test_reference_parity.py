@@ -29,7 +29,7 @@ from minicpmo_triton.stages.tts import TtsStage
 from .reference_checkpoint import ReferenceCheckpoint, write_checkpoint
 
 TOLERANCE = 1e-4
-PARITY_STAGES = ("llm", "tts")  # the stages whose reference builders are real (audio/vision: h10c/h10b add theirs)
+PARITY_STAGES = ("llm", "tts")  # the stages whose reference builders are real (audio/vision: none yet)
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ class Seen:
 
 @dataclass
 class Clean:
-    """The rule of issue 18 for every framework test: no error event, no ERROR log, no gateway ERROR."""
+    """The rule for every framework test: no error event, no ERROR log, no gateway ERROR."""
 
     logs: ErrorLogs
     gateway: Gateway

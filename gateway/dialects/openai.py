@@ -91,6 +91,7 @@ class OpenAIRealtimeState(DialectState):
     to_say: Item | None = None  # an assistant message the next response.create voices
     said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
     reported: tuple[str, str] | None = None  # the overlap decision last reported in this reply
+    decided: PlannedStep | None = None  # the duplex step whose decision was last reported (`duplex.step`)
     config: RealtimeConfig = field(init=False)
     overlap: OverlapPolicy = field(init=False)
     segmenter: SpeechSegmenter = field(init=False)
@@ -472,6 +473,9 @@ class OpenAIRealtimeState(DialectState):
             return self._chat_event(step, ev)
         out = Effects()
         kv = int(ev.metrics.kv_cache_length) if ev.metrics.kv_cache_length is not None else -1
+        if step.kind == "duplex" and self.ext.events and self.decided is not step:  # its first event decides
+            self.decided = step
+            out.events.append(oe.DuplexStep(step.second, "listen" if ev.kind == "listen" else "speak", self.epoch, kv))
         if ev.kind == "listen":
             if step.kind == "duplex" and kv >= 0:
                 self.duplex.last_listen = Mark(kv, step.second)

@@ -53,6 +53,16 @@ class OverlapDecision(RealtimeEvent, type="overlap.decision"):
     epoch: int
 
 
+class DuplexStep(RealtimeEvent, type="duplex.step"):
+    """Extension (duplex): what the model decided for one second of the caller's audio, sent with the step's
+    first event (a listen step has no other event a client could see it by)."""
+
+    second: int
+    decision: str  # listen | speak
+    epoch: int
+    kv_cache_length: int
+
+
 class ItemAdded(RealtimeEvent, type="conversation.item.added"):
     previous_item_id: str | None
     item: Json

@@ -1,5 +1,5 @@
 """The OpenAI Realtime dialect's states and the transitions between them, written down in one place (the
-shape of h11's `_state.py`): what may happen in each state is a table, not a reading of flags.
+shape of the h11 HTTP library's `_state.py`): what may happen in each state is a table, not a reading of flags.
 
 The session's response, the one machine with named states:
 

@@ -1,13 +1,16 @@
 // The page: Start opens a session (microphone + playback), Interrupt (or Esc) cuts the reply and silences
-// it at once, the text box asks typed questions. `window.talk` exposes counters for tests and curious people.
+// it at once, the text box asks typed questions, and the timeline draws each second the model heard.
+// `window.talk` exposes counters for tests and curious people.
 
 import { RATE, openAudio, startMicrophone, Player } from "./audio.js";
 import { Realtime, realtimeUrl } from "./realtime.js";
+import { Timeline } from "./timeline.js";
 
 const $ = (id) => document.getElementById(id);
 const key = new URLSearchParams(location.search).get("key");
 const talk = (window.talk = { url: null, appends: 0, deltas: 0, chunks: 0, played: 0, queued: 0,
-                              states: [], replies: [], errors: [] });
+                              states: [], replies: [], steps: [], errors: [] });
+const timeline = new Timeline($("timeline"), talk.steps);
 let session = null;
 let player = null;
 let stopMicrophone = null;
@@ -51,6 +54,7 @@ async function start(event) {
     refreshIndicator();
   });
   talk.url = realtimeUrl(key);
+  timeline.clear();
   session = new Realtime(talk.url, { voice: $("voice").value, turns: $("turns").value }, {
     replyStarted(id) {
       talk.replies.push({ id, status: null, receivedMs: 0 });
@@ -61,6 +65,7 @@ async function start(event) {
     words(id, text) {
       talk.deltas += 1;
       if (currentLine) currentLine.textContent += text;
+      timeline.words(text);
     },
     audio(id, pcm) {
       talk.chunks += 1;
@@ -69,8 +74,17 @@ async function start(event) {
       player.push(pcm);
       refreshIndicator();
     },
-    latency(ms) {
+    latency(id, ms) {
       $("latency").textContent = `first audio after: ${Math.round(ms)} ms`;
+      const reply = talk.replies.find((r) => r.id === id);
+      if (reply) reply.latencyMs = Math.round(ms);
+      timeline.latency(ms);
+    },
+    step(second, decision) {
+      timeline.step(second, decision);
+    },
+    bargeIn() {
+      timeline.bargeIn();
     },
     replyDone(id, status, reason) {
       const reply = talk.replies.find((r) => r.id === id);
@@ -98,6 +112,7 @@ async function start(event) {
   });
   stopMicrophone = await startMicrophone(context, (chunk) => {
     talk.appends += 1;
+    timeline.heard(chunk);
     session.appendAudio(chunk);
   });
   setRunning(true);
@@ -112,7 +127,10 @@ function interrupt() {
   const playing = session.reply || player.busy;
   const heard = latest && replyStart.has(latest.id) ? Math.max(0, player.played - replyStart.get(latest.id)) : 0;
   player.flush();
-  if (playing) session.interrupt((heard / RATE) * 1000);
+  if (playing) {
+    session.interrupt((heard / RATE) * 1000);
+    timeline.bargeIn();
+  }
   refreshIndicator();
 }
 

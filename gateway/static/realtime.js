@@ -1,5 +1,6 @@
 // The OpenAI Realtime dialect on /v1/realtime: what the page sends, and the server's events folded into
-// a few callbacks (reply started, words, audio, reply done, listening, user turn, error, closed).
+// a few callbacks (reply started, words, audio, reply done, listening, user turn, error, closed), and the
+// duplex extensions the timeline draws (each step's decision, the overlap policy's barge-ins).
 
 import { RATE, encodePcm16, decodePcm16 } from "./audio.js";
 
@@ -92,7 +93,7 @@ export class Realtime {
         const r = this.reply;
         if (r && r.id === ev.response_id && r.firstAudioAt === null) {
           r.firstAudioAt = performance.now();
-          if (r.inputAt !== null) on.latency(r.firstAudioAt - r.inputAt);
+          if (r.inputAt !== null) on.latency(r.id, r.firstAudioAt - r.inputAt);
         }
         on.audio(ev.response_id, decodePcm16(ev.delta));
         break;
@@ -104,6 +105,12 @@ export class Realtime {
         break;
       case "response.listen":
         on.listening();
+        break;
+      case "duplex.step": // one per second the model heard: listen or speak
+        on.step(ev.second, ev.decision);
+        break;
+      case "overlap.decision":
+        if (ev.action === "barge_in") on.bargeIn(ev.response_id);
         break;
       case "conversation.item.added":
         if (ev.item.role === "user") {
