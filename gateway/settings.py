@@ -54,8 +54,9 @@ class Settings:
     resume_attempts: int = setting(10, "failed session.resume attempts per caller (principal and address) ...")
     resume_window_s: float = setting(60.0, "... per this window")
     # The cost model per caller (gateway/limits.py: Limits.of(settings); docs/security.md)
-    # 8 KiB: voice-agent frameworks' instructions run to several KB, and a prompt is prefilled once per session
-    max_prompt_bytes: int = setting(8192, "UTF-8 bytes of a system prompt / instructions (a bound on its tokens)")
+    # 4 KiB: voice-agent frameworks' instructions run to a few KB (a prompt is prefilled once per session); at
+    # the bound a prompt still fits the context with `tiny`'s byte tokenizer (a token a byte)
+    max_prompt_bytes: int = setting(4096, "UTF-8 bytes of a system prompt / instructions (a bound on its tokens)")
     max_text_bytes: int = setting(2048, "UTF-8 bytes of one text: a context, a typed message, a text to say")
     max_conversation_items: int = setting(256, "items an OpenAI-dialect conversation / a turn_based turn holds")
     max_conversation_bytes: int = setting(16 << 20, "... their text, audio and images together")
