@@ -26,6 +26,7 @@ from PIL import Image
 
 from gateway.audio import encode_f32_base64
 from gateway.dialects.realtime_events import MAX_EVENT_BYTES
+from gateway.limits import Limits
 from gateway.wire import JSON_MAX_NUMBER_CHARS
 
 from .helpers import GREEDY, OTHER_TEXT, append_message, init_message
@@ -35,6 +36,9 @@ from .test_session_exits import settled
 STAYS = None  # the session stays open: the probe after the error is answered
 PROBE = json.dumps({"type": "probe.nothing"})  # every dialect answers it with unknown_event, no model work
 CHUNK = 32  # hostile cases beside one clean session
+LIMITS = Limits.default()
+OVER_PROMPT = "p" * (LIMITS.prompt_bytes + 1)  # one byte past the bound: refused before any model work
+OVER_TEXT = "t" * (LIMITS.text_bytes + 1)
 
 
 # ---- hostile payloads ----
@@ -129,12 +133,12 @@ def _cases() -> list[Case]:
     add("backend_init_voice_too_short", "/backend", (),
         (init_message(GREEDY, ref_audio_base64=encode_f32_base64(SECOND[:800])),), "invalid_voice", 1008)
     # the cost model's bounds (gateway/limits.py)
-    add("backend_init_prompt_too_long", "/backend", (), (init_message(GREEDY, system_prompt="p" * 3000),),
+    add("backend_init_prompt_too_long", "/backend", (), (init_message(GREEDY, system_prompt=OVER_PROMPT),),
         "input_too_large", 1008)
     add("backend_init_voice_name_a_path", "/backend", (), (init_message(GREEDY, voice={"name": "../x"}),),
         "invalid_voice", 1008)
     add("backend_context_too_long", "/backend", (INIT,), (json.dumps(
-        {"type": "input.context", "input_id": "c", "context": {"text": "t" * 3000}}),), "input_too_large", STAYS)
+        {"type": "input.context", "input_id": "c", "context": {"text": OVER_TEXT}}),), "input_too_large", STAYS)
 
     # /backend, after session.init
     for name, frame in not_json.items():
@@ -215,7 +219,7 @@ def _cases() -> list[Case]:
     add("openai_voice_a_payload", rt, (), (json.dumps(
         {"type": "session.update", "session": {"voice": "v" * 100_000}}),), "invalid_value", STAYS)
     add("openai_instructions_too_long", rt, (), (json.dumps(
-        {"type": "session.update", "session": {"instructions": "i" * 3000}}),), "input_too_large", STAYS)
+        {"type": "session.update", "session": {"instructions": OVER_PROMPT}}),), "input_too_large", STAYS)
     add("openai_item_too_many_images", rt, (manual,), (json.dumps({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [
             {"type": "input_image", "image_url": f"data:image/jpeg;base64,{_jpeg()}"}] * 9}}),),
@@ -266,7 +270,7 @@ def _cases() -> list[Case]:
         {"type": "input_audio_buffer.append", "audio": encode_f32_base64(SECOND), "video_frames": [_jpeg()]}),),
         "invalid_payload", STAYS)
     add("audio_instructions_too_long", f"{rt}?mode=audio", (),
-        (json.dumps({"type": "session.update", "session": {"instructions": "i" * 3000}}),), "input_too_large", STAYS)
+        (json.dumps({"type": "session.update", "session": {"instructions": OVER_PROMPT}}),), "input_too_large", STAYS)
     add("audio_voice_not_base64", f"{rt}?mode=audio", (),
         (json.dumps({"type": "session.update", "session": {"ref_audio": "%%%"}}),), "invalid_voice", 1008)
     for name, frame in {"not_base64": "%%%", "not_an_image": NOT_AN_IMAGE, "bomb": BOMB, "huge": HUGE,
