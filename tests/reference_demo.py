@@ -22,6 +22,12 @@ def _git(*args: str) -> bytes:
     return subprocess.run(["git", "-C", str(DEMO), *args], check=True, capture_output=True).stdout
 
 
+def demo_source(path: str) -> bytes:
+    """A file of the demo repository at COMMIT (e.g. `MiniCPMO45/vocab.json`)."""
+    assert DEMO.exists(), f"the reference demo repository is not mirrored at {DEMO}"
+    return _git("show", f"{COMMIT}:{path}")
+
+
 def demo_module(name: str, cache: Path = Path("/tmp/minicpmo-demo-src")) -> ModuleType:
     """`MiniCPMO45.<name>` from the demo's own source at COMMIT."""
     assert DEMO.exists(), f"the reference demo repository is not mirrored at {DEMO}"
@@ -30,7 +36,7 @@ def demo_module(name: str, cache: Path = Path("/tmp/minicpmo-demo-src")) -> Modu
         package.mkdir(parents=True, exist_ok=True)
         for path in _git("ls-tree", "--name-only", COMMIT, "MiniCPMO45/").decode().split():
             if path.endswith(".py"):
-                (package / Path(path).name).write_bytes(_git("show", f"{COMMIT}:{path}"))
+                (package / Path(path).name).write_bytes(demo_source(path))
     if "transformers.modeling_attn_mask_utils" not in sys.modules:
         try:
             importlib.import_module("transformers.modeling_attn_mask_utils")
