@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if preset.tokenizer == "huggingface":
                 copy_tokenizer(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL) / "tokenizer")
         except CheckpointError as exc:  # a report for a person, not a traceback
-            print(f"error: cannot export {preset.name} from {args.checkpoint}:\n{exc}", file=sys.stderr)
+            print(f"error [{exc.code}]: cannot export {preset.name} from {args.checkpoint}:\n{exc}", file=sys.stderr)
             return 1
         missing = sorted(set(STAGE_NAMES) - set(loaded))
         print(f"loaded {', '.join(loaded)} from {args.checkpoint}"

@@ -25,7 +25,7 @@ from minicpmo_triton.model_config import PresetConfig, Token2WavDims
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 
 from .modules import audio_encoder, llm, tts, vision
-from .tensor_names import CheckpointError, Tensors
+from .tensor_names import CheckpointCode, CheckpointError, Tensors
 
 if TYPE_CHECKING:
     from .modules.token2wav import Token2WavModel
@@ -227,14 +227,39 @@ def copy_tokenizer(folder: Path, target: Path) -> None:
         shutil.copy2(Path(folder) / name, target / name)
 
 
+# minicpmo-utils 1.0.5's token2wav: the original HiFT in hift.pt, streamed as token2wav_stream does
+TOKEN2WAV_FILES = ("flow.yaml", "flow.pt", "hift.pt")
+# minicpmo-utils 1.0.7's: a causal HiFT (config.yaml + hift.pt) for streams, the original in hift_original.pt, and
+# a stream cache seeded with the prompt's first 3 tokens (its token2wav.py `Token2wav.set_stream_cache`)
+TOKEN2WAV_1_0_7_FILES = ("config.yaml", "hift_original.pt")
+
+
+def token2wav_layout(folder: Path) -> str | None:
+    """Which release's layout the checkpoint's assets/token2wav holds: "1.0.5", or None when it has none.
+    1.0.7's is refused (`unsupported_token2wav`): its causal HiFT is not exported yet, and streaming its hift.pt
+    as the original HiFT would be wrong audio, not an error."""
+    assets = Path(folder) / TOKEN2WAV_ASSETS
+    present = sorted(p.name for p in assets.iterdir()) if assets.is_dir() else []
+    if newer := [f for f in TOKEN2WAV_1_0_7_FILES if f in present]:
+        raise CheckpointError(
+            f"{assets} holds {', '.join(newer)}: minicpmo-utils 1.0.7's token2wav layout (a causal HiFT in "
+            f"config.yaml + hift.pt, the original in hift_original.pt), which this export cannot stream yet. "
+            f"Use the 1.0.5 layout ({', '.join(TOKEN2WAV_FILES)} with the original HiFT in hift.pt).",
+            CheckpointCode.UNSUPPORTED_TOKEN2WAV)
+    if not any(f in present for f in TOKEN2WAV_FILES):
+        return None
+    if missing := [f for f in TOKEN2WAV_FILES if f not in present]:
+        raise CheckpointError(f"{assets} lacks {', '.join(missing)} of token2wav's {', '.join(TOKEN2WAV_FILES)}")
+    return "1.0.5"
+
+
 def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
     """The checkpoint's assets/token2wav (flow.yaml, flow.pt, hift.pt) as the official modules; None if absent."""
     from .modules.token2wav import Token2WavModel
 
-    assets = Path(folder) / TOKEN2WAV_ASSETS
-    if not (assets / "flow.yaml").exists():
+    if token2wav_layout(folder) is None:
         return None
-    return Token2WavModel.load(assets, d)
+    return Token2WavModel.load(Path(folder) / TOKEN2WAV_ASSETS, d)
 
 
 def copy_voice_assets(folder: Path, target: Path) -> list[str]:

@@ -4,6 +4,7 @@ to dims, and checkpoint tensor names to the module's state-dict names."""
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 from typing import TypeVar
 
 import torch
@@ -12,8 +13,19 @@ Tensors = dict[str, torch.Tensor]
 D = TypeVar("D")
 
 
+class CheckpointCode(StrEnum):
+    """Why an export refused a checkpoint (`CheckpointError.code`; the export prints it before the report)."""
+
+    INVALID_CHECKPOINT = "invalid_checkpoint"  # missing, unexpected or mis-shaped files or tensors
+    UNSUPPORTED_TOKEN2WAV = "unsupported_token2wav"  # an assets/token2wav layout this build cannot stream
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder (or its config) that cannot become the preset's modules; the text is the report."""
+
+    def __init__(self, message: str, code: CheckpointCode = CheckpointCode.INVALID_CHECKPOINT) -> None:
+        super().__init__(message)
+        self.code = CheckpointCode(code)
 
 
 

@@ -17,13 +17,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from urllib.parse import unquote_plus
 
+from .codes import ClientCode
 from .wire import CLOSE_POLICY, CLOSE_TRY_AGAIN, ProtocolError
 
 ANONYMOUS = "anonymous"
 
 
 def unauthorized() -> ProtocolError:
-    return ProtocolError("unauthorized", "a valid API key is required (Authorization: Bearer KEY, or ?key=KEY)",
+    return ProtocolError(ClientCode.UNAUTHORIZED,
+                         "a valid API key is required (Authorization: Bearer KEY, or ?key=KEY)",
                          close_code=CLOSE_POLICY, http_status=401)
 
 
@@ -61,7 +63,7 @@ def origin_allowed(allowed: tuple[str, ...], origin: str | None) -> bool:
 class SessionCounts:
     """Live sessions per holder (a principal, an address), against `limit` (0: no limit); past it `code`."""
 
-    def __init__(self, limit: int, code: str = "key_session_limit", holder: str = "this key") -> None:
+    def __init__(self, limit: int, code: ClientCode = ClientCode.KEY_SESSION_LIMIT, holder: str = "this key") -> None:
         self.limit = limit
         self.code = code
         self.holder = holder
@@ -105,7 +107,8 @@ class RateLimit:
         while seen and now - seen[0] > self.window_s:
             seen.popleft()
         if len(seen) >= self.count:
-            raise ProtocolError("rate_limited", f"at most {self.count} resume attempts per {self.window_s:.0f} s",
+            raise ProtocolError(ClientCode.RATE_LIMITED,
+                                f"at most {self.count} resume attempts per {self.window_s:.0f} s",
                                 close_code=CLOSE_POLICY)
         seen.append(now)
         for other in [w for w, s in self._seen.items() if not s or now - s[-1] > self.window_s]:

@@ -32,6 +32,7 @@ from minicpmo_triton.errors import describe
 
 from . import inputs
 from .auth import origin_allowed, presented_key, principal, unauthorized
+from .codes import ClientCode
 from .dialects import backend, minicpm, openai
 from .dialects.openai_extensions import ALL, QUERY, STOCK, Extensions
 from .dialects.realtime_events import error_event as realtime_error
@@ -87,7 +88,7 @@ def caller(conn: HTTPConnection) -> str | None:
 def admit(conn: HTTPConnection) -> str:
     """Before any model work: a browser from an allowed Origin, with a valid key (when keys are set)."""
     if not origin_allowed(edge(conn).settings.allowed_origins, conn.headers.get("origin")):
-        raise ProtocolError("origin_not_allowed", "this Origin is not allowed", close_code=CLOSE_POLICY,
+        raise ProtocolError(ClientCode.ORIGIN_NOT_ALLOWED, "this Origin is not allowed", close_code=CLOSE_POLICY,
                             http_status=403)
     who = caller(conn)
     if who is None:
@@ -97,7 +98,7 @@ def admit(conn: HTTPConnection) -> str:
 
 def check_ready(conn: HTTPConnection) -> None:
     if not edge(conn).gateway.ready:
-        raise ProtocolError("not_ready", "the model is still loading", close_code=CLOSE_TRY_AGAIN,
+        raise ProtocolError(ClientCode.NOT_READY, "the model is still loading", close_code=CLOSE_TRY_AGAIN,
                             error_type="server_error", retryable=True)
 
 
@@ -157,7 +158,7 @@ async def voices_check(request: Request) -> JSONResponse:
         try:
             data = parse_json(body)  # the JSON limits every frame gets
         except ValueError as exc:
-            raise ProtocolError("invalid_json", f"the body is not valid JSON: {exc}") from exc
+            raise ProtocolError(ClientCode.INVALID_JSON, f"the body is not valid JSON: {exc}") from exc
         return JSONResponse(inputs.check_voice(data, Path(settings.voices_dir) if settings.voices_dir else None))
     except ProtocolError as err:
         return http_error(err)
@@ -174,7 +175,7 @@ async def backend_socket(ws: WebSocket) -> None:
         try:
             text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
         except (TimeoutError, Disconnected):
-            raise ProtocolError("init_timeout", "no session.init received", close_code=CLOSE_POLICY) from None
+            raise ProtocolError(ClientCode.INIT_TIMEOUT, "no session.init received", close_code=CLOSE_POLICY) from None
         init = backend.parse_init(backend.loads(text), e.limits)
         charge = e.voices.charger(who, address(ws))
         refs = backend.voice_refs(init)
@@ -201,7 +202,7 @@ async def realtime_socket(ws: WebSocket) -> None:
     try:
         who = admit(ws)
         if mode is not None and mode not in minicpm.MODES:
-            raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
+            raise ProtocolError(ClientCode.INVALID_MODE, f"mode must be one of {', '.join(minicpm.MODES)}", "mode",
                                 close_code=CLOSE_POLICY)
         resuming = ws.query_params.get("resume") in ("1", "true")
         ext = Extensions.parse(ws.query_params.get(QUERY))
@@ -212,7 +213,8 @@ async def realtime_socket(ws: WebSocket) -> None:
         if resuming:
             msg = _as_event(await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults))
             if msg.get("type") != "session.resume":
-                raise ProtocolError("invalid_first_message", "with ?resume=1 the first event is session.resume",
+                raise ProtocolError(ClientCode.INVALID_FIRST_MESSAGE,
+                                    "with ?resume=1 the first event is session.resume",
                                     "type", close_code=CLOSE_POLICY)
         else:
             with e.quotas.held(who, address(ws)):

@@ -28,6 +28,7 @@ import numpy as np
 
 from .audio import INPUT_RATE
 from .auth import ANONYMOUS, RateLimit, SessionCounts
+from .codes import ClientCode
 from .wire import ProtocolError, parse_json
 
 T = TypeVar("T")
@@ -42,7 +43,7 @@ class Quotas:
 
     def __init__(self, per_key: int, per_address: int) -> None:
         self.keys = SessionCounts(per_key)
-        self.addresses = SessionCounts(per_address, "address_session_limit", "this client address")
+        self.addresses = SessionCounts(per_address, ClientCode.ADDRESS_SESSION_LIMIT, "this client address")
 
     @contextlib.contextmanager
     def held(self, who: str, address: str) -> Iterator[None]:
@@ -109,7 +110,7 @@ class VoiceBudget:
             return  # sent within the window: its prompt is cached
         seconds = len(audio) / INPUT_RATE
         if sum(s for _, _, s in spent) + seconds > self.seconds:
-            raise ProtocolError("rate_limited", f"new voice references: at most {self.seconds:.0f} s per "
+            raise ProtocolError(ClientCode.RATE_LIMITED, f"new voice references: at most {self.seconds:.0f} s per "
                                 f"{self.window_s:.0f} s per caller; reuse one, or wait", "voice",
                                 error_type="server_error", retryable=True)
         spent.append((now, key, seconds))

@@ -18,6 +18,7 @@ import numpy as np
 from minicpmo_triton.pcm import pcm_problem
 
 from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64, decode_pcm16_base64, read_wav, resample
+from .codes import ClientCode
 from .limits import Limits, identifier, image_pixels
 from .wire import ProtocolError
 
@@ -42,7 +43,7 @@ class InputAppend:
 
 def as_object(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ProtocolError("invalid_payload", f"{what} must be a JSON object")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, f"{what} must be a JSON object")
     return value
 
 
@@ -54,15 +55,15 @@ def voice_ref(name: str, data: Any, close_code: int | None, fmt: str = "f32", ra
     """One voice reference (base64 `fmt` audio at `rate`), within VOICE_SECONDS, else `invalid_voice`;
     returned as 16 kHz float32."""
     if fmt not in VOICE_FORMATS or rate not in VOICE_RATES:
-        raise ProtocolError("invalid_voice", f"{name}: format must be one of {', '.join(VOICE_FORMATS)} at "
+        raise ProtocolError(ClientCode.INVALID_VOICE, f"{name}: format must be one of {', '.join(VOICE_FORMATS)} at "
                             f"{' or '.join(map(str, VOICE_RATES))} Hz", close_code=close_code)
     if not isinstance(data, str):
-        raise ProtocolError("invalid_voice", f"{name} must be base64 {fmt} {rate // 1000} kHz audio",
+        raise ProtocolError(ClientCode.INVALID_VOICE, f"{name} must be base64 {fmt} {rate // 1000} kHz audio",
                             close_code=close_code)
     try:
         audio = VOICE_FORMATS[fmt](data, int(VOICE_SECONDS[1] * rate))
     except AudioDecodeError as exc:
-        raise ProtocolError("invalid_voice", f"{name}: {exc}", close_code=close_code) from exc
+        raise ProtocolError(ClientCode.INVALID_VOICE, f"{name}: {exc}", close_code=close_code) from exc
     check_reference(name, audio, rate, close_code)
     return resample(audio, rate, INPUT_RATE)
 
@@ -70,10 +71,10 @@ def voice_ref(name: str, data: Any, close_code: int | None, fmt: str = "f32", ra
 def check_reference(name: str, audio: np.ndarray, rate: int, close_code: int | None) -> None:
     """A reference's length within VOICE_SECONDS and its samples clean PCM, else `invalid_voice`."""
     if not VOICE_SECONDS[0] * rate <= len(audio) <= VOICE_SECONDS[1] * rate:
-        raise ProtocolError("invalid_voice", f"{name} must be {VOICE_SECONDS[0]} to {VOICE_SECONDS[1]:.0f} s",
+        raise ProtocolError(ClientCode.INVALID_VOICE, f"{name} must be {VOICE_SECONDS[0]} to {VOICE_SECONDS[1]:.0f} s",
                             close_code=close_code)
     if problem := pcm_problem(audio):
-        raise ProtocolError("invalid_voice", f"{name}: {problem}", close_code=close_code)
+        raise ProtocolError(ClientCode.INVALID_VOICE, f"{name}: {problem}", close_code=close_code)
 
 
 def check_voice(body: Any, voices_dir: Path | None = None) -> dict[str, Any]:
@@ -82,22 +83,23 @@ def check_voice(body: Any, voices_dir: Path | None = None) -> dict[str, Any]:
     reference would be; the answer's body, else `invalid_voice` (or `invalid_payload`)."""
     body = as_object(body, "the request body")
     if body.get("voice") is not None:
-        name = identifier(body["voice"], "voice", "invalid_voice")
+        name = identifier(body["voice"], "voice", ClientCode.INVALID_VOICE)
         if name in VOICE_NAMES:
             return {"ok": True, "voice": name, "duration_s": None, "sample_rate": None}
         path = voices_dir / f"{name}.wav" if voices_dir is not None else None
         if path is None or not path.is_file():
             known = [*VOICE_NAMES, *(sorted(p.stem for p in voices_dir.glob("*.wav")) if voices_dir else [])]
-            raise ProtocolError("invalid_voice", f"no voice named {name!r}; known: {', '.join(known)}")
+            raise ProtocolError(ClientCode.INVALID_VOICE, f"no voice named {name!r}; known: {', '.join(known)}")
         try:
             audio = read_wav(path)
         except Exception as exc:
-            raise ProtocolError("invalid_voice", f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
+            raise ProtocolError(ClientCode.INVALID_VOICE,
+                                f"the voice {name!r} cannot be read ({type(exc).__name__})") from exc
         check_reference(name, audio, INPUT_RATE, None)
         return {"ok": True, "voice": name, "duration_s": round(len(audio) / INPUT_RATE, 3), "sample_rate": INPUT_RATE}
     rate, fmt = body.get("sample_rate", INPUT_RATE), body.get("format", "f32")
     if not isinstance(rate, int) or isinstance(rate, bool):
-        raise ProtocolError("invalid_voice", "sample_rate must be 16000 or 24000")
+        raise ProtocolError(ClientCode.INVALID_VOICE, "sample_rate must be 16000 or 24000")
     audio = voice_ref("audio", body.get("audio"), None, str(fmt), rate)
     return {"ok": True, "duration_s": round(len(audio) / INPUT_RATE, 3), "sample_rate": rate}
 
@@ -117,9 +119,9 @@ def image_bytes(data: str) -> bytes:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise ProtocolError("bad_image", f"an image is not valid base64: {exc}") from exc
+        raise ProtocolError(ClientCode.BAD_IMAGE, f"an image is not valid base64: {exc}") from exc
     if not raw or len(raw) > MAX_IMAGE_BYTES:
-        raise ProtocolError("bad_image", f"an image must be 1 byte to {MAX_IMAGE_BYTES // (1 << 20)} MiB")
+        raise ProtocolError(ClientCode.BAD_IMAGE, f"an image must be 1 byte to {MAX_IMAGE_BYTES // (1 << 20)} MiB")
     image_pixels(raw)  # its header only: the format allow-list
     return raw
 
@@ -127,15 +129,15 @@ def image_bytes(data: str) -> bytes:
 def _frames(payload: dict[str, Any], limits: Limits) -> list[bytes]:
     frames = first(payload.get("frame_base64_list"), payload.get("video_frames"), payload.get("frames")) or []
     if not isinstance(frames, list):
-        raise ProtocolError("invalid_payload", "frames must be a list")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "frames must be a list")
     out = []
     for frame in frames:
         data = first(frame.get("data"), frame.get("base64")) if isinstance(frame, dict) else frame
         if not isinstance(data, str) or not data:
-            raise ProtocolError("invalid_payload", "each frame must be a base64 JPEG string or {data}")
+            raise ProtocolError(ClientCode.INVALID_PAYLOAD, "each frame must be a base64 JPEG string or {data}")
         out.append(image_bytes(data))
     if len(out) > MAX_FRAMES:
-        raise ProtocolError("invalid_payload", f"at most {MAX_FRAMES} frames per input")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, f"at most {MAX_FRAMES} frames per input")
     limits.images(out, "frames", MAX_FRAMES)
     return out
 
@@ -145,9 +147,9 @@ def slices(value: Any, n_frames: int) -> list[int]:
         return [1] * n_frames
     values = value if isinstance(value, list) else [value] * max(n_frames, 1)
     if isinstance(value, list) and n_frames and len(values) != n_frames:
-        raise ProtocolError("invalid_payload", "max_slice_nums as a list needs one entry per frame")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_slice_nums as a list needs one entry per frame")
     if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 9 for v in values):
-        raise ProtocolError("invalid_payload", "max_slice_nums must be an integer 1..9 or a list of them")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_slice_nums must be an integer 1..9 or a list of them")
     return values
 
 
@@ -155,17 +157,17 @@ def parse_append(payload: dict[str, Any], limits: Limits | None = None) -> Input
     """One second (at most MAX_APPEND_SECONDS) of base64 float32 16 kHz audio, with its frames and hints."""
     hints = payload.get("hints") or {}
     if not isinstance(hints, dict):
-        raise ProtocolError("invalid_payload", "hints must be an object")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "hints must be an object")
     encoded = _audio_field(payload)
     audio = None
     if encoded is not None:
         try:
             audio = decode_f32_base64(encoded, MAX_APPEND_SECONDS * INPUT_RATE)
         except AudioDecodeError as exc:
-            raise ProtocolError("bad_audio", str(exc)) from exc
+            raise ProtocolError(ClientCode.BAD_AUDIO, str(exc)) from exc
     frames = _frames(payload, limits or Limits.default())
     if audio is None or len(audio) == 0:
-        raise ProtocolError("missing_field", "full_duplex input.append requires audio (base64 float32 16 kHz)")
+        raise ProtocolError(ClientCode.MISSING_FIELD, "full_duplex input.append requires audio (base64 float32 16 kHz)")
     force = first(payload.get("force_listen"), hints.get("force_listen"), False)
     input_id = payload.get("input_id")
     return InputAppend(

@@ -18,11 +18,12 @@ from typing import Any
 
 from minicpmo_triton.images import IMAGE_FORMATS, MAX_PIXELS
 
+from .codes import ClientCode
 from .settings import Settings
 from .wire import ProtocolError
 
-TOO_LARGE = "input_too_large"  # one code for every size bound; `param` and the message say which
-CONVERSATION_FULL = "conversation_full"  # the remedy differs: delete items first
+TOO_LARGE = ClientCode.INPUT_TOO_LARGE  # one code for every size bound; `param` and the message say which
+CONVERSATION_FULL = ClientCode.CONVERSATION_FULL  # the remedy differs: delete items first
 NAME_CHARS = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
@@ -83,7 +84,7 @@ class Limits:
 
 def _text(value: Any, most: int, param: str, close_code: int | None, setting: str) -> str:
     if not isinstance(value, str):
-        raise ProtocolError("invalid_value", f"{param} must be a string", param, close_code=close_code)
+        raise ProtocolError(ClientCode.INVALID_VALUE, f"{param} must be a string", param, close_code=close_code)
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > most:
         raise ProtocolError(TOO_LARGE, f"{param} is {size} bytes of UTF-8; at most {most} ({setting})", param,
@@ -91,7 +92,8 @@ def _text(value: Any, most: int, param: str, close_code: int | None, setting: st
     return value
 
 
-def identifier(value: Any, param: str, code: str = "invalid_value", close_code: int | None = None) -> str:
+def identifier(value: Any, param: str, code: ClientCode = ClientCode.INVALID_VALUE,
+               close_code: int | None = None) -> str:
     """A name the server echoes or looks up (a voice of the voice folder, a context kind): letters, digits and
     _.+-, at most NAME_CHARS characters (a file name stem, never a path), else refused."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
@@ -111,9 +113,9 @@ def image_pixels(raw: bytes) -> int:
             with Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS) as img:
                 pixels = int(img.width) * int(img.height)
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
-        raise ProtocolError("bad_image", f"an image must be one of {', '.join(IMAGE_FORMATS)}, of at most "
+        raise ProtocolError(ClientCode.BAD_IMAGE, f"an image must be one of {', '.join(IMAGE_FORMATS)}, of at most "
                             f"{MAX_PIXELS} pixels ({type(exc).__name__})") from exc
     if pixels > MAX_PIXELS:
-        raise ProtocolError("bad_image", f"an image of {pixels} pixels is over {MAX_PIXELS}")
+        raise ProtocolError(ClientCode.BAD_IMAGE, f"an image of {pixels} pixels is over {MAX_PIXELS}")
     return pixels
 

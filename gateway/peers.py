@@ -14,6 +14,7 @@ import binascii
 import secrets
 from urllib.parse import urlsplit
 
+from .codes import ClientCode
 from .wire import CLOSE_TRY_AGAIN, ProtocolError
 
 SCHEMES = ("ws", "wss")
@@ -52,7 +53,8 @@ def redirect(token: object, gateway_url: str, path: str) -> ProtocolError | None
     url = holder(token)
     if url is None or url == gateway_url.rstrip("/"):
         return None
-    err = ProtocolError("session_elsewhere", f"the session is held by another gateway: resume it at {url}{path}",
+    err = ProtocolError(ClientCode.SESSION_ELSEWHERE,
+                        f"the session is held by another gateway: resume it at {url}{path}",
                         "resume_token", close_code=CLOSE_TRY_AGAIN, error_type="invalid_request_error",
                         retryable=True)
     err.redirect_url = url + path

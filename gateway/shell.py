@@ -35,6 +35,7 @@ from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, describe
 
 from . import peers
 from .auth import ANONYMOUS
+from .codes import ClientCode
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
 from .fairness import Activity, paced
@@ -42,14 +43,7 @@ from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
 from .triton.stream import TritonStream, TritonUnavailable
-from .wire import (
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_SERVER_ERROR,
-    CLOSE_TRY_AGAIN,
-    ProtocolError,
-    new_id,
-)
+from .wire import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_id
 
 log = logging.getLogger("gateway")
 
@@ -102,13 +96,14 @@ async def admitted(gw: Gateway, ws: WebSocket, queue_event: QueueEvent | None = 
         gw.reserve()
     except SessionLimitReached:
         if queue_event is None:
-            raise ProtocolError("too_many_sessions", f"all {gw.settings.max_sessions} session slots are taken; "
+            raise ProtocolError(ClientCode.TOO_MANY_SESSIONS,
+                                f"all {gw.settings.max_sessions} session slots are taken; "
                                 "retry later", close_code=CLOSE_TRY_AGAIN, error_type="server_error",
                                 retryable=True) from None
         try:
             ticket = gw.enqueue()
         except QueueFull:
-            raise ProtocolError("queue_full", "the queue for a session is full; retry later",
+            raise ProtocolError(ClientCode.QUEUE_FULL, "the queue for a session is full; retry later",
                                 close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True) from None
     try:
         yield None if ticket is None else await _wait_in_queue(gw, ws, ticket, queue_event)
@@ -271,7 +266,7 @@ class Session:
         except Exception as exc:  # noqa: BLE001 (our bug: say so, keep the session)
             log.error("session %s: a client event failed: %s", self.session_id, describe(exc))
             return Effects([self.state.error_event(ProtocolError(
-                "internal_error", f"{type(exc).__name__}: {exc}", error_type="server_error"))]), None
+                ClientCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", error_type="server_error"))]), None
 
     async def _decide_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
         """A frame of `state.offload_frame_bytes` or more is read in a worker thread: its decoding, resampling and
@@ -356,7 +351,7 @@ class Session:
         if self._lost or self.closed:
             return
         self._lost = True
-        err = ProtocolError("backend_unavailable", "the model server went away; open a new session when "
+        err = ProtocolError(ClientCode.BACKEND_UNAVAILABLE, "the model server went away; open a new session when "
                             "/health is ready", error_type="server_error", retryable=True)
         self._spawn(self._end_unavailable(err))
 
@@ -410,7 +405,7 @@ class Session:
 
     def check_token(self, token: Any) -> None:
         if not isinstance(token, str) or not secrets.compare_digest(token, self.resume_token):
-            raise ProtocolError("invalid_resume_token", "the resume token does not match", "resume_token",
+            raise ProtocolError(ClientCode.INVALID_RESUME_TOKEN, "the resume token does not match", "resume_token",
                                 close_code=CLOSE_POLICY)
 
     # ---- close: the one way a session ends ----
@@ -471,7 +466,7 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
     try:
         await triton.open()
     except Exception as exc:
-        raise ProtocolError("backend_unavailable", str(exc), close_code=CLOSE_SERVER_ERROR,
+        raise ProtocolError(ClientCode.BACKEND_UNAVAILABLE, str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
     session = Session(state, triton, gw.settings, resumable, owner)
     triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
@@ -523,12 +518,12 @@ async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any], owner: str = A
         if redirect is not None:
             raise redirect
     if not isinstance(session, Session) or session.closed or not session.resumable or session.owner != owner:
-        raise ProtocolError("session_resume_expired", "no such session, or its disconnect grace is over",
+        raise ProtocolError(ClientCode.SESSION_RESUME_EXPIRED, "no such session, or its disconnect grace is over",
                             "session_id", close_code=CLOSE_POLICY)
     session.check_token(msg.get("resume_token"))
     last = msg.get("last_received_server_event_seq", 0)
     if isinstance(last, bool) or not isinstance(last, int) or last < 0:
-        raise ProtocolError("invalid_value", "last_received_server_event_seq must be an integer >= 0",
+        raise ProtocolError(ClientCode.INVALID_VALUE, "last_received_server_event_seq must be an integer >= 0",
                             "last_received_server_event_seq", close_code=CLOSE_POLICY)
     await session.attach(ws, after_seq=last)
     await serve(session, ws)

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .codes import ClientCode
+
 # WebSocket close codes
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server shutdown
@@ -23,12 +25,12 @@ class ProtocolError(Exception):
     `param` and `error_type` are what the Realtime dialects report beside the code; `http_status` what an
     HTTP endpoint answers with it (else 400)."""
 
-    def __init__(self, code: str, message: str, param: str | None = None, close_code: int | None = None,
+    def __init__(self, code: ClientCode, message: str, param: str | None = None, close_code: int | None = None,
                  error_type: str = "invalid_request_error", retryable: bool = False,
                  http_status: int | None = None) -> None:
         super().__init__(message)
         self.retryable = retryable  # the same request may succeed later (a new session, after a backoff)
-        self.code = code
+        self.code = ClientCode(code)  # a string that is no member fails here, where it is raised
         self.message = message
         self.param = param
         self.close_code = close_code

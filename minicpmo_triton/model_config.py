@@ -22,6 +22,9 @@ class AudioEncoderDims:
     ffn: int = 256
     max_positions: int = 1500
     pool: int = 5  # 50 encoder frames/s -> 10 LLM tokens/s
+    # A whole utterance attends in blocks of this many encoder frames, each to itself and those before it
+    # (config.json `audio_chunk_length` 1.0 s x 50 frames/s); 0 = full attention
+    chunk_frames: int = 50
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,10 @@ class Member:
     async def arrive(self) -> None:
         if not self.arrived:
             self.arrived = True
-            t0 = time.perf_counter()
+            clock = asyncio.get_running_loop().time  # the clock its timers run on
+            t0 = clock()
             await self._meet._arrive()
-            self.waited_s = time.perf_counter() - t0
+            self.waited_s = clock() - t0
 
 
 class Rendezvous:

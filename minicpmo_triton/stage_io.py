@@ -67,7 +67,7 @@ def triton_dims(f: dataclasses.Field) -> list[int]:
 # ---- audio_encoder ----
 @dataclass
 class AudioEncoderRequest:
-    audio: np.ndarray = tensor(np.float32, 1)  # 16 kHz mono, a multiple of 1600 samples
+    audio: np.ndarray = tensor(np.float32, 1)  # 16 kHz mono, any length (the stage pads and cuts it)
 
 
 @dataclass

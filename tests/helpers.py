@@ -16,6 +16,13 @@ SPEAKING_TEXT = ("Good morning. Could you please tell me what the weather will b
 OTHER_TEXT = "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen."
 
 
+def utterance_audio_tokens(n_samples: int) -> int:
+    """The LLM tokens MiniCPM-o makes of a whole utterance (up to 30 s) at 16 kHz: ceil(n / 160) mel frames,
+    halved by the stride-2 conv (rounding up), pooled by 5 (rounding down); OpenBMB/MiniCPM-o-Demo
+    MiniCPMO45/processing_minicpmo.py:1043-1046 `get_audio_placeholder`, modeling_minicpmo_unified.py:1327."""
+    return ((-(-n_samples // 160) - 1) // 2 + 1 - 5) // 5 + 1
+
+
 def init_message(config: dict[str, Any] | None = None, **payload: Any) -> str:
     return json.dumps({"type": "session.init", "payload": {"mode": "full_duplex", "config": config or GREEDY,
                                                            **payload}})

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MethodType, SimpleNamespace
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -35,7 +35,11 @@ from export.stages import build_modules, stage_graphs
 from export.torch_engine import TorchEngine
 from minicpmo_triton.audio_mel import log_mel, mel_filterbank
 from minicpmo_triton.engines import OnnxEngine
-from minicpmo_triton.stages.audio_encoder import AudioStream, AudioStreamEncoder
+from minicpmo_triton.stage_io import AudioEncoderRequest
+from minicpmo_triton.stages.audio_encoder import AudioEncoderStage, AudioStream, AudioStreamEncoder
+
+from .reference_checkpoint import SEED, SMALL_CONFIG, build_audio_encoder
+from .reference_demo import demo_module
 
 HIDDEN = tiny().llm.hidden  # the LLM width the projector maps to
 SR = 16_000
@@ -82,24 +86,109 @@ def reference_embeddings(encoder: HfWhisperEncoder, projection: nn.Sequential, s
     return nn.functional.avg_pool1d(x, 5, 5).transpose(1, 2)[0].detach().numpy()
 
 
-def test_whole_utterance_onnx_matches_transformers_whisper(tmp_path: Path) -> None:
-    encoder, projection = reference_modules(max_positions=100)  # transformers wants exactly 2 * 100 mel frames
-    write_checkpoint(tmp_path, encoder, projection)
-    modules, preset = loaded_audio_encoder(tmp_path)
-    graph = next(g for g in stage_graphs(preset, modules) if g.name == "audio_encoder")
-    export_onnx(graph, tmp_path / "model.onnx")
+class Transformers4Attention(nn.Module):
+    """transformers 5's `WhisperAttention` answering as transformers 4's did, (output, weights, cache): the
+    reference's `MiniCPMWhisperEncoderLayer.forward` (modeling_minicpmo_unified.py:5779) unpacks three values."""
 
-    t = np.arange(2 * SR) / SR
-    audio = (0.3 * np.sin(2 * np.pi * 440 * t) * (t < 1.2) + 0.05 * np.random.default_rng(0).standard_normal(len(t)))
-    audio = audio.astype(np.float32)
-    features = WhisperFeatureExtractor(feature_size=80)(audio, sampling_rate=SR, padding=False, return_tensors="pt")
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, hidden_states, attention_mask=None, layer_head_mask=None, output_attentions=False,
+                past_key_value=None):
+        assert layer_head_mask is None and past_key_value is None  # the whole-utterance path passes neither
+        out, weights = self.attention(hidden_states=hidden_states, attention_mask=attention_mask)
+        return out, weights, None
+
+
+def demo_get_audio_embedding(apm_tensors: dict[str, torch.Tensor], audio_config: dict, pool: int,
+                             audio: np.ndarray, chunk_length: float) -> np.ndarray:
+    """The reference's own whole-utterance path, run: `process_audio_batch` with `MiniCPMAAudioProcessor`
+    (MiniCPMO45/processing_minicpmo.py:435, as `MiniCPMOProcessor.process_audio` calls it at :1189), then
+    `MiniCPMO.get_audio_embedding(data, chunk_length)` (MiniCPMO45/modeling_minicpmo_unified.py:1619, as the
+    duplex system prompt's voice reference calls it at :4484 and chat at :1768 / :3181) on the reference's
+    `MiniCPMWhisperEncoder` (:5815) and `MultiModalProjector` (:6042) holding the checkpoint's tensors."""
+    modeling, processing = demo_module("modeling_minicpmo_unified"), demo_module("processing_minicpmo")
+    config = WhisperConfig(**audio_config, activation_function="gelu")
+    config._attn_implementation = "eager"  # MiniCPMO.init_audio_module's choice when the model runs eager
+    apm = modeling.MiniCPMWhisperEncoder(config).eval()
+    apm.load_state_dict({k.removeprefix("apm."): v for k, v in apm_tensors.items() if k.startswith("apm.")})
+    for layer in apm.layers:
+        layer.self_attn = Transformers4Attention(layer.self_attn)
+    projection = modeling.MultiModalProjector(audio_config["d_model"], apm_tensors[
+        "audio_projection_layer.linear1.weight"].shape[0]).eval()
+    projection.load_state_dict({k.removeprefix("audio_projection_layer."): v for k, v in apm_tensors.items()
+                                if k.startswith("audio_projection_layer.")})
+    model = SimpleNamespace(apm=apm, audio_projection_layer=projection, audio_encoder_layer=-1, training=False,
+                            audio_avg_pooler=nn.AvgPool1d(pool, stride=pool),
+                            config=SimpleNamespace(audio_pool_step=pool),
+                            subsequent_chunk_mask=modeling.MiniCPMO.subsequent_chunk_mask)
+    model._get_feat_extract_output_lengths = MethodType(modeling.MiniCPMO._get_feat_extract_output_lengths, model)
+    features, lens = processing.process_audio_batch([audio], processing.MiniCPMAAudioProcessor(feature_size=80),
+                                                    sampling_rate=SR, max_duration_seconds=30)
     with torch.no_grad():
-        want = reference_embeddings(encoder, projection, encoder(features.input_features).last_hidden_state)
-    got = ort.InferenceSession(str(tmp_path / "model.onnx")).run(["embeds"], {"audio": audio[None]})[0][0]
+        nested = modeling.MiniCPMO.get_audio_embedding(model, {"audio_features": features, "audio_feature_lens": lens},
+                                                       chunk_length=chunk_length)
+    return torch.cat([t for group in nested for t in group]).numpy()
+
+
+@pytest.fixture(scope="module")
+def whole_utterance(tmp_path_factory: pytest.TempPathFactory):
+    """The small reference checkpoint's `apm.*` / `audio_projection_layer.*` (tests/reference_checkpoint.py),
+    loaded by our loader and exported as the `audio_encoder` model's graph, served by our stage."""
+    folder = tmp_path_factory.mktemp("apm_whole")
+    _, tensors = build_audio_encoder(SMALL_CONFIG, torch.Generator().manual_seed(SEED))
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    preset = preset_from_config(tiny(), SMALL_CONFIG)
+    modules = build_modules(preset, seed=5)
+    assert "audio_encoder" in load_checkpoint(folder, modules, preset, require=("audio_encoder",))
+    graph = next(g for g in stage_graphs(preset, modules) if g.name == "audio_encoder")
+    export_onnx(graph, folder / "model.onnx")
+    return tensors, AudioEncoderStage(OnnxEngine(folder / "model.onnx"), preset.samples_per_audio_token)
+
+
+@pytest.mark.parametrize("seconds", [3.37, 0.5, 29.9])
+def test_whole_utterance_is_the_references_get_audio_embedding(whole_utterance, seconds: float) -> None:
+    """Voice references, turn-based audio and replays: the exported graph through our stage equals the
+    reference's block-causal encoding (1 s blocks), at a length that is no whole token (the tail is the
+    reference's zero padding, its tokens counted as the reference counts them), up to 30 s."""
+    tensors, stage = whole_utterance
+    a = SMALL_CONFIG["audio_config"]
+    audio = 0.2 * np.concatenate(speechlike(32, seed=5))[: int(seconds * SR)]
+    want = demo_get_audio_embedding(tensors, a, SMALL_CONFIG["audio_pool_step"], audio, chunk_length=1.0)
+    got = stage.run([AudioEncoderRequest(audio)])[0].embeds
     diff = float(np.abs(got - want).max())
-    print(f"whole utterance: max |onnx - transformers WhisperEncoder| = {diff:.3g} (scale {np.abs(want).max():.3g})")
-    assert got.shape == want.shape == (20, HIDDEN)
-    assert diff < 2e-4
+    print(f"whole utterance {seconds} s: max |ours - reference get_audio_embedding| = {diff:.3g} "
+          f"(scale {np.abs(want).max():.3g})")
+    assert got.shape == want.shape
+    assert diff < 1e-4
+    if seconds > 1:  # the mask matters: full attention (chunk_length=-1) reads the future, and differs
+        full = demo_get_audio_embedding(tensors, a, SMALL_CONFIG["audio_pool_step"], audio, chunk_length=-1)
+        assert np.abs(full[:10] - want[:10]).max() > 100 * max(diff, 1e-6)
+
+
+def test_past_30_seconds_each_piece_is_the_references_piece_alone(whole_utterance) -> None:
+    """Past 30 s the reference cuts 30 s pieces (`chunk_audio`, processing_minicpmo.py:411) and encodes them as one
+    padded batch. Two departures, named in docs/checkpoint.md: its padding mask compares encoder positions with
+    mel-frame lengths (modeling_minicpmo_unified.py:1629-1646), so a short last piece's keys include its zero
+    padding; we encode each piece alone, as the reference encodes a piece that is alone. And a piece of exactly
+    30 s has no zero padding there, so its last frame is reflect-centred; ours sees zeros (its last token)."""
+    tensors, stage = whole_utterance
+    a, pool = SMALL_CONFIG["audio_config"], SMALL_CONFIG["audio_pool_step"]
+    audio = 0.2 * np.concatenate(speechlike(32, seed=5))[: int(31.3 * SR)]
+    got = stage.run([AudioEncoderRequest(audio)])[0].embeds
+    first = demo_get_audio_embedding(tensors, a, pool, audio[: 30 * SR], chunk_length=1.0)
+    last = demo_get_audio_embedding(tensors, a, pool, audio[30 * SR:], chunk_length=1.0)
+    assert got.shape == (len(first) + len(last), first.shape[1]) == (313, first.shape[1])
+    assert np.abs(got[:299] - first[:299]).max() < 1e-4
+    assert np.abs(got[300:] - last).max() < 1e-4
+
+
+def test_audio_chunk_length_is_read_from_the_config() -> None:
+    assert preset_from_config(tiny(), SMALL_CONFIG).audio.chunk_frames == 50  # the reference's default, 1.0 s
+    assert preset_from_config(tiny(), {**SMALL_CONFIG, "audio_chunk_length": 2.0}).audio.chunk_frames == 100
+    assert preset_from_config(tiny(), {**SMALL_CONFIG, "audio_chunk_length": -1}).audio.chunk_frames == 0
 
 
 def test_numpy_log_mel_is_whispers() -> None:

@@ -4,7 +4,6 @@ given text is spoken exactly, whatever its characters and length."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ import pytest
 from minicpmo_triton.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import SPECIAL_STRINGS, write_tokenizer_set
+from .reference_demo import demo_source
 from .test_realtime_e2e import IN_16K, open_session
 
-DEMO = Path("/work/.mirror/OpenBMB+MiniCPM-o-Demo/repo")  # MiniCPM-o's demo repository, where mirrored
 # Qwen2's pre-tokenizer split, as its tokenizer.json has it
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
@@ -27,8 +26,7 @@ INJECTIONS = [
 
 
 def demo_file(name: str) -> bytes:
-    return subprocess.run(["git", "-C", str(DEMO), "show", f"HEAD:MiniCPMO45/{name}"], check=True,
-                          capture_output=True).stdout
+    return demo_source(f"MiniCPMO45/{name}")
 
 
 def qwen_tokenizer_set(folder: Path) -> dict[str, int]:
@@ -51,16 +49,8 @@ def qwen_tokenizer_set(folder: Path) -> dict[str, int]:
     return {s: i for i, s in added.items()}
 
 
-def tokenizer_sets() -> list:
-    sets = [pytest.param(write_tokenizer_set, id="reference_checkpoint_set")]
-    mirrored = DEMO.exists() and subprocess.run(
-        ["git", "-C", str(DEMO), "cat-file", "-e", "HEAD:MiniCPMO45/vocab.json"], capture_output=True).returncode == 0
-    sets.append(pytest.param(qwen_tokenizer_set, id="qwen_vocab_and_merges",
-                             marks=pytest.mark.skipif(not mirrored, reason="the demo repository is not mirrored")))
-    return sets
-
-
-@pytest.mark.parametrize("make", tokenizer_sets())
+@pytest.mark.parametrize("make", [pytest.param(write_tokenizer_set, id="reference_checkpoint_set"),
+                                  pytest.param(qwen_tokenizer_set, id="qwen_vocab_and_merges")])
 def test_caller_text_never_becomes_a_control_token(tmp_path: Path, make) -> None:
     specials = make(tmp_path)
     tok = HuggingFaceTokenizer(tmp_path, set(specials.values()))

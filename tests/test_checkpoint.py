@@ -346,3 +346,28 @@ def test_token2wav_loads_from_the_assets_as_written(reference) -> None:
         assert torch.equal(a, b), name
     dims = dims_of(loaded, preset.token2wav)
     assert dims.channels == original.flow.input_embedding.weight.shape[1] != preset.token2wav.channels
+
+
+@pytest.mark.parametrize(("files", "layout", "code"), [
+    ([], None, None),
+    (["campplus.onnx"], None, None),  # voice graphs alone: random token2wav weights
+    (["flow.yaml", "flow.pt", "hift.pt", "campplus.onnx"], "1.0.5", None),
+    (["flow.yaml", "flow.pt", "hift.pt", "config.yaml", "hift_original.pt"], None, "unsupported_token2wav"),
+    (["flow.yaml", "flow.pt", "config.yaml", "hift.pt"], None, "unsupported_token2wav"),
+    (["flow.yaml", "hift.pt"], None, "invalid_checkpoint"),
+])
+def test_token2wav_layout_is_detected_and_1_0_7_refused(tmp_path: Path, files: list[str], layout, code) -> None:
+    """minicpmo-utils 1.0.5's layout streams; 1.0.7's (causal HiFT in config.yaml + hift.pt, hift_original.pt)
+    is refused with a code and the files named, never streamed as the original HiFT (wrong audio)."""
+    assets = tmp_path / checkpoint.TOKEN2WAV_ASSETS
+    assets.mkdir(parents=True)
+    for name in files:
+        (assets / name).write_bytes(b"")
+    if code is None:
+        assert checkpoint.token2wav_layout(tmp_path) == layout
+        return
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.token2wav_layout(tmp_path)
+    assert info.value.code == code
+    named = [f for f in ("config.yaml", "hift_original.pt", "flow.pt") if f in str(info.value)]
+    assert named, str(info.value)

@@ -1,5 +1,6 @@
-"""Error codes are one enum (`minicpmo_triton.errors.Code`): a misspelt code fails where it is written, never
-reaches the client as `backend_error`; and an uncoded failure in a stage tells the operator its type and place."""
+"""Error codes are enums (a stage's `minicpmo_triton.errors.Code`, the gateway's refusals `gateway.codes.ClientCode`,
+which keeps the stages' client codes): a misspelt code fails where it is written, never reaches the client as
+`backend_error`; and an uncoded failure in a stage tells the operator its type and place."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from gateway.codes import ClientCode
+from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent, decode_event, encode_event
 from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, StepError, from_wire, to_wire
 
@@ -45,6 +48,32 @@ def test_every_step_error_names_a_code_member() -> None:
         assert isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "Code", \
             f"{where}: StepError's code must be a Code member, not {ast.unparse(arg)}"
         assert arg.attr in Code.__members__, f"{where}: Code.{arg.attr} is no member"
+
+
+def _first_args(callee: str) -> list[tuple[str, ast.expr]]:
+    """The first argument of every call to `callee` in the packages."""
+    out = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and node.args and callee in (getattr(node.func, "id", None),
+                                                                           getattr(node.func, "attr", None)):
+                    out.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.args[0]))
+    return out
+
+
+def test_every_protocol_error_names_a_client_code_member() -> None:
+    """The gateway's refusals: no code written as a string (a variable passing a member through is fine)."""
+    sites = [*_first_args("ProtocolError"), *_first_args("NoEndpoint")]
+    assert len(sites) >= 100, len(sites)
+    for where, arg in sites:
+        assert not isinstance(arg, ast.Constant), f"{where}: the code must be a ClientCode member, not {arg.value!r}"
+        if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "ClientCode":
+            assert arg.attr in ClientCode.__members__, f"{where}: ClientCode.{arg.attr} is no member"
+    with pytest.raises(ValueError, match="invalid_valeu"):
+        ProtocolError("invalid_valeu", "a typo")  # type: ignore[arg-type]
+    # a stage's client error becomes the client's refusal with its code kept
+    assert all(ProtocolError(code, "why").code == code for code in CLIENT_ERRORS)
 
 
 def test_a_code_that_is_no_member_is_refused_where_it_is_raised() -> None:

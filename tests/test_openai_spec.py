@@ -281,7 +281,7 @@ def failing_steps(d: Driver) -> None:
     """The stages refuse a step (a client error): its response fails; a reply runs out of tokens."""
     d.send("session.update", session={"max_output_tokens": 8})
     step = d.reply()
-    d._apply(d.state.on_step_error(step, "invalid_input", "the stages refused the input"))
+    d._apply(d.state.on_step_error(step, "invalid_chat", "the stages refused the input"))
     step = d.reply()
     d.step_event(step, StepEvent("done", reason="length", metrics={"kv_cache_length": 90}))
 

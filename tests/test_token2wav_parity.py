@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import unittest.mock as mock
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +23,12 @@ from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
 from minicpmo_triton.engines import OnnxEngine
 from minicpmo_triton.model_config import Token2WavDims
+from minicpmo_triton.stage_io import Token2WavRequest
+from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, VoicePrompts
 from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
+from minicpmo_triton.voice_prompt import VoiceFeatures
+
+from .reference_demo import demo_module
 
 D = Token2WavDims()
 SILENCE = [D.silence_token] * 3
@@ -76,56 +82,74 @@ def _trim_conformer(att: torch.Tensor, prompt: int, depth: int) -> torch.Tensor:
     return torch.cat([tok.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
 
-@torch.inference_mode()
-def reference_stream(flow, hift, ptok: np.ndarray, pmel: np.ndarray, spk: np.ndarray,
-                     turns: list[list[int]]) -> tuple[list[list[np.ndarray]], list[tuple[np.ndarray, np.ndarray]]]:
-    """Token2wav.stream chunk by chunk; returns each turn's audio pieces and HiFT's random draws in order."""
-    spk_t = torch.from_numpy(spk)[None]
-    prompt = flow.setup_cache(torch.cat([torch.from_numpy(ptok)[None], torch.tensor([SILENCE])], 1),
-                              torch.from_numpy(pmel)[None], spk_t, n_timesteps=D.n_timesteps)
-    prompt = {k: v.clone() for k, v in prompt.items()}  # the official returns views of scratch buffers
-    window = torch.from_numpy(np.hamming(2 * D.source_cache_samples))
-    ls, frames = D.source_cache_samples, pmel.shape[0]
-    draws: list[torch.Tensor] = []
-    rand, randn_like = torch.rand, torch.randn_like
+class OfficialStream:
+    """Token2wav.stream chunk by chunk on the official modules: `chunk(tokens, last)` -> that chunk's audio; the
+    HiFT's random draws are recorded in order (`draws`: per call rand, randn_like, randn_like)."""
 
-    def record(fn):
+    def __init__(self, flow, hift, ptok: np.ndarray, pmel: np.ndarray, spk: np.ndarray) -> None:
+        self.flow, self.hift, self.spk = flow, hift, torch.from_numpy(spk)[None]
+        with torch.inference_mode():
+            prompt = flow.setup_cache(torch.cat([torch.from_numpy(ptok)[None], torch.tensor([SILENCE])], 1),
+                                      torch.from_numpy(pmel)[None], self.spk, n_timesteps=D.n_timesteps)
+        self.prompt = {k: v.clone() for k, v in prompt.items()}  # the official returns views of scratch buffers
+        self.window = torch.from_numpy(np.hamming(2 * D.source_cache_samples))
+        self.frames = pmel.shape[0]
+        self.draws: list[torch.Tensor] = []
+
+    def restart(self) -> None:
+        self.cache = {k: v.clone() for k, v in self.prompt.items()}
+        self.hc = {"mel": torch.zeros(1, 80, 0), "source": torch.zeros(1, 1, 0), "speech": torch.zeros(1, 0)}
+        self.first = True
+
+    def _record(self, fn):
         def wrapped(*args, **kwargs):
-            draws.append(fn(*args, **kwargs))
-            return draws[-1]
+            self.draws.append(fn(*args, **kwargs))
+            return self.draws[-1]
         return wrapped
 
+    @torch.inference_mode()
+    def chunk(self, toks: list[int], last: bool) -> np.ndarray:
+        ls, frames, hc = D.source_cache_samples, self.frames, self.hc
+        chunk_mel, cache = self.flow.inference_chunk(torch.tensor([toks]), self.spk, self.cache, last, D.n_timesteps)
+        cache = {k: v.clone() for k, v in cache.items()}
+        att = cache["estimator_att_cache"]
+        if att.shape[4] > frames + D.cache_tail_frames:
+            cache["estimator_att_cache"] = torch.cat([att[..., :frames, :], att[..., -D.cache_tail_frames:, :]], 4)
+        cache["conformer_att_cache"] = _trim_conformer(cache["conformer_att_cache"], frames, D.num_blocks)
+        self.cache = cache
+        mel = torch.cat([hc["mel"], chunk_mel], dim=2)
+        with mock.patch("torch.rand", self._record(torch.rand)), \
+                mock.patch("torch.randn_like", self._record(torch.randn_like)):
+            speech, source = self.hift(mel, hc["source"])
+        if hc["speech"].shape[-1]:
+            speech = speech.clone()
+            speech[..., :ls] = speech[..., :ls] * self.window[:ls] + hc["speech"][..., -ls:] * self.window[ls:]
+        self.hc = {"mel": mel[..., -D.mel_cache_frames:], "source": source[:, :, -ls:], "speech": speech[:, -ls:]}
+        if not last:
+            speech = speech[:, :-ls]
+            if self.first:
+                speech = torch.cat([torch.zeros(1, ls), speech], dim=1)
+        self.first = False
+        return speech[0].numpy()
+
+    def noise(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per HiFT call: rand (initial phases, the first zeroed as HiFT does) and randn_like (sine noise); the
+        third draw (the unused noise branch) is dropped."""
+        out = [(self.draws[i][0].numpy().copy(), self.draws[i + 1][0].numpy()) for i in range(0, len(self.draws), 3)]
+        for r, _ in out:
+            r[0] = 0.0
+        return out
+
+
+def reference_stream(flow, hift, ptok: np.ndarray, pmel: np.ndarray, spk: np.ndarray,
+                     turns: list[list[int]]) -> tuple[list[list[np.ndarray]], list[tuple[np.ndarray, np.ndarray]]]:
+    """Whole 25 + 3 chunks per turn; returns each turn's audio pieces and HiFT's random draws in order."""
+    official = OfficialStream(flow, hift, ptok, pmel, spk)
     audio = []
     for tokens in turns:
-        cache = {k: v.clone() for k, v in prompt.items()}
-        hc = {"mel": torch.zeros(1, 80, 0), "source": torch.zeros(1, 1, 0), "speech": torch.zeros(1, 0)}
-        pieces, first = [], True
-        for toks, last in _chunks(tokens):
-            chunk_mel, cache = flow.inference_chunk(torch.tensor([toks]), spk_t, cache, last, D.n_timesteps)
-            cache = {k: v.clone() for k, v in cache.items()}
-            att = cache["estimator_att_cache"]
-            if att.shape[4] > frames + D.cache_tail_frames:
-                cache["estimator_att_cache"] = torch.cat([att[..., :frames, :], att[..., -D.cache_tail_frames:, :]], 4)
-            cache["conformer_att_cache"] = _trim_conformer(cache["conformer_att_cache"], frames, D.num_blocks)
-            mel = torch.cat([hc["mel"], chunk_mel], dim=2)
-            with mock.patch("torch.rand", record(rand)), mock.patch("torch.randn_like", record(randn_like)):
-                speech, source = hift(mel, hc["source"])
-            if hc["speech"].shape[-1]:
-                speech = speech.clone()
-                speech[..., :ls] = speech[..., :ls] * window[:ls] + hc["speech"][..., -ls:] * window[ls:]
-            hc = {"mel": mel[..., -D.mel_cache_frames:], "source": source[:, :, -ls:], "speech": speech[:, -ls:]}
-            if not last:
-                speech = speech[:, :-ls]
-                if first:
-                    speech = torch.cat([torch.zeros(1, ls), speech], dim=1)
-            first = False
-            pieces.append(speech[0].numpy())
-        audio.append(pieces)
-    # per HiFT call: rand (initial phases), randn_like (sine noise), randn_like (unused noise branch)
-    noise = [(draws[i][0].numpy().copy(), draws[i + 1][0].numpy()) for i in range(0, len(draws), 3)]
-    for r, _ in noise:
-        r[0] = 0.0
-    return audio, noise
+        official.restart()
+        audio.append([official.chunk(toks, last) for toks, last in _chunks(tokens)])
+    return audio, official.noise()
 
 
 def _voice(seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,8 +184,10 @@ def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch) -
                 want = expected[streams.index(s)][turn][r]
                 assert wav.shape == want.shape, (turn, r)
                 worst = max(worst, float(np.abs(wav - want).max()))
-    print(f"token2wav streamed vs official streaming: max |diff| = {worst:.3g}")
-    assert worst < 1e-3
+    rms = float(np.sqrt(np.mean(np.concatenate([p for e in expected for t in e for p in t]) ** 2)))
+    print(f"token2wav streamed vs official streaming: max |diff| = {worst:.3g} (reference RMS {rms:.3g})")
+    assert rms > 1e-2  # the reference is audio, not near-silence, so the tolerance below means something
+    assert worst < 1e-5
     assert all(not q for q in queues)  # every HiFT call of the reference had its twin
 
 
@@ -172,3 +198,50 @@ def test_middle_chunks_are_one_second(assets) -> None:
     lengths = [len(streamer.chunk([(stream, toks, last)])[0]) for toks, last in _chunks(list(range(80)))]
     assert lengths[:-1] == [24_000] * 3  # first and middle: 25 tokens x 960 samples
     assert lengths[-1] == (3 + 80 - 75) * 960 + D.source_cache_samples  # the rest and the held tail
+
+
+def demo_waveforms(official: OfficialStream, steps: list[list[int]]) -> list[np.ndarray | None]:
+    """The duplex demo's own `DuplexCapability._generate_waveform_from_tokens` (MiniCPMO45/
+    modeling_minicpmo_unified.py:5449, with `force_flush=True` as its caller sets at :5196) run per step of one
+    turn, its `audio_tokenizer.stream` the official modules' chunk above (as 16-bit PCM bytes, as
+    minicpmo-utils' `Token2wav.stream` returns them); the last step ends the turn."""
+    modeling = demo_module("modeling_minicpmo_unified")
+
+    def stream(tokens: list[int], prompt_wav=None, last_chunk: bool = False) -> bytes:
+        return (np.clip(official.chunk(list(tokens), last_chunk), -1, 1) * 32767.0).astype("<i2").tobytes()
+
+    demo = SimpleNamespace(token2wav_initialized=True, token2wav_buffer=list(SILENCE), pre_lookahead=D.lookahead,
+                           chunk_terminator_token_ids=[], _log=lambda *a, **k: None,
+                           model=SimpleNamespace(tts=SimpleNamespace(audio_tokenizer=SimpleNamespace(stream=stream))))
+    official.restart()  # _reset_token2wav_for_new_turn (:4406): the prompt's caches and 3 silence tokens
+    return [modeling.DuplexCapability._generate_waveform_from_tokens(
+        demo, torch.tensor(toks), None, is_last_chunk=i == len(steps) - 1, force_flush=True)
+        for i, toks in enumerate(steps)]
+
+
+def test_steps_flush_as_the_duplex_demo_does(assets, monkeypatch) -> None:
+    """A turn whose first step brings 10 tokens (a short first chunk): the forced flush voices them at once
+    (left-padded to 1 s), and every step's audio equals the demo's, 16-bit PCM as it makes it."""
+    folder, streamer = assets
+    monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)
+    flow, hift = _official(folder, streamer)
+    rng = np.random.default_rng(11)
+    steps = [rng.integers(0, D.vocab, n).tolist() for n in (10, 25, 26, 40, 7)]
+    official = OfficialStream(flow, hift, *_voice(5, 17))
+    want = demo_waveforms(official, steps)
+    queue = official.noise()
+    stage = Token2WavStage(streamer, VoicePrompts(streamer, lambda a: None, VoiceFeatures(*_voice(5, 17))),
+                           get_preset("tiny"), ttl_s=60)
+    monkeypatch.setattr(streamer, "noise", lambda s, n: queue.pop(0))
+    sess = Token2WavSession()
+    for i, toks in enumerate(steps):
+        req = Token2WavRequest(np.asarray(toks, np.int64), turn_start=i == 0, finalize=i == len(steps) - 1)
+        got = stage.compute([(req, sess)])[0].waveform
+        if want[i] is None:
+            assert len(got) == 0, i
+            continue
+        assert len(got) == len(want[i]), i
+        pcm = (np.clip(got, -1, 1) * 32767.0).astype("<i2").astype(np.float32) / 32768.0
+        assert np.abs(pcm - want[i]).max() <= 1 / 32768, i  # one step of 16 bits at most
+    assert not queue
+    assert len(want[0]) == 24_000 and np.abs(want[0]).max() > 0  # the first step is heard, padded to 1 s

@@ -14,7 +14,16 @@ import websockets
 from gateway.audio import encode_f32_base64
 from minicpmo_client.backend import converse
 
-from .helpers import GREEDY, SPEAKING_TEXT, audio_of, deltas, open_session, recv_until, transcript
+from .helpers import (
+    GREEDY,
+    SPEAKING_TEXT,
+    audio_of,
+    deltas,
+    open_session,
+    recv_until,
+    transcript,
+    utterance_audio_tokens,
+)
 
 MAX_CHUNKS = 8
 
@@ -53,7 +62,7 @@ async def test_llm_reference_joins_the_system_prompt(gateway, speech) -> None:
     audio = seconds(speech(SPEAKING_TEXT), 1)
     plain = await converse_with(gateway.ws, audio)
     ref = speech("Hello, this is my voice, the way I would like you to hear it.")
-    ref_tokens = -(-len(ref) // 1600)  # 10 per second
+    ref_tokens = utterance_audio_tokens(len(ref))
     voiced = await converse_with(gateway.ws, audio, ref_audio=encode_f32_base64(ref))
     first_plain, first_voiced = deltas(plain)[0], deltas(voiced)[0]
     audio_tokens = lambda ev: ev["chunk_usage"]["input_audio_tokens"]  # noqa: E731 (a one-line helper)

@@ -29,6 +29,8 @@ def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
         "n_mels": "num_mel_bins", "d_model": "d_model", "layers": "encoder_layers",
         "heads": "encoder_attention_heads", "ffn": "encoder_ffn_dim", "max_positions": "max_source_positions"})
     audio = read_dims(audio, config, {"pool": "audio_pool_step"})
+    if "audio_chunk_length" in config:  # seconds; the reference's int(chunk_length * 50) encoder frames
+        audio = dataclasses.replace(audio, chunk_frames=max(0, int(config["audio_chunk_length"] * 50)))
     return dataclasses.replace(preset, audio=audio)
 
 
@@ -37,8 +39,11 @@ def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
 
 
 class LogMel(nn.Module):
-    """Whisper's log-mel with the max - 8 clamp over the utterance. The STFT is a strided convolution with fixed
-    DFT kernels, so it exports to plain ONNX ops; frames are centred with reflect padding, as Whisper's are."""
+    """Whisper's log-mel with the max - 8 clamp, as MiniCPM-o computes it for a whole utterance: the audio
+    zero-padded to 30 s (`WhisperFeatureExtractor(padding="max_length")` in `process_audio_batch`), so frames are
+    reflect-centred at the start and see zeros past the end, the clamp's peak covers the frames past the end too
+    (they hear the audio's tail), and only the utterance's frames are kept. The STFT is a strided convolution
+    with fixed DFT kernels, so it exports to plain ONNX ops. Input length: a whole number of hops."""
 
     def __init__(self, n_mels: int) -> None:
         super().__init__()
@@ -51,13 +56,15 @@ class LogMel(nn.Module):
         self.register_buffer("filters", torch.from_numpy(mel_filterbank(n_mels)), persistent=False)
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, n_mels, N / 160]
-        x = nn.functional.pad(audio[:, None, :], (N_FFT // 2, N_FFT // 2), mode="reflect")
+        x = nn.functional.pad(audio[:, None, :], (N_FFT // 2, 0), mode="reflect")
+        # N_FFT zeros on the right: the frames at N / 160 and one past it still hold the tail; later ones are
+        # all zeros (log 1e-10, never the peak), so they need not be computed
+        x = nn.functional.pad(x, (0, N_FFT))
         re = nn.functional.conv1d(x, self.dft_real, stride=HOP)
         im = nn.functional.conv1d(x, self.dft_imag, stride=HOP)
-        power = (re * re + im * im)[..., :-1]
-        log_spec = torch.log10(torch.clamp(self.filters @ power, min=1e-10))
+        log_spec = torch.log10(torch.clamp(self.filters @ (re * re + im * im), min=1e-10))
         peak = log_spec.amax(dim=(1, 2), keepdim=True)
-        return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
+        return ((torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0)[..., : audio.shape[1] // HOP]
 
 
 class WhisperAttention(nn.Module):
@@ -109,6 +116,15 @@ class WhisperLayer(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.final_layer_norm(x)))), k, v
 
 
+def block_causal_mask(frames: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, T, T] additive: frame i sees frames of its own `chunk`-frame block and every block before it, as the
+    reference's `subsequent_chunk_mask(size, chunk_size, num_left_chunks=-1)` (MiniCPMO45/modeling_minicpmo_unified.py)
+    that `get_audio_embedding(chunk_length=1.0)` applies to whole utterances."""
+    block = torch.arange(frames) // chunk
+    allowed = block[None, :] <= block[:, None]
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
 class WhisperEncoder(nn.Module):
     """`apm.*`: conv stem (stride 2 -> 50 frames/s), learned positions [max_positions, D], pre-norm layers."""
 
@@ -128,11 +144,12 @@ class WhisperEncoder(nn.Module):
             x = x * frame_mask[:, None, :].to(x.dtype)
         return nn.functional.gelu(self.conv2(x)).transpose(1, 2)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:  # [B, n_mels, F] -> [B, F / 2, D]
+    def forward(self, mel: torch.Tensor, chunk_frames: int = 0) -> torch.Tensor:  # [B, n_mels, F] -> [B, F / 2, D]
         x = self.stem(mel)
         x = x + self.embed_positions.weight[: x.shape[1]]
+        mask = None if chunk_frames <= 0 else block_causal_mask(x.shape[1], chunk_frames, x.dtype)
         for layer in self.layers:
-            x = layer(x)[0]
+            x = layer(x, mask=mask)[0]
         return self.layer_norm(x)
 
     def stream(
@@ -180,13 +197,14 @@ class AudioEncoder(nn.Module):
         self.apm = WhisperEncoder(d)
         self.audio_projection_layer = AudioProjection(d.d_model, llm_hidden)
         self.pool = d.pool
+        self.chunk_frames = d.chunk_frames
 
     def project(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T / pool, H]
         x = self.audio_projection_layer(states)
         return nn.functional.avg_pool1d(x.transpose(1, 2), self.pool, self.pool).transpose(1, 2)
 
-    def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] (N a multiple of 1600) -> [B, N/1600, H]
-        return self.project(self.apm(self.mel(audio)))
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:  # [B, N] (N a multiple of 160) -> [B, N // 1600, H]
+        return self.project(self.apm(self.mel(audio), self.chunk_frames))
 
 
 class AudioEncoderStream(nn.Module):

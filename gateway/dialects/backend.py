@@ -18,6 +18,7 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
+from ..codes import ClientCode
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..limits import Limits, identifier
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
@@ -66,36 +67,37 @@ def loads(text: str | bytes) -> dict[str, Any]:
     try:
         data = parse_json(text)
     except ValueError as exc:  # not JSON, or past a limit (wire.JSON_MAX_*)
-        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}",
+        raise ProtocolError(ClientCode.INVALID_JSON, f"message is not valid JSON: {exc}",
                             close_code=CLOSE_UNSUPPORTED_DATA) from exc
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-        raise ProtocolError("invalid_payload", "message must be a JSON object with a string `type`",
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "message must be a JSON object with a string `type`",
                             close_code=CLOSE_POLICY)
     return data
 
 
 def parse_init(message: dict[str, Any], limits: Limits | None = None) -> SessionInit:
     if message["type"] != "session.init":
-        raise ProtocolError("invalid_first_message",
+        raise ProtocolError(ClientCode.INVALID_FIRST_MESSAGE,
                             f"the first message must be session.init, got {message['type']!r}",
                             close_code=CLOSE_POLICY)
     payload = message.get("payload")
     if not isinstance(payload, dict):
-        raise ProtocolError("missing_field", "session.init must carry an object `payload`", close_code=CLOSE_POLICY)
+        raise ProtocolError(ClientCode.MISSING_FIELD,
+                            "session.init must carry an object `payload`", close_code=CLOSE_POLICY)
     mode = payload.get("mode") or "full_duplex"
     if mode not in MODES:
-        raise ProtocolError("invalid_mode", f"mode must be one of {', '.join(MODES)}", close_code=CLOSE_POLICY)
+        raise ProtocolError(ClientCode.INVALID_MODE, f"mode must be one of {', '.join(MODES)}", close_code=CLOSE_POLICY)
     prompt = first(payload.get("system_prompt"), payload.get("instructions"))
     if prompt is not None and not isinstance(prompt, str):
-        raise ProtocolError("invalid_payload", "system_prompt must be a string", close_code=CLOSE_POLICY)
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "system_prompt must be a string", close_code=CLOSE_POLICY)
     if prompt is not None:
         (limits or Limits.default()).prompt(prompt, "system_prompt", CLOSE_POLICY)
     config = first(payload.get("config"), payload.get("duplex")) or {}
     if not isinstance(config, dict):
-        raise ProtocolError("invalid_payload", "config must be an object", close_code=CLOSE_POLICY)
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "config must be an object", close_code=CLOSE_POLICY)
     voice = first(payload.get("voice"), payload.get("defaults")) or {}
     if not isinstance(voice, dict):
-        raise ProtocolError("invalid_payload", "voice must be an object", close_code=CLOSE_POLICY)
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "voice must be an object", close_code=CLOSE_POLICY)
     init = SessionInit(
         mode=mode,
         system_prompt=prompt,
@@ -111,7 +113,7 @@ def parse_init(message: dict[str, Any], limits: Limits | None = None) -> Session
 
 def voice_name(value: Any) -> str:
     """A named voice: a short name (the model server maps it to a file of its voice folder), else refused."""
-    return "" if value is None else identifier(value, "voice.name", "invalid_voice", CLOSE_POLICY)
+    return "" if value is None else identifier(value, "voice.name", ClientCode.INVALID_VOICE, CLOSE_POLICY)
 
 
 def voice_refs(init: SessionInit) -> dict[str, np.ndarray]:
@@ -125,7 +127,7 @@ def init_options(init: SessionInit) -> DuplexOptions:
         return DuplexOptions.from_config(
             {**init.config, **({"system_prompt": init.system_prompt} if init.system_prompt else {})})
     except InvalidOptions as exc:
-        raise ProtocolError("invalid_config", str(exc), close_code=CLOSE_POLICY) from exc
+        raise ProtocolError(ClientCode.INVALID_CONFIG, str(exc), close_code=CLOSE_POLICY) from exc
 
 
 def parse_input_append(message: dict[str, Any], limits: Limits) -> ClientMessage:
@@ -139,7 +141,7 @@ def parse_input_context(message: dict[str, Any], limits: Limits) -> InputContext
     context = as_object(message.get("context"), "input.context's `context`")
     text = context.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise ProtocolError("missing_field", "input.context requires a non-empty context.text")
+        raise ProtocolError(ClientCode.MISSING_FIELD, "input.context requires a non-empty context.text")
     limits.text(text, "context.text")
     input_id = message.get("input_id")
     return InputContext(
@@ -155,11 +157,11 @@ def _chat_message(raw: Any, max_slice_nums: int, limits: Limits) -> ChatMessage:
     m = as_object(raw, "each message")
     role = m.get("role")
     if role not in CHAT_ROLES:
-        raise ProtocolError("invalid_payload", f"message role must be one of {', '.join(CHAT_ROLES)}")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, f"message role must be one of {', '.join(CHAT_ROLES)}")
     content = m.get("content", "")
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(parts, list):
-        raise ProtocolError("invalid_payload", "message content must be a string or a list of parts")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "message content must be a string or a list of parts")
     text, audio, images = [], m.get("audio"), []
     for part in parts:
         part = as_object(part, "each content part")
@@ -175,17 +177,17 @@ def _chat_message(raw: Any, max_slice_nums: int, limits: Limits) -> ChatMessage:
             if isinstance(data, str) and data.startswith("data:"):
                 data = data.split(",", 1)[-1]  # a data URL
             if not isinstance(data, str):
-                raise ProtocolError("bad_image", "image content must be base64 (or a base64 data URL)")
+                raise ProtocolError(ClientCode.BAD_IMAGE, "image content must be base64 (or a base64 data URL)")
             images.append(image_bytes(data))
         else:
-            raise ProtocolError("invalid_payload", f"unknown content part {kind!r}")
+            raise ProtocolError(ClientCode.INVALID_PAYLOAD, f"unknown content part {kind!r}")
     if audio is not None:
         if not isinstance(audio, str):
-            raise ProtocolError("bad_audio", "message audio must be base64 float32 16 kHz")
+            raise ProtocolError(ClientCode.BAD_AUDIO, "message audio must be base64 float32 16 kHz")
         try:
             audio = decode_f32_base64(audio, limits.audio_samples(INPUT_RATE))
         except AudioDecodeError as exc:
-            raise ProtocolError("bad_audio", str(exc)) from exc
+            raise ProtocolError(ClientCode.BAD_AUDIO, str(exc)) from exc
     limits.images(images, "messages.content")
     return ChatMessage(role, limits.text("".join(text), "messages.content"), audio, tuple(images), max_slice_nums)
 
@@ -194,14 +196,14 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
     payload = as_object(message.get("input"), "input.append's `input`")
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ProtocolError("missing_field", "turn_based input.append requires a non-empty `messages` list")
+        raise ProtocolError(ClientCode.MISSING_FIELD, "turn_based input.append requires a non-empty `messages` list")
     generation = payload.get("generation") or {}
     tts = payload.get("tts") or {}
     if not isinstance(generation, dict) or not isinstance(tts, dict):
-        raise ProtocolError("invalid_payload", "generation and tts must be objects")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "generation and tts must be objects")
     max_new = first(payload.get("max_new_tokens"), generation.get("max_new_tokens"), 256)
     if not isinstance(max_new, int) or isinstance(max_new, bool) or not 1 <= max_new <= 4096:
-        raise ProtocolError("invalid_payload", "max_new_tokens must be an integer 1..4096")
+        raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
     image_opts = payload.get("image") if isinstance(payload.get("image"), dict) else {}
     n_slices = slices(first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums")), 1)[0]
@@ -226,14 +228,14 @@ def parse_client_message(message: dict[str, Any], mode: str = "full_duplex", lim
     if kind == "input.append":
         return parse_chat_turn(message, limits) if mode == "turn_based" else parse_input_append(message, limits)
     if kind == "input.context" and mode == "turn_based":
-        raise ProtocolError("unsupported_event", "input.context is for full_duplex; add a message instead")
+        raise ProtocolError(ClientCode.UNSUPPORTED_EVENT, "input.context is for full_duplex; add a message instead")
     if kind == "input.context":
         return parse_input_context(message, limits)
     if kind == "session.init":
-        raise ProtocolError("already_initialized", "session.init may only be the first message")
+        raise ProtocolError(ClientCode.ALREADY_INITIALIZED, "session.init may only be the first message")
     if kind == "session.close":
-        raise ProtocolError("unsupported_event", "close a session with POST /sessions/{session_id}/close")
-    raise ProtocolError("unknown_event", f"unknown message type {kind!r}")
+        raise ProtocolError(ClientCode.UNSUPPORTED_EVENT, "close a session with POST /sessions/{session_id}/close")
+    raise ProtocolError(ClientCode.UNKNOWN_EVENT, f"unknown message type {kind!r}")
 
 
 

@@ -16,6 +16,7 @@ from minicpmo_triton.duplex_contract import StepEvent, StepInput
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..audio import encode_f32_base64
+from ..codes import ClientCode
 from ..inputs import InputAppend, parse_append, voice_ref
 from ..limits import Limits
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
@@ -132,7 +133,7 @@ def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEv
         return SessionClose(str(msg.get("reason") or "stopped"))
     if kind == "session.heartbeat":
         return Heartbeat()
-    raise ProtocolError("unknown_event", f"unknown event type {kind!r}", "type", error_type="client_error")
+    raise ProtocolError(ClientCode.UNKNOWN_EVENT, f"unknown event type {kind!r}", "type", error_type="client_error")
 
 
 @dataclass
@@ -165,7 +166,7 @@ class MiniCPMRealtimeState(DialectState):
 
     def _decide(self, read: ReadEvent) -> Effects:
         if read.kind not in ("session.update", "session.close") and not self.configured:  # leaving is allowed
-            raise ProtocolError("not_ready", "send session.update first", "type", error_type="client_error")
+            raise ProtocolError(ClientCode.NOT_READY, "send session.update first", "type", error_type="client_error")
         event = read.event
         if isinstance(event, Unreadable):
             raise event.error
@@ -173,7 +174,7 @@ class MiniCPMRealtimeState(DialectState):
             return self._configure(event.session)
         if isinstance(event, InputAppend):
             if event.frames and self.mode != "video":
-                raise ProtocolError("invalid_payload", "video_frames need ?mode=video", "video_frames",
+                raise ProtocolError(ClientCode.INVALID_PAYLOAD, "video_frames need ?mode=video", "video_frames",
                                     error_type="client_error")
             req = StepInput(audio=event.audio, force_listen=event.force_listen, frames=event.frames,
                             max_slice_nums=event.max_slice_nums if event.frames else [])
@@ -184,13 +185,13 @@ class MiniCPMRealtimeState(DialectState):
 
     def _configure(self, session: Any) -> Effects:
         if self.configured:
-            raise ProtocolError("invalid_payload", "the session is configured once, at its start", "session",
+            raise ProtocolError(ClientCode.INVALID_PAYLOAD, "the session is configured once, at its start", "session",
                                 error_type="client_error")
         session = session if isinstance(session, dict) else {}
         instructions = session.get("instructions") or session.get("system_prompt")
         if instructions is not None:
             if not isinstance(instructions, str):
-                raise ProtocolError("invalid_payload", "instructions must be a string", "session.instructions",
+                raise ProtocolError(ClientCode.INVALID_PAYLOAD, "instructions must be a string", "session.instructions",
                                     error_type="client_error")
             self.instructions = self.limits.prompt(instructions, "session.instructions")
         voice_config = session.get("voice_config") if isinstance(session.get("voice_config"), dict) else {}
@@ -203,7 +204,7 @@ class MiniCPMRealtimeState(DialectState):
                 self.charge_voice(ref)
         except InvalidOptions as exc:
             # the init's ranges: refused, the session waits for a valid session.update
-            raise ProtocolError("invalid_config", str(exc), "session", error_type="client_error") from exc
+            raise ProtocolError(ClientCode.INVALID_CONFIG, str(exc), "session", error_type="client_error") from exc
         except ProtocolError as exc:
             raise _client_error(exc) from None
         self.configured = True

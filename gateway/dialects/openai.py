@@ -35,6 +35,7 @@ from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, Ste
 from minicpmo_triton.duplex_options import DuplexOptions
 
 from ..audio import INPUT_RATE, StreamResampler
+from ..codes import ClientCode
 from ..inputs import MAX_FRAMES
 from ..overlap import OverlapDecision, OverlapPolicy, rms
 from ..vad import WINDOW_MS, SpeechSegmenter
@@ -267,10 +268,12 @@ class OpenAIRealtimeState(DialectState):
         self._room(item)
         if self.config.duplex:
             if item.audio is not None:
-                raise ProtocolError("invalid_value", "in duplex, send caller audio with input_audio_buffer.append",
+                raise ProtocolError(ClientCode.INVALID_VALUE,
+                                    "in duplex, send caller audio with input_audio_buffer.append",
                                     "item.content")
             if len(self.duplex.images) + len(item.images) > MAX_FRAMES:
-                raise ProtocolError("invalid_value", f"at most {MAX_FRAMES} images wait for the next second", "item")
+                raise ProtocolError(ClientCode.INVALID_VALUE,
+                                    f"at most {MAX_FRAMES} images wait for the next second", "item")
         previous = self.conversation.add(item, new.after)  # a duplicate id or an unknown place refuses it
         out = Effects(self._trim(item))
         if self.config.duplex:
@@ -290,7 +293,7 @@ class OpenAIRealtimeState(DialectState):
     def _item_delete(self, msg: oe.ItemRetrieve) -> Effects:
         item_id = msg.item_id
         if self.active is not None and self.active.item.id == item_id:
-            raise ProtocolError("invalid_value", "cancel the response before deleting its item", "item_id")
+            raise ProtocolError(ClientCode.INVALID_VALUE, "cancel the response before deleting its item", "item_id")
         self.conversation.delete(item_id)
         if self.to_say is not None and self.to_say.id == item_id:
             self.to_say = None
@@ -299,7 +302,7 @@ class OpenAIRealtimeState(DialectState):
     def _item_truncate(self, msg: oe.ItemTruncate) -> Effects:
         item = self.conversation.get(msg.item_id)
         if item.role != "assistant":
-            raise ProtocolError("invalid_value", "only an assistant item's audio can be truncated", "item_id")
+            raise ProtocolError(ClientCode.INVALID_VALUE, "only an assistant item's audio can be truncated", "item_id")
         end = msg.audio_end_ms
         response = self.response if self.response is not None and self.response.item is item else None
         if response is not None and self.active is response:
@@ -366,9 +369,10 @@ class OpenAIRealtimeState(DialectState):
         r = self.response
         if r is None or response_id != r.id:
             if response_id in self.past_responses:
-                raise ProtocolError("playback_ack_too_late", f"response {response_id} was followed by a newer one",
+                raise ProtocolError(ClientCode.PLAYBACK_ACK_TOO_LATE,
+                                    f"response {response_id} was followed by a newer one",
                                     "response_id")
-            raise ProtocolError("unknown_response", f"no response {response_id!r}", "response_id")
+            raise ProtocolError(ClientCode.UNKNOWN_RESPONSE, f"no response {response_id!r}", "response_id")
         r.ack_ms = max(r.ack_ms, min(played, r.item.audio_ms))  # acks only move forward
         r.ack_at = self.clock()
         committed = r.done
@@ -538,7 +542,8 @@ class OpenAIRealtimeState(DialectState):
 
 def _committable(audio: np.ndarray) -> np.ndarray:
     if len(audio) < MIN_COMMIT_MS * INPUT_RATE // 1000:
-        raise ProtocolError("input_audio_buffer_commit_empty", f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
+        raise ProtocolError(ClientCode.INPUT_AUDIO_BUFFER_COMMIT_EMPTY,
+                            f"the buffer holds under {MIN_COMMIT_MS} ms of audio")
     return whole_tenths(audio)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
+from ..codes import ClientCode
 from ..limits import Limits, identifier
 from ..overlap import POLICIES, OverlapSettings
 from ..wire import ProtocolError
@@ -137,7 +138,7 @@ class Update:
     def fixed(self, config: RealtimeConfig, changes: dict[str, Any], what: str) -> dict[str, Any]:
         """Changes to what is fixed once the sequence started: refused then, unless they change nothing."""
         if self.started and any(getattr(config, k) != v for k, v in changes.items()):
-            raise ProtocolError("session_update_not_allowed", f"{what} can only change before the first audio",
+            raise ProtocolError(ClientCode.SESSION_UPDATE_NOT_ALLOWED, f"{what} can only change before the first audio",
                                 f"session.{what}")
         return changes
 
@@ -154,14 +155,15 @@ def _rate(fmt: Any, param: str) -> int | None:
         rate = fmt.get("rate", 24_000)
         if rate in RATES:
             return int(rate)
-        raise ProtocolError("unsupported_audio_format", f"audio/pcm at {rate} Hz: use 16000 or 24000", param)
-    raise ProtocolError("unsupported_audio_format", f"only audio/pcm (16-bit little-endian) is served, got {fmt!r}",
+        raise ProtocolError(ClientCode.UNSUPPORTED_AUDIO_FORMAT, f"audio/pcm at {rate} Hz: use 16000 or 24000", param)
+    raise ProtocolError(ClientCode.UNSUPPORTED_AUDIO_FORMAT,
+                        f"only audio/pcm (16-bit little-endian) is served, got {fmt!r}",
                         param)
 
 
 def _number(value: Any, kind: type, param: str, low: float, high: float) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ProtocolError("invalid_value", f"{param} must be a number in [{low}, {high}]", param)
+        raise ProtocolError(ClientCode.INVALID_VALUE, f"{param} must be a number in [{low}, {high}]", param)
     return kind(value)
 
 
@@ -187,7 +189,7 @@ def _modalities(config: RealtimeConfig, u: Update) -> dict[str, Any]:
     if modalities is None:
         return {}
     if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"audio", "text"}:
-        raise ProtocolError("invalid_value", "output_modalities must be [\"audio\"] or [\"text\"]",
+        raise ProtocolError(ClientCode.INVALID_VALUE, "output_modalities must be [\"audio\"] or [\"text\"]",
                             "session.output_modalities")
     return {"output_modalities": ("audio",) if "audio" in modalities else ("text",)}
 
@@ -197,17 +199,17 @@ def _voice(config: RealtimeConfig, u: Update) -> dict[str, Any]:
     if voice is None:
         return {}
     # echoed in every response.created / done: a name, not a payload
-    return {"voice": identifier(voice, "session.audio.output.voice", "invalid_value")}
+    return {"voice": identifier(voice, "session.audio.output.voice", ClientCode.INVALID_VALUE)}
 
 
 def _switch(config: RealtimeConfig, u: Update, td: TurnDetection) -> dict[str, Any]:
     """A new turn detection, if the session can take it."""
     if u.started and (td.type == DUPLEX) != config.duplex:
-        raise ProtocolError("session_update_not_allowed",
+        raise ProtocolError(ClientCode.SESSION_UPDATE_NOT_ALLOWED,
                             "a session cannot switch between duplex and turn-based once audio was sent",
                             "session.duplex" if td.type == DUPLEX or config.duplex else f"{TD_PARAM}.type")
     if td.vad and not u.vad:
-        raise ProtocolError("server_vad_unavailable", "server VAD needs the silero-vad package installed",
+        raise ProtocolError(ClientCode.SERVER_VAD_UNAVAILABLE, "server VAD needs the silero-vad package installed",
                             f"{TD_PARAM}.type")
     return {"turn_detection": td}
 
@@ -217,12 +219,13 @@ def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
     if raw is None or raw is False:  # false: Pipecat's "turn detection off"
         return TurnDetection(type=None)
     if not isinstance(raw, dict):
-        raise ProtocolError("invalid_value", "turn_detection must be an object or null", TD_PARAM)
+        raise ProtocolError(ClientCode.INVALID_VALUE, "turn_detection must be an object or null", TD_PARAM)
     kind = raw.get("type", current.type if current.vad else "server_vad")
     if kind not in VAD_TYPES:
         hint = " (the model's own turns: `session.duplex: true` on a URL with ?extensions=duplex)" \
             if kind == DUPLEX else ""
-        raise ProtocolError("invalid_value", f"turn_detection.type must be server_vad, semantic_vad or null{hint}",
+        raise ProtocolError(ClientCode.INVALID_VALUE,
+                            f"turn_detection.type must be server_vad, semantic_vad or null{hint}",
                             f"{TD_PARAM}.type")
     out = dataclasses.replace(current if current.vad else TurnDetection(), type=kind)
     for key, kind_, low, high in (("threshold", float, 0.0, 1.0), ("prefix_padding_ms", int, 0, 5000),
@@ -231,7 +234,7 @@ def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
             out = dataclasses.replace(out, **{key: _number(raw[key], kind_, f"{TD_PARAM}.{key}", low, high)})
     if raw.get("eagerness") is not None:
         if raw["eagerness"] not in EAGERNESS_SILENCE_MS:
-            raise ProtocolError("invalid_value", f"eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
+            raise ProtocolError(ClientCode.INVALID_VALUE, f"eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
                                 f"{TD_PARAM}.eagerness")
         out = dataclasses.replace(out, eagerness=raw["eagerness"])
     for key in ("create_response", "interrupt_response"):
@@ -263,10 +266,11 @@ def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
         return {}
     want = u.session["duplex"]
     if not u.ext.duplex:
-        raise ProtocolError("invalid_value", "the model's own turns are offered on /v1/realtime?extensions=duplex",
+        raise ProtocolError(ClientCode.INVALID_VALUE,
+                            "the model's own turns are offered on /v1/realtime?extensions=duplex",
                             "session.duplex")
     if not isinstance(want, bool):
-        raise ProtocolError("invalid_value", "duplex must be true or false", "session.duplex")
+        raise ProtocolError(ClientCode.INVALID_VALUE, "duplex must be true or false", "session.duplex")
     if want == config.duplex:
         return {}
     if want:
@@ -278,7 +282,7 @@ def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
 def _one_of(u: Update, key: str, choices: tuple[str, ...]) -> str | None:
     value = u.session.get(key)
     if value is not None and value not in choices:
-        raise ProtocolError("invalid_value", f"{key} must be one of {', '.join(choices)}", f"session.{key}")
+        raise ProtocolError(ClientCode.INVALID_VALUE, f"{key} must be one of {', '.join(choices)}", f"session.{key}")
     return value
 
 
@@ -323,7 +327,7 @@ def _model_key(key: str) -> Field:
         try:  # the init's ranges: the key is refused, the session keeps its value
             dataclasses.replace(config, **changes).options()
         except InvalidOptions as exc:
-            raise ProtocolError("invalid_config", str(exc), f"session.{key}") from exc
+            raise ProtocolError(ClientCode.INVALID_CONFIG, str(exc), f"session.{key}") from exc
         return changes
     return read
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..audio import INPUT_RATE
+from ..codes import ClientCode
 from ..wire import ProtocolError, new_id
 
 
@@ -104,7 +105,8 @@ class Conversation:
         """Put `item` after the item `after` ("root": first; None: last); returns the id it now follows. Ids are
         unique among the items there (a deleted item's id may come back: LiveKit re-creates an item it edits)."""
         if any(i.id == item.id for i in self.items):
-            raise ProtocolError("item_create_duplicate_item_id", f"the conversation already has an item {item.id!r}",
+            raise ProtocolError(ClientCode.ITEM_CREATE_DUPLICATE_ITEM_ID,
+                                f"the conversation already has an item {item.id!r}",
                                 "item.id")
         if after is None:
             index = len(self.items)
@@ -123,7 +125,7 @@ class Conversation:
         for item in self.items:
             if item.id == item_id:
                 return item
-        raise ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id")
+        raise ProtocolError(ClientCode.ITEM_NOT_FOUND, f"no conversation item {item_id!r}", "item_id")
 
     def delete(self, item_id: Any) -> None:
         self.items.remove(self.get(item_id))
@@ -165,7 +167,7 @@ class InputBuffer:
         return self.samples + samples <= self.most_s * INPUT_RATE
 
     def full(self) -> ProtocolError:
-        return ProtocolError("input_audio_buffer_full", f"the input buffer holds at most {self.most_s:.0f} s; "
+        return ProtocolError(ClientCode.INPUT_AUDIO_BUFFER_FULL, f"the input buffer holds at most {self.most_s:.0f} s; "
                              "commit or clear it (this append was dropped)")
 
     def add(self, audio: np.ndarray) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from minicpmo_triton.duplex_contract import StepInput
 
+from ..codes import ClientCode
 from ..wire import ProtocolError
 from .state import STEP_SAMPLES, PlannedStep
 
@@ -48,7 +49,8 @@ class DuplexInput:
         """Before an append: refused when the steps of earlier ones still wait (the model hears slower than
         the caller streams), as the shell refuses a step its queue has no room for."""
         if len(self.waiting) > MAX_WAITING:
-            raise ProtocolError("input_backpressure", f"{len(self.waiting)} seconds of audio are already waiting; "
+            raise ProtocolError(ClientCode.INPUT_BACKPRESSURE,
+                                f"{len(self.waiting)} seconds of audio are already waiting; "
                                 "this append was dropped")
 
     def add(self, audio: np.ndarray, epoch: int) -> list[PlannedStep]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..codes import ClientCode
 from ..wire import ProtocolError
 from .realtime_events import RealtimeEvent
 from .state import EventFields
@@ -175,7 +176,7 @@ class TextDone(ContentEvent, type="response.output_text.done"):
 def _number(msg: Json, name: str) -> float:
     value = msg.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ProtocolError("invalid_value", f"{name} must be a number >= 0", name)
+        raise ProtocolError(ClientCode.INVALID_VALUE, f"{name} must be a number >= 0", name)
     return float(value)
 
 
@@ -199,7 +200,7 @@ class SessionUpdate(ClientEvent, type="session.update"):
     def decode(cls, msg: Json) -> SessionUpdate:
         session = msg.get("session")
         if not isinstance(session, dict):
-            raise ProtocolError("invalid_value", "session.update needs a `session` object", "session")
+            raise ProtocolError(ClientCode.INVALID_VALUE, "session.update needs a `session` object", "session")
         return cls(session)
 
 
@@ -211,7 +212,8 @@ class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
     def decode(cls, msg: Json) -> AudioAppend:
         data = msg.get("audio")
         if not isinstance(data, str) or not data:
-            raise ProtocolError("missing_field", "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
+            raise ProtocolError(ClientCode.MISSING_FIELD,
+                                "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
         hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
         hint = msg.get("transcript_hint") or hints.get("transcript")
         return cls(data, hint if isinstance(hint, str) else None)
@@ -263,7 +265,8 @@ class ResponseCreate(ClientEvent, type="response.create"):
         spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
         instructions = spec.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
-            raise ProtocolError("invalid_value", "response.instructions must be a string", "response.instructions")
+            raise ProtocolError(ClientCode.INVALID_VALUE,
+                                "response.instructions must be a string", "response.instructions")
         return cls(instructions or None, spec.get("max_output_tokens"), _metadata(spec.get("metadata")))
 
 
@@ -273,7 +276,8 @@ def _metadata(value: Any) -> dict[str, str] | None:
         return None
     if not isinstance(value, dict) or len(value) > 16 or not all(
             isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
-        raise ProtocolError("invalid_value", "response.metadata holds up to 16 strings (keys up to 64 characters, "
+        raise ProtocolError(ClientCode.INVALID_VALUE,
+                            "response.metadata holds up to 16 strings (keys up to 64 characters, "
                             "values up to 512)", "response.metadata")
     return dict(value)
 
@@ -309,5 +313,5 @@ CLIENT_EVENTS: dict[str, type[ClientEvent]] = {c.type: c for c in (
 def decode_client(msg: Json) -> ClientEvent:
     cls = CLIENT_EVENTS.get(msg["type"])
     if cls is None:
-        raise ProtocolError("unknown_event", f"unknown event type {msg['type']!r}", "type")
+        raise ProtocolError(ClientCode.UNKNOWN_EVENT, f"unknown event type {msg['type']!r}", "type")
     return cls.decode(msg)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..codes import ClientCode
 from ..wire import CLOSE_POLICY, ProtocolError
 
 QUERY = "extensions"  # the URL's query parameter
@@ -45,7 +46,7 @@ class Extensions:
         names = {name.strip() for name in value.split(",") if name.strip()}
         unknown = names - set(FEATURES)
         if unknown:
-            raise ProtocolError("invalid_value", f"{QUERY} must list some of {', '.join(FEATURES)}; "
+            raise ProtocolError(ClientCode.INVALID_VALUE, f"{QUERY} must list some of {', '.join(FEATURES)}; "
                                 f"unknown: {', '.join(sorted(unknown))}", QUERY, close_code=CLOSE_POLICY)
         return cls(duplex="duplex" in names, events="events" in names)
 

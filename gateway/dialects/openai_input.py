@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..audio import INPUT_RATE, AudioDecodeError, StreamResampler, decode_pcm16_base64, resample
+from ..codes import ClientCode
 from ..inputs import image_bytes
 from ..limits import Limits
 from ..wire import ProtocolError
@@ -111,7 +112,7 @@ class CallerAudio:
         try:
             pcm = decode_pcm16_base64(data, MAX_APPEND_SAMPLES)
         except AudioDecodeError as exc:
-            raise ProtocolError("bad_audio", str(exc), "audio") from exc
+            raise ProtocolError(ClientCode.BAD_AUDIO, str(exc), "audio") from exc
         if self._resampler is None or self._rate != rate:
             self._resampler, self._rate = self.resampling(rate, INPUT_RATE), rate
         audio = self._resampler(pcm)
@@ -129,20 +130,21 @@ def read_item(raw: Any, input_rate: int, after: str | None = None, limits: Limit
     cost model's bounds: its text, its images (how many, their pixels, their format), its audio."""
     limits = limits or Limits.default()
     if not isinstance(raw, dict) or raw.get("type", "message") != "message":
-        raise ProtocolError("invalid_value", "item must be a message", "item")
+        raise ProtocolError(ClientCode.INVALID_VALUE, "item must be a message", "item")
     item_id = raw.get("id")
     if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= MAX_ITEM_ID):
-        raise ProtocolError("invalid_value", f"item.id must be a string of 1 to {MAX_ITEM_ID} characters", "item.id")
+        raise ProtocolError(ClientCode.INVALID_VALUE,
+                            f"item.id must be a string of 1 to {MAX_ITEM_ID} characters", "item.id")
     role = raw.get("role")
     if role not in ("user", "assistant", "system"):
-        raise ProtocolError("invalid_value", "item.role must be user, assistant or system", "item.role")
+        raise ProtocolError(ClientCode.INVALID_VALUE, "item.role must be user, assistant or system", "item.role")
     content = raw.get("content") or []
     if not isinstance(content, list):
-        raise ProtocolError("invalid_value", "item.content must be a list", "item.content")
+        raise ProtocolError(ClientCode.INVALID_VALUE, "item.content must be a list", "item.content")
     text, audio, images = "", None, []
     for part in content:
         if not isinstance(part, dict):
-            raise ProtocolError("invalid_value", "each content part must be an object", "item.content")
+            raise ProtocolError(ClientCode.INVALID_VALUE, "each content part must be an object", "item.content")
         kind = part.get("type")
         if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
             text += part["text"]
@@ -151,9 +153,9 @@ def read_item(raw: Any, input_rate: int, after: str | None = None, limits: Limit
         elif kind == "input_image":
             images.append(_item_image(part))
         else:
-            raise ProtocolError("invalid_value", f"unsupported content part {kind!r}", "item.content")
+            raise ProtocolError(ClientCode.INVALID_VALUE, f"unsupported content part {kind!r}", "item.content")
     if not text and audio is None and not images:
-        raise ProtocolError("missing_field", "the item has no text, audio or image content", "item.content")
+        raise ProtocolError(ClientCode.MISSING_FIELD, "the item has no text, audio or image content", "item.content")
     limits.text(text, "item.content.text")
     limits.images(images, "item.content")
     return NewItem(role, item_id, after, text, audio, images)
@@ -163,12 +165,12 @@ def _item_audio(data: str, rate: int, most: int) -> np.ndarray:
     try:
         return resample(decode_pcm16_base64(data, most), rate, INPUT_RATE)
     except AudioDecodeError as exc:
-        raise ProtocolError("bad_audio", str(exc), "item.content.audio") from exc
+        raise ProtocolError(ClientCode.BAD_AUDIO, str(exc), "item.content.audio") from exc
 
 
 def _item_image(part: dict[str, Any]) -> bytes:
     url = part.get("image_url")
     data = url.split(",", 1)[-1] if isinstance(url, str) else part.get("image")
     if not isinstance(data, str):
-        raise ProtocolError("bad_image", "input_image needs a base64 image or data URL", "item.content")
+        raise ProtocolError(ClientCode.BAD_IMAGE, "input_image needs a base64 image or data URL", "item.content")
     return image_bytes(data)  # valid base64, its size, a format the server decodes

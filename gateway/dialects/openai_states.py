@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..codes import ClientCode
 from ..wire import ProtocolError
 from . import openai_events as oe
 
@@ -52,9 +53,10 @@ TRANSITIONS: dict[Phase, dict[Trigger, Phase]] = {
 }
 
 # Client events a phase refuses: the code and message the client gets (`{response}`: the open response's id).
-REFUSED: dict[tuple[Phase, type], tuple[str, str]] = {
-    (Phase.IDLE, oe.ResponseCancel): ("response_cancel_not_active", "there is no response in progress to cancel"),
-    (Phase.RESPONDING, oe.ResponseCreate): ("conversation_already_has_active_response",
+REFUSED: dict[tuple[Phase, type], tuple[ClientCode, str]] = {
+    (Phase.IDLE, oe.ResponseCancel): (ClientCode.RESPONSE_CANCEL_NOT_ACTIVE,
+                                      "there is no response in progress to cancel"),
+    (Phase.RESPONDING, oe.ResponseCreate): (ClientCode.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
                                             "response {response} is still in progress"),
 }
 

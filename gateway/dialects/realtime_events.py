@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from ..codes import ClientCode
 from ..wire import ProtocolError, new_id, parse_json
 from .state import Closed, EventFields
 
@@ -19,13 +20,14 @@ ClientEvent = dict[str, Any]
 def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
     """A client event; `invalid_json` (closing with `bad_json_close`, if set) when it is not JSON at all."""
     if len(text.encode("utf-8")) > MAX_EVENT_BYTES:
-        raise ProtocolError("event_too_large", f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
+        raise ProtocolError(ClientCode.EVENT_TOO_LARGE, f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
     try:
         msg = parse_json(text)
     except ValueError as exc:  # not JSON, or past a limit (wire.JSON_MAX_*)
-        raise ProtocolError("invalid_json", f"event is not valid JSON: {exc}", close_code=bad_json_close) from exc
+        raise ProtocolError(ClientCode.INVALID_JSON,
+                            f"event is not valid JSON: {exc}", close_code=bad_json_close) from exc
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ProtocolError("invalid_event", "an event is a JSON object with a string `type`", "type")
+        raise ProtocolError(ClientCode.INVALID_EVENT, "an event is a JSON object with a string `type`", "type")
     return msg
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from minicpmo_triton.duplex_contract import ChatInput, StepEvent, StepInput, VoiceRefs
 from minicpmo_triton.duplex_options import DuplexOptions
 
+from ..codes import ClientCode
 from ..limits import Limits
 from ..wire import ProtocolError, Usage
 
@@ -138,7 +139,7 @@ class DialectState:
         raise NotImplementedError
 
     def backpressure(self, pending: int) -> ProtocolError:
-        return ProtocolError("input_backpressure",
+        return ProtocolError(ClientCode.INPUT_BACKPRESSURE,
                              f"{pending} inputs are already waiting; this one was dropped")
 
     def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:

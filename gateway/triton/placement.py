@@ -16,6 +16,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..codes import ClientCode
+
 SEQUENCE_MODELS = ("duplex", "llm", "tts", "token2wav")  # a session holds a sequence in each while it lives
 ENTRY = "duplex"  # one live sequence per session
 QUEUE_LIMIT_MS = 500.0  # half of one duplex step (1 s of audio)
@@ -26,7 +28,7 @@ _SAMPLE = re.compile(r'^(\w+)\{(?:[^}]*,)?model="([\w-]+)"[^}]*\} ([-+\d.eE]+|Na
 class NoEndpoint(Exception):
     """No endpoint takes a new session now; `code` says why (both retryable)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ClientCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -88,10 +90,10 @@ def choose(candidates: Iterable[Candidate]) -> Candidate:
     """The open endpoint with the most room, those keeping up first; NoEndpoint when none takes a session."""
     open_ = [c for c in candidates if c.open]
     if not open_:
-        raise NoEndpoint("not_ready", "no model server takes new sessions now (loading, draining or down)")
+        raise NoEndpoint(ClientCode.NOT_READY, "no model server takes new sessions now (loading, draining or down)")
     fits = [c for c in open_ if c.room is None or c.room > 0]
     if not fits:
-        raise NoEndpoint("too_many_sessions", "every model server is full; retry later")
+        raise NoEndpoint(ClientCode.TOO_MANY_SESSIONS, "every model server is full; retry later")
     unbounded = max((c.room for c in fits if c.room is not None), default=0) + 1
     return min(fits, key=lambda c: (c.queue_ms > QUEUE_LIMIT_MS, -(unbounded if c.room is None else c.room),
                                     c.sessions, c.url))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..audio_mel import CONTEXT_FRAMES, MelChunk, MelStream, mel_filterbank
+from ..audio_mel import CONTEXT_FRAMES, HOP, MelChunk, MelStream, mel_filterbank
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
@@ -17,34 +17,67 @@ from ..pcm import pcm_problem
 from ..stage_io import AudioEncoderRequest, AudioEncoderResult
 from .base import isolated
 
+PIECE_SAMPLES = 30 * 16_000  # the reference encodes a longer utterance as 30 s pieces (`chunk_audio`)
+
 
 class AudioEncoderStage:
+    """Whole utterances as MiniCPM-o's `get_audio_embedding` encodes them (MiniCPMO45/processing_minicpmo.py
+    `process_audio_batch`): 30 s pieces, each its own mel (zero-padded to a whole hop, as the reference's
+    padding to 30 s is) and its own forward, their tokens concatenated."""
+
     def __init__(self, engine: Engine, samples_per_token: int) -> None:
         self.engine = engine
-        self.samples_per_token = samples_per_token
+        self.samples_per_token = samples_per_token  # the shortest piece the graph takes (one token's samples)
+        self.pool = samples_per_token // (2 * HOP)  # hop, conv stride 2, then the pooling
 
-    def pad(self, audio: np.ndarray) -> np.ndarray:
+    def tokens(self, n_samples: int) -> int:
+        """The reference's token count for a piece (`_get_feat_extract_output_lengths` of ceil(n / hop) frames)."""
+        frames = -(-n_samples // HOP)
+        return ((frames + 1) // 2) // self.pool
+
+    def pieces(self, audio: np.ndarray) -> list[np.ndarray]:
         audio = np.asarray(audio, np.float32).reshape(-1)
-        return np.pad(audio, (0, -len(audio) % self.samples_per_token))
+        out = []
+        for start in range(0, len(audio), PIECE_SAMPLES):
+            piece = audio[start:start + PIECE_SAMPLES]
+            out.append(np.pad(piece, (0, max(-len(piece) % HOP, self.samples_per_token - len(piece)))))
+        return out
 
-    def _encode(self, chunks: list[np.ndarray]) -> list[AudioEncoderResult]:
-        return [AudioEncoderResult(embeds=e) for e in self.engine.run({"audio": np.stack(chunks)})["embeds"]]
+    def _encode(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        return list(self.engine.run({"audio": np.stack(chunks)})["embeds"])
 
     def run(self, requests: list[AudioEncoderRequest]) -> list[AudioEncoderResult | Exception]:
         results: list[AudioEncoderResult | Exception] = [AudioEncoderResult() for _ in requests]
-        groups: dict[int, list[int]] = defaultdict(list)
-        padded = []
+        groups: dict[int, list[tuple[int, int]]] = defaultdict(list)  # padded length -> (request, piece)
+        pieces: list[list[np.ndarray]] = []
         for i, r in enumerate(requests):
-            padded.append(self.pad(r.audio))
-            if len(padded[-1]) == 0:
+            audio = np.asarray(r.audio, np.float32).reshape(-1)
+            pieces.append(self.pieces(audio))
+            if len(audio) == 0:
                 results[i] = ValueError("audio_encoder got an empty chunk")
-            elif problem := pcm_problem(padded[-1]):
+            elif problem := pcm_problem(audio):
                 results[i] = StepError(Code.BAD_AUDIO, f"audio_encoder: {problem}")
             else:
-                groups[len(padded[-1])].append(i)
+                for k, piece in enumerate(pieces[-1]):
+                    groups[len(piece)].append((i, k))
+        embeds: dict[tuple[int, int], np.ndarray | Exception] = {}
         for rows in groups.values():  # padding would change the mel normalisation: batch equal lengths
-            for i, out in zip(rows, isolated(self._encode, [padded[i] for i in rows]), strict=True):
-                results[i] = out
+            for key, out in zip(rows, isolated(self._encode, [pieces[i][k] for i, k in rows]), strict=True):
+                embeds[key] = out
+        for i, r in enumerate(requests):
+            if isinstance(results[i], Exception):
+                continue
+            audio_len = len(np.asarray(r.audio).reshape(-1))
+            parts = []
+            for k in range(len(pieces[i])):
+                out = embeds[(i, k)]
+                if isinstance(out, Exception):
+                    results[i] = out
+                    break
+                # a piece shorter than one token's samples ran padded; keep the reference's count of it
+                parts.append(out[: self.tokens(min(PIECE_SAMPLES, audio_len - k * PIECE_SAMPLES))])
+            else:
+                results[i] = AudioEncoderResult(embeds=np.concatenate(parts))
         return results
 
 

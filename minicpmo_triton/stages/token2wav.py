@@ -1,8 +1,11 @@
 """token2wav: per session a Step-Audio2 stream (flow caches, HiFT caches, tokens awaiting their lookahead).
 
-Each turn restarts from its voice prompt's caches with 3 silence tokens; every 25 tokens + 3 lookahead make
-one chunk (1 s of audio), the turn's end (`finalize`) decodes what is left. The chunks of all sessions in a
-batch run together (token2wav_stream). A voice prompt is set up once per distinct voice and shared.
+Each turn restarts from its voice prompt's caches with 3 silence tokens. Each call flushes what it can, as
+MiniCPM-o's duplex demo does (`_generate_waveform_from_tokens` with `force_flush`, always on in
+MiniCPMO45/modeling_minicpmo_unified.py:5196): chunks of up to 25 tokens + 3 lookahead while 8 or more are
+buffered, and a call's audio short of 1 s is left-padded with silence to 1 s (not at the turn's end); the turn's
+end (`finalize`) decodes what is left. The chunks of all sessions in a batch run together (token2wav_stream).
+A voice prompt is set up once per distinct voice and shared.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import Code, StepError
-from ..model_config import PresetConfig
+from ..model_config import PresetConfig, Token2WavDims
 from ..stage_io import Token2WavRequest, Token2WavResult
 from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, audio_key, read_wav
 from .base import SequenceStage, StageCall
@@ -29,6 +32,24 @@ DEFAULT_VOICE_FILE = "default_voice.npz"  # else the export's prompt: tokens [T]
 PROMPT_CACHE_MB = 2048
 MIN_VOICE_SAMPLES = SAMPLE_RATE // 2  # the gateway refuses references under 0.5 s
 DEFAULT_KEY = b"default"
+FLUSH_MIN_NEW = 5  # a forced flush leaves a chunk for later while fewer than lookahead + this are buffered
+STEP_SAMPLES = 24_000  # a call's audio, unless the turn ends, is at least 1 s (left-padded with silence)
+
+
+def take_chunks(pending: list[int], d: Token2WavDims, flush: bool = True) -> list[list[int]]:
+    """The chunks (tokens with their lookahead) the buffered tokens make now; consumed tokens leave `pending`.
+    `flush`: MiniCPM-o's forced flush (modeling_minicpmo_unified.py:5479-5488): while lookahead + 5 are
+    buffered, a chunk of up to 25 + 3, keeping its 3 lookahead; else whole chunks only (:5490-5496)."""
+    chunks = []
+    if flush:
+        while len(pending) >= d.lookahead + FLUSH_MIN_NEW:
+            n = min(d.chunk_tokens + d.lookahead, len(pending))
+            chunks.append(pending[:n])
+            del pending[: min(d.chunk_tokens, n - d.lookahead)]
+    while len(pending) >= d.chunk_tokens + d.lookahead:
+        chunks.append(pending[: d.chunk_tokens + d.lookahead])
+        del pending[: d.chunk_tokens]
+    return chunks
 
 
 @dataclass
@@ -77,6 +98,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def __init__(self, streamer: Token2WavStreamer, prompts: VoicePrompts, preset: PresetConfig,
                  ttl_s: float) -> None:
         super().__init__(ttl_s)
+        self.flush = True  # the duplex demo's forced flush; False: whole 25 + 3 chunks only (for comparison)
         self.streamer = streamer
         self.prompts = prompts
         self.d = preset.token2wav
@@ -115,8 +137,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         return Token2WavResult()
 
     def _chunks(self, req: Token2WavRequest, sess: Token2WavSession) -> list[tuple[list[int], bool]]:
-        """The chunks this request completes: 25 tokens + 3 lookahead each, then what is left at the turn's end."""
-        d = self.d
+        """The chunks this request completes (`take_chunks`), then what is left at the turn's end."""
         voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
         if voice is not None:
             key = audio_key(voice)
@@ -130,10 +151,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             sess.turn_open = True
         pending = sess.stream.pending
         pending.extend(int(t) for t in req.speech_tokens)
-        chunks = []
-        while len(pending) >= d.chunk_tokens + d.lookahead:
-            chunks.append((pending[: d.chunk_tokens + d.lookahead], False))
-            del pending[: d.chunk_tokens]
+        chunks = [(c, False) for c in take_chunks(pending, self.d, self.flush)]
         if req.finalize:
             chunks.append((list(pending), True))
             pending.clear()
@@ -148,7 +166,13 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             out = self.streamer.chunk([(items[i][1].stream, toks, last) for i, (toks, last) in rows])
             for (i, _), wav in zip(rows, out, strict=True):
                 audio[i].append(wav)
-        return [Token2WavResult(np.concatenate(a) if a else np.zeros(0, np.float32)) for a in audio]
+        results = []
+        for (req, _), a in zip(items, audio, strict=True):
+            wav = np.concatenate(a) if a else np.zeros(0, np.float32)
+            if a and not req.finalize and len(wav) < STEP_SAMPLES:  # the demo's 1 s minimum (:5521-5525)
+                wav = np.pad(wav, (STEP_SAMPLES - len(wav), 0))
+            results.append(Token2WavResult(wav))
+        return results
 
     def state_bytes(self, corr_id: int) -> int:
         sess = self.store.get(corr_id)

@@ -4,7 +4,8 @@ It streams as MiniCPM-o's Token2wav.stream does (stepaudio2 `setup_cache` / `inf
 original HiFT's 8-frame mel / 3840-sample source caches with a Hamming cross-fade):
 - a voice prompt = S3 tokens + 3 silence tokens, its 24 kHz mel and its CAM++ vector; `setup` runs it through
   the conformer and the CFM once and keeps the caches (shared by every session with that voice);
-- a chunk = 25 tokens + 3 lookahead (a turn's last chunk: what is left, padded) -> conformer -> mu ->
+- a chunk = up to 25 tokens + 3 lookahead (fewer when the stage flushes early; a turn's last chunk: what is
+  left, padded) -> conformer -> mu ->
   n_timesteps Euler steps of the DiT estimator from the CFM's noise table (offset = cached frames) -> mel;
 - attention caches keep the prompt + the last 100 mel frames (the conformer's token-rate layers half that);
 - the vocoder runs on the previous chunk's last 8 mel frames + this chunk's, its source's first 3840 samples
