@@ -287,14 +287,13 @@ class DuplexPipeline:
             state.tts_turn_open = False
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
-        if llm.is_listen:
-            state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
+        if llm.is_listen:  # the TTS keeps its turn: only a voiced <|turn_eos|> ends it (as MiniCPM-o's loop)
             metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
-        turn_start = llm.turn_start or not state.tts_turn_open
+        turn_start = not state.tts_turn_open
         t = time.perf_counter()
         tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,

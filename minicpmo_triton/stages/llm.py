@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
-from ..duplex_rules import ChunkDecoder, allowed_token_mask
+from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
@@ -34,8 +34,9 @@ class LlmSession:
     cache: KvCache
     rng: np.random.Generator
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
-    in_turn: bool = False
-    history: list[int] = field(default_factory=list)
+    turn_ended: bool = True  # the reference's `current_turn_ended`
+    history: list[int] = field(default_factory=list)  # the duplex draws (StreamDecoder.generated_tokens)
+    chat_history: list[int] = field(default_factory=list)
     audio: AudioStream = field(default_factory=AudioStream)  # what the session has heard, for the next chunk
 
 
@@ -49,8 +50,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.tokenizer = tokenizer
         d = preset.llm
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
-        self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
-        self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
+        self.forbidden = forbidden_token_mask(d.vocab, preset.tokens, tokenizer.bad_ids(d.vocab))
+        self.chat_allowed = chat_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
         # Any token but a control token may be teacher-forced: caller text holds newlines and accents that
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
@@ -126,25 +127,36 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             embeds[use] = req_embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
             decoders.append(self._decoder(req, sess))
-            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
+            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
+                                         self.preset.duplex.repetition_window))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
             if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
-                # the fed text token's hidden state: position 0 of a prefill (a carried token) or of a step
+                # the fed token's hidden state: position 0 of a prefill (a carried token) or of a step
                 hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
-            logits = dec.adjust(out["logits"])
             forced = items[row][0].forced_ids
-            if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
-                token = int(forced[len(dec.generated)])  # teacher forcing, where the chunk's rules allow the token
-            else:
-                apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
+            if isinstance(dec, ChatDecoder):
+                logits = dec.adjust(out["logits"])
+                if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
+                    return dec.accept(int(forced[len(dec.generated)]))
+                apply_repetition_penalty(logits, sess.chat_history, params[row].repetition_penalty,
                                          self.preset.duplex.repetition_window)
                 token = sample(logits, params[row], sess.rng)
-            sess.history.append(token)
+                sess.chat_history.append(token)
+                return dec.accept(token)
+            if dec.must_end:
+                dec.end_now()
+                return None
+            if len(dec.generated) < len(forced):  # teacher forcing: decided in place of a draw, recorded as one
+                token = int(forced[len(dec.generated)])
+                sess.history.append(token)
+            else:
+                token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
+                                      items[row][0].length_penalty, tk, sess.rng)
             return dec.accept(token)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
@@ -160,8 +172,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             sess.cache = cache
             if req.decode:
                 sess.pending = dec.pending
-                sess.in_turn = isinstance(dec, ChunkDecoder) and dec.spoke and not dec.end_of_turn \
-                    and not dec.is_listen
+                if isinstance(dec, ChunkDecoder):
+                    sess.turn_ended = dec.turn_ended
             else:
                 sess.pending = []
             text = np.asarray(dec.text_ids, np.int64)
@@ -191,7 +203,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would)."""
         sess.cache = sess.cache.truncated(length)
         sess.pending = [self.preset.tokens.turn_eos, self.preset.tokens.unit_end]
-        sess.in_turn = False
+        sess.turn_ended = True
 
     def _decoder(self, req: LlmRequest, sess: LlmSession) -> ChunkDecoder | ChatDecoder:
         if req.chat:
@@ -200,9 +212,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 self.preset.tokens, max(1, req.max_new_tokens), req.last_chunk, self.chat_allowed, self.turn_close,
                 carry=carry)
         else:
-            dec = ChunkDecoder(self.preset.tokens, sess.in_turn, max(1, req.max_new_tokens),
-                               self.preset.duplex.max_unit_text_chars, req.length_penalty, self.allowed,
-                               self._count_chars)
+            dec = ChunkDecoder(self.preset.tokens, sess.turn_ended, max(1, req.max_new_tokens),
+                               self.preset.duplex.max_unit_text_chars, self._count_chars)
             if req.decode and req.force_listen:
                 dec.force_listen()
         if not req.decode:
