@@ -223,6 +223,12 @@ def _byte_level_vocab() -> dict[str, int]:
     return {ch: i for i, ch in enumerate(alphabet)}
 
 
+def _unnamed_ids(specials: set[int]) -> list[int]:
+    """The ids with no token (past the 256 bytes, outside the specials): the published config names the ids
+    the model must never say in `bad_token_ids`; here, the ones that would decode to nothing."""
+    return [i for i in range(256, SMALL_CONFIG["vocab_size"]) if i not in specials]
+
+
 def write_tokenizer_set(folder: Path) -> dict[str, int]:
     """tokenizer.json, tokenizer_config.json, added_tokens.json, vocab.json, merges.txt, special_tokens_map.json:
     a byte-level BPE (no merges) whose special tokens sit at MiniCPM-o 4.5's ids. Returns the specials."""
@@ -248,7 +254,7 @@ def write_tokenizer_set(folder: Path) -> dict[str, int]:
         "add_bos_token": False, "add_prefix_space": False, "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": {str(i): {"content": s, "special": True, **entry} for s, i in specials.items()},
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-        "model_max_length": 40960}, indent=2))
+        "model_max_length": 40960, "bad_token_ids": _unnamed_ids(set(specials.values()))}, indent=2))
     return specials
 
 
