@@ -27,6 +27,11 @@ class Tokenizer(Protocol):
 
     def decoder(self) -> IncrementalDecoder: ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` at once, special tokens skipped, broken characters as U+FFFD (the duplex loop's
+        28-character count: `tokenizer.decode(ids, skip_special_tokens=True)`)."""
+        ...
+
 
 class IncrementalDecoder(Protocol):
     def feed(self, ids: list[int]) -> str: ...
@@ -58,6 +63,9 @@ class ByteTokenizer:
 
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class _HfDecoder:
@@ -103,6 +111,9 @@ class HuggingFaceTokenizer:
 
     def decoder(self) -> _HfDecoder:
         return _HfDecoder(self._tok, self._specials)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 def load_tokenizer(preset: PresetConfig, folder: Path) -> Tokenizer:

@@ -271,7 +271,8 @@ def shard_name(i: int, n: int) -> str:
 
 
 def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
-                     seed: int = SEED) -> ReferenceCheckpoint:
+                     seed: int = SEED, edit_llm: Callable[[nn.Module], None] | None = None) -> ReferenceCheckpoint:
+    """`edit_llm`: changes the LLM's weights before they are written (a test that needs some token said)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -281,6 +282,9 @@ def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
     for stage, build in STAGE_BUILDERS.items():
         modules[stage], part = build(config, gen)
         tensors |= part
+    if edit_llm is not None:
+        edit_llm(modules["llm"])
+        tensors |= _prefixed("llm.", modules["llm"])
     names = sorted(tensors)
     per = -(-len(names) // shards)
     weight_map = {}

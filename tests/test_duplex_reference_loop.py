@@ -34,7 +34,7 @@ import torch
 from export.checkpoint import load_checkpoint, read_config
 from export.config import preset_from_config
 from export.onnx_export import export_onnx
-from export.presets import minicpmo45
+from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
 from minicpmo_triton.engines import OnnxEngine
 from minicpmo_triton.stage_io import LlmRequest
@@ -50,6 +50,8 @@ AUDIO_TOKENS = 10  # per 1 s chunk
 OVERRIDES = {20, 33}  # chunks whose listen the caller forces (force_listen_override)
 PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful assistant.\n<|audio_start|>"
 SUFFIX = "<|audio_end|><|im_end|>"
+LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
+LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
 
@@ -137,9 +139,17 @@ def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer:
     return cap
 
 
+def _louder_controls(llm: torch.nn.Module) -> None:
+    """Random weights seldom say the control tokens: their output rows scaled up, so the script holds
+    <|turn_eos|>, <|listen|> and first-draw <|chunk_eos|> decisions of the model's own."""
+    with torch.no_grad():
+        for token, scale in LOUDER.items():
+            llm.lm_head.weight[token] *= scale
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ref = write_checkpoint(tmp_path_factory.mktemp("reference_ckpt"))
+    ref = write_checkpoint(tmp_path_factory.mktemp("reference_ckpt"), edit_llm=_louder_controls)
     preset = preset_from_config(minicpmo45(), read_config(ref.folder))
     modules = build_modules(preset, seed=99)
     load_checkpoint(ref.folder, modules, preset)
@@ -167,7 +177,8 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], **wind
         assert cap.streaming_prefill(audio_waveform=np.zeros(16_000, np.float32))["success"]
         start = len(cap.total_ids)
         res = cap.streaming_generate(decode_mode="greedy", force_listen_override=i in OVERRIDES,
-                                     max_new_speak_tokens_per_chunk=20, text_repetition_penalty=1.05,
+                                     max_new_speak_tokens_per_chunk=40 if i in LONG else 20,
+                                     text_repetition_penalty=1.05,
                                      length_penalty=1.1)
         condition = [] if res["is_listen"] else cap.total_hidden[-1]
         cap.finalize_unit()
@@ -188,7 +199,8 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor]) -> list[dic
     for i, e in enumerate(embeds):
         ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
         request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
-                             force_listen=i < 3 or i in OVERRIDES, max_new_tokens=20, **SETTINGS)
+                             force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
+                             **SETTINGS)
         [res] = stage.run([StageCall(request, 1, start=i == 0)])
         assert not isinstance(res, Exception), res
         pending = stage.store.get(1).pending
@@ -216,6 +228,12 @@ def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any]) 
             np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
         if not w["is_listen"]:
             assert g["end_of_turn"] == w["end_of_turn"], f"chunk {i}"
-    decided = [t for w in want for t in w["decided"]]
-    spoken = [w for w in want if not w["is_listen"]]
-    assert spoken and tk.turn_eos in decided, "the script should hold speaking turns and a <|turn_eos|>"
+    # the script holds what the loop's rules decide on: a <|turn_eos|> the model said with the chunk going on,
+    # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), and the 28-character cut
+    tok = checkpoint["tokenizer"]
+    listened = [w for i, w in enumerate(want) if w["is_listen"] and i >= 3 and i not in OVERRIDES]
+    assert any(tk.turn_eos in w["decided"][:-2] for w in want), "a <|turn_eos|> with the chunk going on"
+    assert listened and any(w["decided"] == [tk.chunk_eos] for w in want)
+    cut = [i for i, w in enumerate(want) if i in LONG and w["decided"][-1] == tk.chunk_eos and len(w["decided"]) < 39
+           and len(tok.decode(w["tts_ids"], skip_special_tokens=True)) >= 20]
+    assert cut, "a chunk cut at 28 characters"

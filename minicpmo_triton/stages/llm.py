@@ -68,7 +68,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return LlmResult()
 
     def _count_chars(self, ids: list[int]) -> int:
-        return len(self.tokenizer.decoder().feed(ids))
+        return len(self.tokenizer.decode(ids))
 
     def check(self, request: LlmRequest, state: LlmSession) -> None:
         tk = self.preset.tokens
