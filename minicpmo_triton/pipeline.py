@@ -284,7 +284,8 @@ class DuplexPipeline:
         metrics = replace(metrics, cost_llm_ms=round(_ms(t) - wait_ms, 2),
                           cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
                           generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated),
-                          kv_cache_length=llm.kv_length + llm.kv_dropped)  # from the call's start: rollbacks
+                          kv_cache_length=llm.kv_length + llm.kv_dropped,  # from the call's start: rollbacks
+                          kv_window_tokens=llm.kv_length)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])

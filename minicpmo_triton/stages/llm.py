@@ -155,6 +155,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                                          self.preset.duplex.repetition_window)
                 token = sample(logits, params[row], sess.rng)
                 sess.chat_history.append(token)
+                del sess.chat_history[:-self.preset.duplex.repetition_window]
                 return dec.accept(token)
             if dec.must_end:
                 dec.end_now()
@@ -165,6 +166,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             else:
                 token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
                                       items[row][0].length_penalty, tk, sess.rng)
+                if len(sess.history) > 2 * params[row].repetition_window:  # only the window is read: keep it bounded
+                    del sess.history[:-params[row].repetition_window]
             return dec.accept(token)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
