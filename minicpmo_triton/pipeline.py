@@ -84,8 +84,12 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
-                 voices: VoiceLibrary | None = None) -> None:
+                 voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None) -> None:
         self.stages = stages
+        # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
+        # session sends none (encoded once, on first use)
+        self.default_ref_audio = default_ref_audio
+        self._default_ref: np.ndarray | None = None
         self.voices = voices or VoiceLibrary(None)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -138,6 +142,11 @@ class DuplexPipeline:
         ref = np.zeros((0, self.preset.llm.hidden), np.float32)
         if state.voice.ref_audio is not None:
             ref = (await self.stages.audio_encoder(AudioEncoderRequest(state.voice.ref_audio))).embeds
+        elif self.default_ref_audio is not None:
+            if self._default_ref is None:
+                encoded = await self.stages.audio_encoder(AudioEncoderRequest(self.default_ref_audio))
+                self._default_ref = encoded.embeds
+            ref = self._default_ref
         ids = [tk.im_start, *self.tokenizer.encode(f"system\n{prompt}\n"), tk.audio_start,
                *([tk.audio_placeholder] * len(ref)), tk.audio_end, tk.im_end]
         return ids, ref
