@@ -18,6 +18,7 @@ import numpy as np
 
 from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, StepMetrics, VoiceRefs
 from .duplex_options import DuplexOptions
+from .duplex_window import WINDOW_MODES
 from .errors import Code, StepError
 from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
 from .model_config import PresetConfig
@@ -83,8 +84,12 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
-                 voices: VoiceLibrary | None = None) -> None:
+                 voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None) -> None:
         self.stages = stages
+        # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
+        # session sends none (encoded once, on first use)
+        self.default_ref_audio = default_ref_audio
+        self._default_ref: np.ndarray | None = None
         self.voices = voices or VoiceLibrary(None)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -137,6 +142,11 @@ class DuplexPipeline:
         ref = np.zeros((0, self.preset.llm.hidden), np.float32)
         if state.voice.ref_audio is not None:
             ref = (await self.stages.audio_encoder(AudioEncoderRequest(state.voice.ref_audio))).embeds
+        elif self.default_ref_audio is not None:
+            if self._default_ref is None:
+                encoded = await self.stages.audio_encoder(AudioEncoderRequest(self.default_ref_audio))
+                self._default_ref = encoded.embeds
+            ref = self._default_ref
         ids = [tk.im_start, *self.tokenizer.encode(f"system\n{prompt}\n"), tk.audio_start,
                *([tk.audio_placeholder] * len(ref)), tk.audio_end, tk.im_end]
         return ids, ref
@@ -198,18 +208,21 @@ class DuplexPipeline:
     async def _spoken_turn(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, t0: float) -> None:
         """A whole spoken turn now, one duplex unit per second of silence from the caller (MiniCPM-o's own
         form of speech: `<unit>[audio]<|speak|>text...<|chunk_eos|></unit>` ... `<|turn_eos|></unit>`).
-        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|>`), so the TTS conditions on its
+        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|><|chunk_eos|>`), so the TTS conditions on its
         hidden states as on sampled text's. `answer_tokens`: `<|speak|>` is forced after the context, then
         the model samples its answer; at the budget the turn is ended (a forced listen)."""
         tk = self.preset.tokens
-        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos] if inp.say else [tk.speak]
+        # Every unit opens with <|speak|> (a chunk's first token is not voiced). `say` ends its last chunk itself:
+        # after <|turn_eos|> the loop would go on to the model's own choice, and a chunk ended in <|listen|> is
+        # not voiced.
+        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos, tk.chunk_eos] if inp.say else [tk.speak]
         budget = len(todo) if inp.say else inp.answer_tokens
         unit = replace(inp, audio=np.zeros(16_000, np.float32), respond=True, say="", answer_tokens=0)
-        produced, said, cancels = 0, 1, state.cancels
+        produced, said, cancels = 0, 2, state.cancels
         for _ in range(budget + 2):  # every unit decodes at least one token, or ends the turn
-            # `say` ends with its text (its last forced token is <|turn_eos|>), however many tokens the units'
-            # own terminators took; a unit that said none of it ends the turn rather than loop
-            ending = said == 0 if inp.say else produced >= budget
+            # `say` ends with its text (its last forced tokens are <|turn_eos|><|chunk_eos|>), however many
+            # tokens the units' own terminators took; a unit that said none of it ends the turn rather than loop
+            ending = said <= 1 if inp.say else produced >= budget
             async with self.llm_meet.member() as member:
                 llm = await self._step(corr_id, state, replace(unit, force_listen=ending),
                                        self._timed(emit, t0, member), member, forced=todo)
@@ -217,7 +230,7 @@ class DuplexPipeline:
                 return
             produced += len(llm.generated)
             said = _common_prefix(todo, [int(t) for t in llm.generated])
-            todo = todo[said:]
+            todo = [tk.speak, *todo[said:]]
             # only the first unit carries the context, the rollback and the images
             unit = StepInput(audio=unit.audio, respond=True)
 
@@ -268,6 +281,8 @@ class DuplexPipeline:
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
             forced_ids=np.asarray(forced or [], np.int64),
+            window_mode=WINDOW_MODES.index(opts.sliding_window_mode), window_high=opts.basic_window_high_tokens,
+            window_low=opts.basic_window_low_tokens,
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -278,7 +293,8 @@ class DuplexPipeline:
         metrics = replace(metrics, cost_llm_ms=round(_ms(t) - wait_ms, 2),
                           cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
                           generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated),
-                          kv_cache_length=llm.kv_length)
+                          kv_cache_length=llm.kv_length + llm.kv_dropped,  # from the call's start: rollbacks
+                          kv_window_tokens=llm.kv_length)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
@@ -287,14 +303,13 @@ class DuplexPipeline:
             state.tts_turn_open = False
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
-        if llm.is_listen:
-            state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
+        if llm.is_listen:  # the TTS keeps its turn: only a voiced <|turn_eos|> ends it (as MiniCPM-o's loop)
             metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
-        turn_start = llm.turn_start or not state.tts_turn_open
+        turn_start = not state.tts_turn_open
         t = time.perf_counter()
         tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,

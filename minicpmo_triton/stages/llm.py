@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
-from ..duplex_rules import ChunkDecoder, allowed_token_mask
+from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
+from ..duplex_window import WINDOW_MODES, UnitLedger, WindowConfig, drop_tokens
 from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvCache
+from ..kv_batch import KvBatch, KvCache
 from ..model_config import PresetConfig
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
@@ -34,9 +35,11 @@ class LlmSession:
     cache: KvCache
     rng: np.random.Generator
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
-    in_turn: bool = False
-    history: list[int] = field(default_factory=list)
+    turn_ended: bool = True  # the reference's `current_turn_ended`
+    history: list[int] = field(default_factory=list)  # the duplex draws (StreamDecoder.generated_tokens)
+    chat_history: list[int] = field(default_factory=list)
     audio: AudioStream = field(default_factory=AudioStream)  # what the session has heard, for the next chunk
+    units: UnitLedger = field(default_factory=UnitLedger)  # for the sliding window
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
@@ -49,8 +52,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.tokenizer = tokenizer
         d = preset.llm
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
-        self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
-        self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
+        self.forbidden = forbidden_token_mask(d.vocab, preset.tokens, tokenizer.bad_ids(d.vocab))
+        self.chat_allowed = chat_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
         # Any token but a control token may be teacher-forced: caller text holds newlines and accents that
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
@@ -67,11 +70,11 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return LlmResult()
 
     def _count_chars(self, ids: list[int]) -> int:
-        return len(self.tokenizer.decoder().feed(ids))
+        return len(self.tokenizer.decode(ids))
 
     def check(self, request: LlmRequest, state: LlmSession) -> None:
         tk = self.preset.tokens
-        if request.rollback_to > state.cache.length:
+        if request.rollback_to - state.units.dropped > state.cache.length:
             raise ValueError(f"llm: cannot roll back to {request.rollback_to}, past the {state.cache.length} cached")
         n_audio = 0
         if len(request.audio):
@@ -94,8 +97,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if request.decode:
             check_sampling("llm", temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                            repetition_penalty=request.repetition_penalty, length_penalty=request.length_penalty)
+        if not 0 <= request.window_mode < len(WINDOW_MODES) or not 0 < request.window_low <= request.window_high:
+            raise StepError(Code.INVALID_CONFIG, "llm: the sliding window needs a known mode and 0 < low <= high")
         need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
-        if need > self.preset.duplex.context_tokens - state.cache.length:
+        used = state.cache.length
+        if request.window_mode and state.units.preserve is not None:
+            used = min(used, request.window_high)  # past the high watermark, this step's close slides the window
+        if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
 
     def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
@@ -117,7 +125,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         row_embeds, encode_ms = self._encode(items)
         for (req, sess), req_embeds in zip(items, row_embeds, strict=True):
             if req.rollback_to >= 0:
-                self._roll_back(sess, req.rollback_to)
+                self._roll_back(sess, req.rollback_to - sess.units.dropped)
+            self._slide(req, sess)
             ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
             use = ids == tk.audio_placeholder
             if len(ids) == 0:
@@ -126,25 +135,39 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             embeds[use] = req_embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
             decoders.append(self._decoder(req, sess))
-            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
+            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
+                                         self.preset.duplex.repetition_window))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
             if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
-                # the fed text token's hidden state: position 0 of a prefill (a carried token) or of a step
+                # the fed token's hidden state: position 0 of a prefill (a carried token) or of a step
                 hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
-            logits = dec.adjust(out["logits"])
             forced = items[row][0].forced_ids
-            if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
-                token = int(forced[len(dec.generated)])  # teacher forcing, where the chunk's rules allow the token
-            else:
-                apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
+            if isinstance(dec, ChatDecoder):
+                logits = dec.adjust(out["logits"])
+                if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
+                    return dec.accept(int(forced[len(dec.generated)]))
+                apply_repetition_penalty(logits, sess.chat_history, params[row].repetition_penalty,
                                          self.preset.duplex.repetition_window)
                 token = sample(logits, params[row], sess.rng)
-            sess.history.append(token)
+                sess.chat_history.append(token)
+                del sess.chat_history[:-self.preset.duplex.repetition_window]
+                return dec.accept(token)
+            if dec.must_end:
+                dec.end_now()
+                return None
+            if len(dec.generated) < len(forced):  # teacher forcing: decided in place of a draw, recorded as one
+                token = int(forced[len(dec.generated)])
+                sess.history.append(token)
+            else:
+                token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
+                                      items[row][0].length_penalty, tk, sess.rng)
+                if len(sess.history) > 2 * params[row].repetition_window:  # only the window is read: keep it bounded
+                    del sess.history[:-params[row].repetition_window]
             return dec.accept(token)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
@@ -160,8 +183,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             sess.cache = cache
             if req.decode:
                 sess.pending = dec.pending
-                sess.in_turn = isinstance(dec, ChunkDecoder) and dec.spoke and not dec.end_of_turn \
-                    and not dec.is_listen
+                if isinstance(dec, ChunkDecoder):
+                    sess.turn_ended = dec.turn_ended
             else:
                 sess.pending = []
             text = np.asarray(dec.text_ids, np.int64)
@@ -178,6 +201,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 decode_ms=timing.decode_ms,
                 encode_ms=encode_ms,
                 cached_tokens=cached,
+                kv_dropped=sess.units.dropped,
+                window_events=sess.units.events,
             ))
         return results
 
@@ -186,12 +211,44 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         force a terminator)."""
         return bool(np.isfinite(logits[token])) or (self.forcible[token] and np.count_nonzero(np.isfinite(logits)) > 1)
 
+    def _slide(self, req: LlmRequest, sess: LlmSession) -> None:
+        """The unit the pending tokens close is closed (`finalize_unit`), the window slides if it must, and the
+        session's first <unit> marks the end of its kept system prompt."""
+        closed_at = sess.cache.length + len(sess.pending)
+        if sess.pending:
+            sess.units.close(closed_at)
+        mode = WINDOW_MODES[req.window_mode]
+        if mode == "basic" and (n := sess.units.plan_basic(closed_at, WindowConfig(mode, req.window_high,
+                                                                                   req.window_low))):
+            assert sess.units.preserve is not None
+            # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
+            # window slides (one more forward for this row, once per slide)
+            self._feed(sess, sess.pending)
+            sess.pending = []
+            sess.cache = drop_tokens(sess.cache, sess.units.preserve, n, self.preset.llm.rope_theta)
+        units = np.flatnonzero(req.input_ids == self.preset.tokens.unit)
+        if len(units):
+            sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]))
+
+    def _feed(self, sess: LlmSession, ids: list[int]) -> None:
+        """Tokens into one session's cache, alone (no decode)."""
+        batch, n = KvBatch([sess.cache]), np.array([len(ids)], np.int64)
+        out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
+                               "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
+                               "use_embeds": np.zeros((1, len(ids)), bool), **batch.feeds(n)})
+        batch.advance(out["present_key"], out["present_value"], n)
+        sess.cache = batch.extract(0)
+
     def _roll_back(self, sess: LlmSession, length: int) -> None:
         """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the
-        spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would)."""
+        spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would).
+        `length` counts from the window's start: a point the window has already dropped cannot be returned to."""
+        if length < (sess.units.preserve or 0):
+            raise StepError(Code.INVALID_INPUT, "llm: the rollback point has left the sliding window")
         sess.cache = sess.cache.truncated(length)
+        sess.units.truncate(length)
         sess.pending = [self.preset.tokens.turn_eos, self.preset.tokens.unit_end]
-        sess.in_turn = False
+        sess.turn_ended = True
 
     def _decoder(self, req: LlmRequest, sess: LlmSession) -> ChunkDecoder | ChatDecoder:
         if req.chat:
@@ -200,9 +257,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 self.preset.tokens, max(1, req.max_new_tokens), req.last_chunk, self.chat_allowed, self.turn_close,
                 carry=carry)
         else:
-            dec = ChunkDecoder(self.preset.tokens, sess.in_turn, max(1, req.max_new_tokens),
-                               self.preset.duplex.max_unit_text_chars, req.length_penalty, self.allowed,
-                               self._count_chars)
+            dec = ChunkDecoder(self.preset.tokens, sess.turn_ended, max(1, req.max_new_tokens),
+                               self.preset.duplex.max_unit_text_chars, self._count_chars)
             if req.decode and req.force_listen:
                 dec.force_listen()
         if not req.decode:
