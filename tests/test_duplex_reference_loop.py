@@ -25,9 +25,7 @@ end_of_turn and the KV length after the unit is closed must be equal.
 from __future__ import annotations
 
 import copy
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,8 +45,8 @@ from minicpmo_triton.stages.llm import LlmStage
 from minicpmo_triton.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import write_checkpoint
+from .reference_demo import demo_module
 
-REFERENCE_CODE = Path(__file__).parent / "reference_code"
 CHUNKS = 48
 AUDIO_TOKENS = 10  # per 1 s chunk
 OVERRIDES = {20, 33}  # chunks whose listen the caller forces (force_listen_override)
@@ -61,15 +59,7 @@ SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty":
 
 
 def _reference_modules() -> types.ModuleType:
-    stub = types.ModuleType("transformers.modeling_attn_mask_utils")
-    stub._prepare_4d_attention_mask = None  # type: ignore[attr-defined]
-    sys.modules.setdefault("transformers.modeling_attn_mask_utils", stub)
-    sys.path.insert(0, str(REFERENCE_CODE))
-    try:
-        import MiniCPMO45.modeling_minicpmo_unified as unified
-    finally:
-        sys.path.remove(str(REFERENCE_CODE))
-    return unified
+    return demo_module("modeling_minicpmo_unified")
 
 
 class _Layers:
