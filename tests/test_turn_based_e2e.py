@@ -11,7 +11,8 @@ import websockets
 
 from gateway.audio import decode_f32_base64, encode_f32_base64
 
-from .helpers import GREEDY, deltas, open_session, recv_until, utterance_audio_tokens
+from .conftest import MODEL_REPOSITORY
+from .helpers import GREEDY, default_ref_tokens, deltas, open_session, recv_until, utterance_audio_tokens
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -66,7 +67,9 @@ async def test_audio_in_and_out(gateway, speech) -> None:
     messages = [{"role": "user", "content": [{"type": "audio", "audio": encode_f32_base64(question)}]}]
     streamed = await turn(ws, messages, max_new_tokens=32, generate_audio=True)
     done = streamed[-1]
-    assert done["chunk_usage"]["input_audio_tokens"] == utterance_audio_tokens(len(question))
+    # the question, and the system prompt's default voice reference (a first turn's prefix, as in duplex)
+    assert done["chunk_usage"]["input_audio_tokens"] == (utterance_audio_tokens(len(question))
+                                                         + default_ref_tokens(MODEL_REPOSITORY))
     audio = [decode_f32_base64(e["audio"], 1 << 30) for e in deltas(streamed, "audio")]
     assert audio and all(len(a) == e["audio_samples"] for a, e in zip(audio, deltas(streamed, "audio"), strict=True))
     assert done["chunk_usage"]["output_speech_tokens"] > 0 and done.get("audio") is None  # streamed already
