@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,13 +14,21 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
+from ..paged.engine import LoopTiming, PagedLlmEngine, Prefill
+from ..paged.sampler import RowPick, logit_rule, rule_allows, rule_leaves_choice
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
-from .decode_loop import batched_decode
+from .decode_loop import DecodeTiming, batched_decode
+
+
+def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
+    """The fed text token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
+    token) or of a step."""
+    return bool(dec.text_ids) and len(got) < len(dec.text_ids)
 
 
 class ContextFull(StepError):
@@ -29,9 +38,21 @@ class ContextFull(StepError):
         super().__init__(Code.CONTEXT_FULL, message)
 
 
+@dataclass(frozen=True)
+class PagedCache:
+    """A session's place in the paged engine's KV pool: its id there and how many of its tokens are real (the
+    pool may hold more blocks: they are given back after the step, or reused)."""
+
+    seq: int
+    length: int
+
+    def truncated(self, length: int) -> PagedCache:
+        return PagedCache(self.seq, length)
+
+
 @dataclass
 class LlmSession:
-    cache: KvCache
+    cache: KvCache | PagedCache
     rng: np.random.Generator
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
     in_turn: bool = False
@@ -40,10 +61,13 @@ class LlmSession:
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
-    def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 encoder: AudioStreamEncoder | None = None) -> None:
+    def __init__(self, engine: Engine | PagedLlmEngine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
+                 encoder: AudioStreamEncoder | None = None, admit_tokens: int = 1024) -> None:
         super().__init__(ttl_s)
         self.engine = engine
+        # the paged engine keeps every session's KV cache in its pool; today's engines take it in each call
+        self.paged = engine if isinstance(engine, PagedLlmEngine) else None
+        self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -56,9 +80,19 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
         self.forcible = np.ones(d.vocab, bool)
         self.forcible[sorted(set(vars(preset.tokens).values()))] = False
+        self.masks = np.stack([self.allowed, self.chat_allowed])  # DUPLEX_MASK, CHAT_MASK
+        if self.paged is not None:
+            self.paged.use_masks(self.masks)
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
-        return LlmSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
+        rng = seeded_rng(call.request.seed, call.corr_id)
+        if self.paged is not None:
+            return LlmSession(PagedCache(self.paged.pool.open(self.admit_tokens), 0), rng)
+        return LlmSession(self._empty(), rng)
+
+    def drop_state(self, state: LlmSession) -> None:
+        if isinstance(state.cache, PagedCache) and self.paged is not None:
+            self.paged.pool.free(state.cache.seq)
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
@@ -97,6 +131,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
         if need > self.preset.duplex.context_tokens - state.cache.length:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
+        if isinstance(state.cache, PagedCache) and self.paged is not None:
+            self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
 
     def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
         """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
@@ -129,10 +165,20 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
+        if self.paged is not None:
+            driver = _DeviceRows(self, items, decoders, params, hidden_of)
+            seqs = [s.cache.seq for _, s in items]  # type: ignore[union-attr]
+            lengths, timing = self.paged.run(seqs, [s.cache.length for _, s in items],
+                                             [Prefill(p["input_ids"], e, p["use_embeds"])
+                                              for p, e in zip(prefill, row_embeds, strict=True)], driver)
+            caches: list[KvCache | PagedCache] = [PagedCache(q, n) for q, n in zip(seqs, lengths, strict=True)]
+            for q, n in zip(seqs, lengths, strict=True):
+                self.paged.pool.truncate(q, n)
+            return self._results(items, decoders, caches, hidden_of, prefill, timing, encode_ms)
+
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
-            if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
-                # the fed text token's hidden state: position 0 of a prefill (a carried token) or of a step
+            if wants_hidden(dec, hidden_of[row]):
                 hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
@@ -152,8 +198,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             return {"input_ids": np.array(tokens, np.int64)[:, None],
                     "embeds": np.zeros((n, 1, h), np.float32), "use_embeds": np.zeros((n, 1), bool)}
 
-        caches, timing = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
-                                        ("logits", "hidden"))
+        host_caches, host_timing = batched_decode(self.engine, [s.cache for _, s in items], prefill,  # type: ignore[arg-type]
+                                                  step_feeds, choose, ("logits", "hidden"))
+        return self._results(items, decoders, host_caches, hidden_of, prefill, host_timing, encode_ms)
+
+    def _results(self, items: list[tuple[LlmRequest, LlmSession]], decoders: list[ChunkDecoder | ChatDecoder],
+                 caches: Sequence[KvCache | PagedCache], hidden_of: list[list[np.ndarray]],
+                 prefill: list[dict[str, np.ndarray]], timing: DecodeTiming | LoopTiming,
+                 encode_ms: float) -> list[LlmResult]:
+        h = self.preset.llm.hidden
         results = []
         for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True):
             cached = sess.cache.length
@@ -208,3 +261,37 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if not req.decode:
             dec.done = True
         return dec
+
+
+class _DeviceRows:
+    """The paged engine's side of the host rules: what `LlmStage.compute`'s `choose` does, with the logits left on
+    the device (each row's pick is sent as numbers; the token comes back)."""
+
+    def __init__(self, stage: LlmStage, items: list[tuple[LlmRequest, LlmSession]],
+                 decoders: list[ChunkDecoder | ChatDecoder], params: list[SamplingParams],
+                 hidden_of: list[list[np.ndarray]]) -> None:
+        self.stage, self.items, self.decoders, self.params, self.hidden_of = stage, items, decoders, params, hidden_of
+
+    def wants_hidden(self, row: int) -> bool:
+        return wants_hidden(self.decoders[row], self.hidden_of[row])
+
+    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
+        self.hidden_of[row].append(hidden)
+
+    def pick(self, row: int) -> RowPick | None:
+        dec, (req, sess), params = self.decoders[row], self.items[row], self.params[row]
+        if dec.done:
+            return None
+        rule, masks, forced = logit_rule(dec), self.stage.masks, -1
+        if len(dec.generated) < len(req.forced_ids):
+            token = int(req.forced_ids[len(dec.generated)])
+            # as `_may_force`: the rules allow it now, or it is plain text and the rules leave a choice
+            if rule_allows(rule, masks, token) or (self.stage.forcible[token] and rule_leaves_choice(rule, masks)):
+                forced = token
+        u = float(sess.rng.random()) if forced < 0 and not params.greedy else 0.0  # `sample`'s one draw
+        window = self.stage.preset.duplex.repetition_window
+        return RowPick(rule, params, forced, sess.history[-window:] if params.repetition_penalty != 1.0 else [], u)
+
+    def accept(self, row: int, token: int) -> int | None:
+        self.items[row][1].history.append(token)
+        return self.decoders[row].accept(token)
