@@ -72,6 +72,7 @@ class KvPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
         self._free_seqs = list(range(max_sessions - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
+        self._floor: dict[int, int] = {}  # blocks a session keeps whatever its length (its admission's room)
         self.device_tables = torch.zeros((max_sessions, shape.blocks_for(max_tokens)), dtype=torch.int64,
                                          device=self.device)
 
@@ -87,13 +88,17 @@ class KvPool:
         return self.shape.blocks_for(tokens) <= self.free_blocks
 
     def open(self, admit_tokens: int) -> int:
-        """A new session's id, admitted only if `admit_tokens` fit now and a table row is free."""
+        """A new session's id, admitted only if `admit_tokens` fit now and a table row is free. Its first
+        `admit_tokens` of room are its own from now on (truncation keeps them), so sessions admitted together
+        cannot overcommit the pool."""
         if not self.room(admit_tokens) or not self._free_seqs:
             raise PoolFull(f"the KV pool has {self.free_blocks} free blocks of {self.num_blocks} and "
                            f"{len(self._free_seqs)} free sessions; a session needs room for {admit_tokens} tokens: "
                            "retry later")
         seq = self._free_seqs.pop()
         self.tables[seq] = []
+        self._floor[seq] = self.shape.blocks_for(admit_tokens)
+        self.reserve(seq, admit_tokens)
         return seq
 
     def reserve(self, seq: int, tokens: int) -> None:
@@ -115,13 +120,14 @@ class KvPool:
     def truncate(self, seq: int, tokens: int) -> None:
         """Keep the first `tokens` positions: the blocks past them go back to the pool."""
         table = self.tables[seq]
-        keep = self.shape.blocks_for(tokens)
+        keep = max(self.shape.blocks_for(tokens), self._floor.get(seq, 0))
         while len(table) > keep:
             self._free.append(table.pop())
 
     def free(self, seq: int) -> None:
         if seq not in self.tables:
             return
+        self._floor.pop(seq, None)
         for block in reversed(self.tables.pop(seq)):
             self._free.append(block)
         self._free_seqs.append(seq)

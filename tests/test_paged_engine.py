@@ -1,0 +1,253 @@
+"""The paged LLM engine (KV pool on the device, attention over blocks in place, sampling and the duplex rules on
+the device) against today's path (the exported ONNX graph, host KV caches), on `tiny`: same logits within 1e-4,
+same tokens (greedy and sampled, same seeds), ragged batches, rows ending at different iterations, rollback,
+undo after a failing row, END and eviction freeing blocks, the pool-full refusal. Each on the CPU and, where
+one exists, on CUDA (there in bf16, so tokens only where the reference is fp32 on the same device)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from export.presets import TINY_SEED, tiny
+from export.stages import build_modules
+from minicpmo_triton.engines import load_engine
+from minicpmo_triton.errors import RETRYABLE, Code, StepError
+from minicpmo_triton.kv_batch import KvBatch, KvCache, right_pad
+from minicpmo_triton.model_config import load_stage_config
+from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
+from minicpmo_triton.paged.traffic import CountingEngine, Traffic
+from minicpmo_triton.stage_io import LlmRequest
+from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
+from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.llm import LlmStage
+from minicpmo_triton.tokenizer import load_tokenizer
+
+from .conftest import MODEL_REPOSITORY, ensure_exported
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.fixture(scope="module")
+def preset():
+    ensure_exported()
+    return load_stage_config(MODEL_REPOSITORY / "llm" / "1")
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, torch.Tensor]:
+    """The exported graph's weights: the same seed builds the same module (export/torch_engine.py does too)."""
+    return build_modules(tiny(), TINY_SEED)["llm"].state_dict()
+
+
+def paged_engine(preset, weights, device: str = "cpu", **kw: Any) -> PagedLlmEngine:
+    kw = {"pool_size": 0.01, "attention": "gather", **kw}
+    return PagedLlmEngine.build(weights, preset.llm, device=device, max_tokens=preset.duplex.context_tokens, **kw)
+
+
+def stage(preset, engine: Any, **kw: Any) -> LlmStage:
+    encoder = AudioStreamEncoder(load_engine(MODEL_REPOSITORY / "audio_encoder" / "1", name="stream"), preset.audio,
+                                 preset.samples_per_audio_token)
+    return LlmStage(engine, preset, load_tokenizer(preset, MODEL_REPOSITORY / "duplex" / "1"), 600.0, encoder, **kw)
+
+
+def onnx_stage(preset) -> LlmStage:
+    return stage(preset, load_engine(MODEL_REPOSITORY / "llm" / "1"))
+
+
+def chunk(preset, corr: int, step: int, **settings: Any) -> LlmRequest:
+    tk = preset.tokens
+    audio = (np.random.default_rng(corr * 1000 + step).standard_normal(16_000) * 0.1).astype(np.float32)
+    return LlmRequest(input_ids=np.array([tk.unit] + [tk.audio_placeholder] * 10, np.int64), audio=audio,
+                      seed=corr, **settings)
+
+
+# greedy with chunks of 4, 7 and 13 tokens (rows end at different iterations), and sampled at the defaults
+SESSIONS: dict[int, dict[str, Any]] = {1: {"temperature": 0.0, "max_new_tokens": 4},
+                                       2: {"temperature": 0.0, "max_new_tokens": 13},
+                                       3: {"max_new_tokens": 7}, 4: {"temperature": 0.0}}
+
+
+def run(st: LlmStage, preset, steps: int, sessions: dict[int, dict[str, Any]], *, first: int = 0,
+        change: Any = None) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = {}
+    for step in range(first, first + steps):
+        calls = [StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in sessions.items()]
+        if change is not None:
+            calls = [change(step, call) for call in calls]
+        for call, res in zip(calls, st.run(calls), strict=True):
+            out.setdefault(call.corr_id, []).append(res)
+    return out
+
+
+def assert_same(a: Any, b: Any, hidden_atol: float = 1e-4) -> None:
+    assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+    assert a.generated.tolist() == b.generated.tolist()
+    assert a.text_ids.tolist() == b.text_ids.tolist()
+    assert (a.kv_length, a.is_listen, a.end_of_turn, a.turn_start) == (b.kv_length, b.is_listen, b.end_of_turn,
+                                                                       b.turn_start)
+    np.testing.assert_allclose(a.tts_hidden, b.tts_hidden, atol=hidden_atol)
+
+
+def test_logits_of_a_ragged_batch_match_the_onnx_graph(preset, weights) -> None:
+    """Three rows of 5, 12 and 1 new tokens (one with audio embeddings), then one decode token each on their
+    ragged pasts: the paged forward's logits are the ONNX graph's within 1e-4."""
+    d, rng = preset.llm, np.random.default_rng(0)
+    onnx = load_engine(MODEL_REPOSITORY / "llm" / "1")
+    eng = paged_engine(preset, weights)
+    lengths = [5, 12, 1]
+    rows = []
+    for n in lengths:
+        ids = rng.integers(0, d.vocab, n)
+        use = np.zeros(n, bool)
+        use[1 : n // 2] = True
+        rows.append(Prefill(ids, rng.standard_normal((int(use.sum()), d.hidden)).astype(np.float32) * 0.1, use))
+    seqs = [eng.pool.open(64) for _ in rows]
+    batch = KvBatch([KvCache.empty(d.layers, d.kv_heads, d.head_dim) for _ in rows])
+    pasts = [0, 0, 0]
+    for step in range(2):
+        if step:
+            rows = [Prefill(rng.integers(0, d.vocab, 1), np.zeros((0, d.hidden), np.float32), np.zeros(1, bool))
+                    for _ in rows]
+        new = np.array([len(r.ids) for r in rows])
+        embeds = []
+        for r in rows:
+            full = np.zeros((len(r.ids), d.hidden), np.float32)
+            full[r.use] = r.embeds
+            embeds.append(full)
+        ref = onnx.run({"input_ids": right_pad([r.ids for r in rows]), "embeds": right_pad(embeds),
+                        "use_embeds": right_pad([r.use for r in rows]), **batch.feeds(new)})
+        batch.advance(ref["present_key"], ref["present_value"], new)
+        got = eng.forward(seqs, pasts, rows)
+        np.testing.assert_allclose(got.logits.cpu().numpy(), ref["logits"], atol=1e-4)
+        pasts = [p + n for p, n in zip(pasts, new, strict=True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stage_on_the_paged_engine_says_what_it_says_on_onnx(preset, weights, device: str) -> None:
+    """Four sessions in one batch for five steps (greedy and sampled, chunks of different lengths): the same
+    tokens, text, cache lengths and decisions, the TTS's hidden rows within 1e-4 (fp32 on the CPU)."""
+    dtype_atol = 1e-4 if device == "cpu" else 5e-2
+    ref = run(onnx_stage(preset), preset, 5, SESSIONS)
+    got = run(stage(preset, paged_engine(preset, weights, device, attention="auto")), preset, 5,
+              SESSIONS if device == "cpu" else {c: s for c, s in SESSIONS.items() if s.get("temperature") == 0.0})
+    for corr, results in got.items():
+        for a, b in zip(results, ref[corr], strict=True):
+            assert_same(a, b, dtype_atol) if device == "cpu" else assert_same(a, b, hidden_atol=np.inf)
+    assert max(len(r.generated) for rs in got.values() for r in rs) > 4, "the sessions decode"
+
+
+def test_rollback_truncates_the_pool_as_it_cuts_the_host_cache(preset, weights) -> None:
+    """After three steps, each session rolls back to 9 tokens before its end; both paths go on alike."""
+    def roll(step: int, call: StageCall) -> StageCall:
+        if step != 3:
+            return call
+        return dataclasses.replace(call, request=dataclasses.replace(call.request, rollback_to=kv[call.corr_id] - 9))
+
+    outs = []
+    for st in (onnx_stage(preset), stage(preset, paged_engine(preset, weights))):
+        first = run(st, preset, 3, SESSIONS)
+        kv = {c: rs[-1].kv_length for c, rs in first.items()}
+        outs.append(run(st, preset, 2, SESSIONS, first=3, change=roll))
+    for corr in SESSIONS:
+        for a, b in zip(outs[1][corr], outs[0][corr], strict=True):
+            assert_same(a, b)
+
+
+def test_a_failing_row_is_undone_and_the_others_are_unchanged(preset, weights) -> None:
+    """A row whose forward raises fails the batch; each row runs again alone from its state before it: the clean
+    rows get what today's path gives them, the broken row an error and its length back, so its next step is
+    today's too; its blocks are not lost (after END the pool is whole)."""
+    tk = preset.tokens
+    eng = paged_engine(preset, weights)
+    forward = eng.forward
+
+    def breaking(seqs: list[int], pasts: list[int], rows: list[Prefill]) -> Any:
+        if any(tk.audio_start in r.ids for r in rows):
+            raise RuntimeError("the forward failed")
+        return forward(seqs, pasts, rows)
+
+    eng.forward = breaking  # type: ignore[method-assign]
+
+    def poison(step: int, call: StageCall) -> StageCall:
+        if step != 1 or call.corr_id != 2:
+            return call
+        ids = np.concatenate([[tk.audio_start], call.request.input_ids])
+        return dataclasses.replace(call, request=dataclasses.replace(call.request, input_ids=ids))
+
+    paged = stage(preset, eng)
+    got = run(paged, preset, 3, SESSIONS, change=poison)
+    ref_stage = onnx_stage(preset)
+    ref = run(ref_stage, preset, 1, SESSIONS)
+    calls = [StageCall(chunk(preset, c, 1, **s), c) for c, s in SESSIONS.items() if c != 2]
+    for call, res in zip(calls, ref_stage.run(calls), strict=True):
+        ref[call.corr_id].append(res)
+    more = run(ref_stage, preset, 1, SESSIONS, first=2)
+    for corr, rs in got.items():
+        expected = [ref[corr][0], ref[corr][1] if corr != 2 else None, more[corr][0]]
+        for a, b in zip(rs, expected, strict=True):
+            if b is None:
+                assert isinstance(a, RuntimeError), a
+            else:
+                assert_same(a, b)
+    paged.run([StageCall(LlmRequest(decode=False), c, end=True) for c in SESSIONS])
+    assert eng.pool.free_blocks == eng.pool.num_blocks and not eng.pool.tables
+
+
+def test_end_and_eviction_give_the_blocks_back(preset, weights) -> None:
+    eng = paged_engine(preset, weights)
+    st = stage(preset, eng)
+    run(st, preset, 2, SESSIONS)
+    assert eng.pool.free_blocks < eng.pool.num_blocks
+    st.run([StageCall(LlmRequest(decode=False), 1, end=True)])
+    held = eng.pool.num_blocks - eng.pool.free_blocks
+    assert len(eng.pool.tables) == 3 and held > 0
+    st.store.ttl_s = -1.0  # every session is past its idle time
+    assert sorted(st.store.evict_expired()) == [2, 3, 4]
+    assert eng.pool.free_blocks == eng.pool.num_blocks and not eng.pool.tables
+
+
+def test_a_full_pool_refuses_a_new_session_with_a_retryable_code(preset, weights) -> None:
+    """A pool of 40 blocks of 16 tokens admits two sessions needing room for 256 tokens each, refuses the third
+    at its START (pool_full, retryable), and admits it once one has ended."""
+    eng = paged_engine(preset, weights)
+    small = PagedLlmEngine(type(eng.model)(weights, preset.llm, type(eng.pool)(eng.pool.shape, 40, torch.float32,
+                                                                               traffic=eng.traffic),
+                                           eng.model.attention, torch.float32), eng.traffic)
+    st = stage(preset, small, admit_tokens=256)
+    calls = [StageCall(chunk(preset, c, 0, temperature=0.0), c, start=True) for c in (1, 2, 3)]
+    out = st.run(calls)
+    assert not isinstance(out[0], Exception) and not isinstance(out[1], Exception)
+    assert isinstance(out[2], StepError) and out[2].code == Code.POOL_FULL and out[2].code in RETRYABLE
+    st.run([StageCall(LlmRequest(decode=False), 1, end=True)])
+    assert not isinstance(st.run([calls[2]])[0], Exception)
+
+
+def _step_bytes(st: LlmStage, traffic: Traffic, preset, history: int) -> int:
+    """Bytes host<->device of one duplex step (11-token chunk, 8 decoded tokens) of a session `history` tokens in."""
+    tk = preset.tokens
+    system = np.full(history, tk.unit, np.int64)  # any text: the cache's length is what counts
+    st.run([StageCall(LlmRequest(input_ids=system, decode=False), 7, start=True)])
+    traffic.reset()
+    res = st.run([StageCall(chunk(preset, 7, 1, temperature=0.0, max_new_tokens=8), 7)])[0]
+    assert not isinstance(res, Exception) and res.cached_tokens == history
+    return traffic.total()
+
+
+def test_bytes_per_step_do_not_grow_with_context_on_the_paged_path(preset, weights) -> None:
+    """Counted the same way (every feed in, every output out, per engine call): today's path moves the whole
+    cache each token, so a step 4000 tokens in costs ~20x one 200 in; the paged path moves ids, the chunk's
+    embeddings, a repetition window, tokens and the TTS's hidden rows, the same at 200 and 4000."""
+    traffic = Traffic()
+    onnx = stage(preset, CountingEngine(load_engine(MODEL_REPOSITORY / "llm" / "1"), traffic))
+    paged = stage(preset, paged_engine(preset, weights))
+    new = {h: _step_bytes(paged, paged.paged.traffic, preset, h) for h in (200, 4000)}  # type: ignore[union-attr]
+    old = {h: _step_bytes(onnx, traffic, preset, h) for h in (200, 4000)}
+    assert new[200] > 0
+    assert abs(new[4000] - new[200]) <= 0.05 * new[200], new
+    assert old[4000] > 10 * old[200], old
+    assert old[200] > new[200], (old, new)
