@@ -19,7 +19,9 @@ from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.kv_batch import KvBatch, KvCache, right_pad
 from minicpmo_triton.model_config import load_stage_config
+from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
 from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
+from minicpmo_triton.paged.pool import KvPool, PoolShape
 from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
@@ -251,3 +253,24 @@ def test_bytes_per_step_do_not_grow_with_context_on_the_paged_path(preset, weigh
     assert abs(new[4000] - new[200]) <= 0.05 * new[200], new
     assert old[4000] > 10 * old[200], old
     assert old[200] > new[200], (old, new)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_flex_backend_attends_as_the_gather_does(device: str) -> None:
+    """Three rows (3 new tokens on 5, 1 on 40, 20 on 17) whose blocks are interleaved in the pool: torch's
+    flex_attention over the pool with the tables' block mask (compiled on CUDA, unfused on the CPU) gives the
+    reference gather's output."""
+    torch.manual_seed(0)
+    block = 16 if device == "cpu" else 128
+    pool = KvPool(PoolShape(1, 2, 32, block), 64, device=device)
+    pool.key[0].normal_()
+    pool.value[0].normal_()
+    lens = [(5, 3), (40 * block // 16, 1), (17, 20)]
+    seqs = [pool.open(1) for _ in lens]
+    for seq, (past, count) in zip(seqs, lens, strict=True):
+        pool.reserve(seq, past + count)
+    rows = Rows(pool.block_table(seqs, [p + c for p, c in lens]), [p for p, _ in lens], [c for _, c in lens])
+    q = torch.randn(sum(c for _, c in lens), 4, 32, device=device)
+    ref = GatherAttention()(q, pool.key[0], pool.value[0], rows)
+    got = FlexAttention(compiled=device == "cuda")(q, pool.key[0], pool.value[0], rows)
+    torch.testing.assert_close(got, ref, atol=2e-3 if device == "cuda" else 1e-5, rtol=0)

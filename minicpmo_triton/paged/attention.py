@@ -98,23 +98,28 @@ class FlexAttention:
         cols = torch.arange(width, device=dev)
         live = cols[None, :] < used[:, None]
         logical[rows.table[live]] = cols.expand(b, width)[live]
+        # and its owner: the block mask only lets the kernel skip blocks, the mask itself must be exact (the
+        # unfused path, on the CPU, applies it to every key)
+        owner = torch.full((n_blocks,), -1, dtype=torch.int64, device=dev)
+        owner[rows.table[live]] = torch.arange(b, device=dev)[:, None].expand(b, width)[live]
 
         def mask_mod(bi, h, q_idx, kv_idx):  # flex's signature: scalar tensors
-            pos = logical[kv_idx // block_size] * block_size + kv_idx % block_size
-            return pos <= past[bi] + torch.minimum(q_idx, count[bi] - 1)
+            block = kv_idx // block_size
+            pos = logical[block] * block_size + kv_idx % block_size
+            return (owner[block] == bi) & (pos <= past[bi] + torch.minimum(q_idx, count[bi] - 1))
 
         q_blocks = -(-t // Q_BLOCK)
         indices = rows.table.to(torch.int32)[:, None, None, :].expand(b, 1, q_blocks, width).contiguous()
         num = used.to(torch.int32)[:, None, None].expand(b, 1, q_blocks).contiguous()
         mask = self._block_mask.from_kv_blocks(num, indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
-                                               seq_lengths=(t, n_blocks * block_size))
+                                               seq_lengths=(t, n_blocks * block_size), compute_q_blocks=False)
         padded = q.new_zeros(b, t, q.shape[1], d)
         index = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(rows.start, rows.count, strict=True)])
         row_of = torch.repeat_interleave(torch.arange(b, device=dev), count)
         col_of = torch.cat([torch.arange(n, device=dev) for n in rows.count])
         padded[row_of, col_of] = q[index]
-        k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
-        v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
+        k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype).expand(b, -1, -1, -1)
+        v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype).expand(b, -1, -1, -1)
         out = self._flex(padded.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True)  # [B, heads, t, D]
         return out.transpose(1, 2)[row_of, col_of]
 
