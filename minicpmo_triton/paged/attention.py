@@ -82,6 +82,7 @@ class FlexAttention:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
         self._block_mask = BlockMask
+        self._broadcast = True
         # shapes change with the batch and the tables' width: torch.compile marks them dynamic after one recompile
         self._flex = torch.compile(flex_attention) if compiled else flex_attention
 
@@ -118,9 +119,17 @@ class FlexAttention:
         row_of = torch.repeat_interleave(torch.arange(b, device=dev), count)
         col_of = torch.cat([torch.arange(n, device=dev) for n in rows.count])
         padded[row_of, col_of] = q[index]
-        k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype).expand(b, -1, -1, -1)
-        v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype).expand(b, -1, -1, -1)
-        out = self._flex(padded.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True)  # [B, heads, t, D]
+        k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
+        v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
+        if not self._broadcast:
+            k, v = k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)
+        try:  # the pool is one "sequence" every row shares: a key batch of 1, broadcast (a view either way)
+            out = self._flex(padded.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True)  # [B, heads, t, D]
+        except Exception:
+            if not self._broadcast:
+                raise
+            self._broadcast = False  # a torch whose flex wants equal batches: the expanded view
+            return self(q, key, value, rows)
         return out.transpose(1, 2)[row_of, col_of]
 
 

@@ -77,8 +77,9 @@ class PagedLlmEngine:
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
               pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
-              max_tokens: int = 8192, attention: str = "auto") -> PagedLlmEngine:
-        """`pool_size`: GB (> 1) or a fraction of the device's free memory; `kv_dtype`: auto (the weights'), fp8."""
+              max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0) -> PagedLlmEngine:
+        """`pool_size`: GB (> 1) or a fraction of the device's free memory, unless `pool_tokens` says how many
+        tokens it holds; `kv_dtype`: auto (the weights'), fp8."""
         dev = torch.device(device)
         dtype = device_dtype(dev)
         kv = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
@@ -90,7 +91,8 @@ class PagedLlmEngine:
         budget = budget_bytes(pool_size, dev)
         if pool_size <= 1 and dev.type == "cuda":
             budget -= sum(t.numel() for t in weights.values()) * torch.empty(0, dtype=dtype).element_size()
-        pool = KvPool(shape, max(1, blocks_in_budget(shape, kv, budget)), kv, dev, max_sessions, max_tokens, traffic)
+        blocks = shape.blocks_for(pool_tokens) if pool_tokens else blocks_in_budget(shape, kv, budget)
+        pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic)
         model = PagedDecoder(weights, dims, pool, backend, dtype, Work())
         return cls(model, traffic)
 
