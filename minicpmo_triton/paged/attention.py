@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -70,6 +70,16 @@ class GatherAttention:
         return out
 
 
+@dataclass
+class _FlexBatch:
+    rows: Rows
+    mask: Any  # BlockMask
+    row_of: torch.Tensor
+    col_of: torch.Tensor
+    b: int
+    t: int
+
+
 Q_BLOCK = 128  # flex's query tile: a decode row (one token) is one tile
 
 
@@ -83,24 +93,23 @@ class FlexAttention:
 
         self._block_mask = BlockMask
         self._broadcast = True
+        self._batch: _FlexBatch | None = None
         # shapes change with the batch and the tables' width: torch.compile marks them dynamic after one recompile
         self._flex = torch.compile(flex_attention) if compiled else flex_attention
 
-    def __call__(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows) -> torch.Tensor:
-        n_blocks, block_size, kv_heads, d = key.shape
+    def _prepare(self, rows: Rows, n_blocks: int, block_size: int, dev: torch.device) -> _FlexBatch:
+        """What every layer of one forward shares: the block mask and where each packed token sits."""
         b, t = len(rows.count), max(rows.count)
-        dev = q.device
         count = torch.tensor(rows.count, device=dev)
         past = torch.tensor(rows.past, device=dev)
-        # the logical index of each physical block in its owner's table, for the causal test below
-        logical = torch.zeros(n_blocks, dtype=torch.int64, device=dev)
         width = rows.table.shape[1]
         used = (past + count + block_size - 1) // block_size  # blocks each row reads
         cols = torch.arange(width, device=dev)
         live = cols[None, :] < used[:, None]
+        # each physical block's index in its owner's table (for the causal test) and its owner: the block mask only
+        # lets the kernel skip blocks, the mask itself must be exact (the unfused path applies it to every key)
+        logical = torch.zeros(n_blocks, dtype=torch.int64, device=dev)
         logical[rows.table[live]] = cols.expand(b, width)[live]
-        # and its owner: the block mask only lets the kernel skip blocks, the mask itself must be exact (the
-        # unfused path, on the CPU, applies it to every key)
         owner = torch.full((n_blocks,), -1, dtype=torch.int64, device=dev)
         owner[rows.table[live]] = torch.arange(b, device=dev)[:, None].expand(b, width)[live]
 
@@ -114,23 +123,30 @@ class FlexAttention:
         num = used.to(torch.int32)[:, None, None].expand(b, 1, q_blocks).contiguous()
         mask = self._block_mask.from_kv_blocks(num, indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
                                                seq_lengths=(t, n_blocks * block_size), compute_q_blocks=False)
-        padded = q.new_zeros(b, t, q.shape[1], d)
-        index = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(rows.start, rows.count, strict=True)])
-        row_of = torch.repeat_interleave(torch.arange(b, device=dev), count)
-        col_of = torch.cat([torch.arange(n, device=dev) for n in rows.count])
-        padded[row_of, col_of] = q[index]
+        row_of = torch.repeat_interleave(torch.arange(b, device=dev), count)  # packed token -> its row
+        starts = torch.tensor(rows.start, device=dev)
+        col_of = torch.arange(len(row_of), device=dev) - starts[row_of]  # -> its place in the row
+        return _FlexBatch(rows, mask, row_of, col_of, b, t)
+
+    def __call__(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows) -> torch.Tensor:
+        n_blocks, block_size, kv_heads, d = key.shape
+        if self._batch is None or self._batch.rows is not rows:
+            self._batch = self._prepare(rows, n_blocks, block_size, q.device)
+        fb = self._batch
+        padded = q.new_zeros(fb.b, fb.t, q.shape[1], d)
+        padded[fb.row_of, fb.col_of] = q
         k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
         v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
         if not self._broadcast:
-            k, v = k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)
+            k, v = k.expand(fb.b, -1, -1, -1), v.expand(fb.b, -1, -1, -1)
         try:  # the pool is one "sequence" every row shares: a key batch of 1, broadcast (a view either way)
-            out = self._flex(padded.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True)  # [B, heads, t, D]
+            out = self._flex(padded.transpose(1, 2), k, v, block_mask=fb.mask, enable_gqa=True)  # [B, heads, t, D]
         except Exception:
             if not self._broadcast:
                 raise
             self._broadcast = False  # a torch whose flex wants equal batches: the expanded view
             return self(q, key, value, rows)
-        return out.transpose(1, 2)[row_of, col_of]
+        return out.transpose(1, 2)[fb.row_of, fb.col_of]
 
 
 def flex_available(device: torch.device) -> bool:
