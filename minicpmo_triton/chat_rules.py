@@ -6,6 +6,7 @@ not fed; it is carried into the next chunk, where it is fed first and counted as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,9 +15,9 @@ from .duplex_rules import NEG_INF
 from .model_config import SpecialTokens
 
 
-def chat_token_mask(duplex_allowed: np.ndarray, tokens: SpecialTokens) -> np.ndarray:
+def chat_token_mask(vocab: int, tokens: SpecialTokens, is_text: Callable[[int], bool]) -> np.ndarray:
     """Text tokens and <|im_end|>; none of the duplex control tokens."""
-    mask = duplex_allowed.copy()
+    mask = np.array([is_text(i) for i in range(vocab)], bool)
     for t in (tokens.listen, tokens.speak, tokens.tts_bos, tokens.turn_eos, tokens.chunk_eos, tokens.chunk_tts_eos):
         mask[t] = False
     mask[tokens.im_end] = True

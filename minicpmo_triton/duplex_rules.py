@@ -1,102 +1,176 @@
-"""One duplex chunk's decode rules, as MiniCPM-o 4.5 applies them (pure code: logits in, tokens out).
+"""One duplex chunk's decode rules, as MiniCPM-o 4.5's own loop applies them (pure code: logits in, tokens out).
 
-- The chunk ends on <|listen|>, <|chunk_eos|>, <|chunk_tts_eos|> or <|turn_eos|>, or once the
-  chunk's text reaches `max_text_chars`; the last allowed step is forced to <|chunk_eos|>.
-- <|listen|> is not allowed mid-turn: it is rewritten to <|tts_bos|>.
-- The terminator is not fed now: it and </unit> open the next step's prefill (the deferred finalize).
+The reference is OpenBMB/MiniCPM-o-Demo `MiniCPMO45/`: `StreamDecoder.decode` (utils.py) picks each token,
+`DuplexCapability.streaming_generate` / `finalize_unit` (modeling_minicpmo_unified.py) run the chunk:
+
+- Each token is drawn twice: first from the raw softmax (whole vocabulary, no temperature); if that draw is
+  <|chunk_eos|> the chunk ends. Otherwise <|chunk_eos|>, <|tts_pad|> and the tokenizer's `bad_token_ids` are
+  masked, the repetition penalty (logit / penalty, over the set of the last 512 tokens drawn this session), then
+  the length penalty on <|turn_eos|>, then temperature / top-k / top-p (or argmax when greedy).
+- <|listen|>, <|chunk_eos|>, <|chunk_tts_eos|> end the chunk; they are not fed now but with </unit> at the next
+  prefill. <|listen|> while a turn is open is rewritten to <|tts_bos|>.
+- <|turn_eos|> is fed like text: the turn is over, the chunk goes on (usually to <|listen|>).
+- From the second token on, a token whose text would bring the chunk's text to 28 characters is rejected
+  (not fed, not voiced) and the chunk ends with <|chunk_eos|>; the last allowed step is a <|chunk_eos|>.
+- The TTS conditions on every token fed from the second on (its id and hidden state); a chunk that ends in
+  <|listen|> is not voiced at all, and reports no text.
+- A forced listen ends an open turn first: <|turn_eos|><|listen|></unit>.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .model_config import SpecialTokens
+from .sampling import SamplingParams
 
 NEG_INF = np.float32(-np.inf)
 
 
-def allowed_token_mask(vocab: int, tokens: SpecialTokens, is_text: Callable[[int], bool]) -> np.ndarray:
-    """Tokens the duplex decoder may emit: text plus the control tokens of the duplex loop."""
-    mask = np.array([is_text(i) for i in range(vocab)], bool)
-    for t in (tokens.listen, tokens.speak, tokens.tts_bos, tokens.turn_eos, tokens.chunk_eos,
-              tokens.chunk_tts_eos):
-        mask[t] = True
+def forbidden_token_mask(vocab: int, tokens: SpecialTokens, bad_ids: Iterable[int]) -> np.ndarray:
+    """What the second draw may never pick: <|tts_pad|> and the tokenizer's bad ids (DuplexCapability.__init__,
+    modeling_minicpmo_unified.py:4323), and <|chunk_eos|>, which only the first draw decides (utils.py:1218)."""
+    mask = np.zeros(vocab, bool)
+    ids = np.asarray([i for i in bad_ids if 0 <= i < vocab], np.int64)
+    mask[ids] = True
+    mask[[tokens.tts_pad, tokens.chunk_eos]] = True
     return mask
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs, dtype=np.float64)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - np.max(x))
+    return e / e.sum()
+
+
+def top_k_top_p(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """utils.py `top_k_top_p_filtering`: below the k-th logit out (ties kept); then, by falling logit, every
+    token after the one whose cumulative probability first exceeds top_p out."""
+    out = logits.copy()
+    if top_k > 0:
+        kth = np.sort(out)[-min(top_k, out.shape[0])]
+        out[out < kth] = NEG_INF
+    if top_p > 0.0:
+        order = np.argsort(-out, kind="stable")
+        cum = np.cumsum(_softmax(out[order]))
+        remove = np.zeros_like(cum, bool)
+        remove[1:] = cum[:-1] > top_p
+        out[order[remove]] = NEG_INF
+    return out
+
+
+def penalise(logits: np.ndarray, history: list[int], repetition_penalty: float, window: int,
+             length_penalty: float, turn_eos: int) -> None:
+    """utils.py StreamDecoder.decode steps 1 and 2, in place: every token among the last `window` drawn is divided
+    by the penalty whatever its sign (>1: `/= p`, <1: `*= 1/p`), then <|turn_eos|>'s logit is pushed away from
+    zero's side by `length_penalty` (>1 makes ending the turn less likely)."""
+    if repetition_penalty != 1.0 and history:
+        ids = np.asarray(sorted(set(history[-window:])), np.int64)
+        ids = ids[ids < logits.shape[0]]
+        if repetition_penalty > 1.0:
+            logits[ids] /= np.float32(repetition_penalty)
+        else:
+            logits[ids] *= np.float32(1.0 / repetition_penalty)
+    if length_penalty != 1.0:
+        v = logits[turn_eos]
+        logits[turn_eos] = v / np.float32(length_penalty) if v > 0 else v * np.float32(length_penalty)
+
+
+def stream_decode(logits: np.ndarray, forbidden: np.ndarray, history: list[int], params: SamplingParams,
+                  length_penalty: float, tokens: SpecialTokens, rng: np.random.Generator) -> int:
+    """One token as StreamDecoder.decode (utils.py:2087-2200) picks it; `history` is the session's draws (the
+    decoder's `generated_tokens`), extended here as the reference extends it."""
+    raw = logits.astype(np.float32)
+    first = int(np.argmax(raw)) if params.greedy else _draw(_softmax(raw), rng)
+    if first == tokens.chunk_eos:
+        return first
+    out = np.where(forbidden, NEG_INF, raw).astype(np.float32)
+    penalise(out, history, params.repetition_penalty, params.repetition_window, length_penalty, tokens.turn_eos)
+    if params.greedy:
+        token = int(np.argmax(out))
+    else:
+        scaled = (out / np.float32(params.temperature)).astype(np.float32)
+        token = _draw(_softmax(top_k_top_p(scaled, params.top_k, params.top_p)), rng)
+    history.append(token)
+    return token
 
 
 @dataclass
 class ChunkDecoder:
+    """streaming_generate's loop (modeling_minicpmo_unified.py:5025-5110) for one chunk, token by token.
+
+    `turn_ended` is the session's `current_turn_ended` as the chunk starts; read it back when the chunk is done.
+    `text_ids`: the tokens fed from the second on (the TTS condition, the chunk's text once specials are
+    skipped); cleared when the chunk ends in <|listen|>, which the reference neither shows nor voices."""
+
     tokens: SpecialTokens
-    in_turn: bool
+    turn_ended: bool
     max_new_tokens: int
     max_text_chars: int
-    length_penalty: float
-    allowed: np.ndarray
     count_chars: Callable[[list[int]], int]
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # every token decided, in order (terminators included)
     text_ids: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens fed this chunk (j in the reference's loop counts decisions; this counts feeds)
     is_listen: bool = False
     end_of_turn: bool = False
-    turn_start: bool = False
-    pending: list[int] = field(default_factory=list)
+    turn_start: bool = False  # this chunk opened a turn (a token was fed while no turn was open)
+    pending: list[int] = field(default_factory=list)  # fed with </unit> at the next prefill
     done: bool = False
 
-    def adjust(self, logits: np.ndarray) -> np.ndarray:
-        out = np.where(self.allowed, logits, NEG_INF).astype(np.float32)
-        if len(self.generated) >= self.max_new_tokens - 1:
-            forced = np.full_like(out, NEG_INF)
-            forced[self.tokens.chunk_eos] = 0.0
-            return forced
-        lp, t = self.length_penalty, self.tokens.turn_eos
-        if lp != 1.0:  # >1 makes ending the turn less likely, as the reference's length_penalty does
-            out[t] = out[t] / lp if out[t] > 0 else out[t] * lp
-        return out
-
     @property
-    def spoke(self) -> bool:
-        return self.in_turn or bool(self.text_ids) or self.turn_start
+    def must_end(self) -> bool:
+        """The last step of the chunk's budget: <|chunk_eos|> without a draw (modeling_minicpmo_unified.py:5030)."""
+        return len(self.generated) >= self.max_new_tokens - 1
 
     def _finish(self, terminator: int) -> None:
         self.done = True
-        self.pending = [terminator, self.tokens.unit_end]
-        if not self.spoke:
-            self.is_listen = True
+        self.pending = [*self.pending, terminator, self.tokens.unit_end]
+        if self.is_listen:
+            self.text_ids = []
+
+    def end_now(self) -> None:
+        """The budget is spent: <|chunk_eos|> is deferred with </unit> (not counted as drawn)."""
+        self._finish(self.tokens.chunk_eos)
 
     def accept(self, token: int) -> int | None:
-        """Record a sampled token; return the token to feed next, or None when the chunk is over.
-
-        A token may be returned with `done` set: it is fed, and then the chunk is over."""
+        """Record a decided token; return the token to feed next, or None when the chunk is over."""
         tk = self.tokens
+        if token == tk.listen and not self.turn_ended:
+            token = tk.tts_bos  # no listening mid-turn (modeling_minicpmo_unified.py:5056)
         self.generated.append(token)
-        if token == tk.listen:
-            if not self.spoke:
-                self._finish(tk.listen)
-                return None
-            token = tk.tts_bos  # no listening mid-turn
-        if token in (tk.chunk_eos, tk.chunk_tts_eos):
+        self.is_listen = token == tk.listen
+        if token in (tk.listen, tk.chunk_eos, tk.chunk_tts_eos):
             self._finish(token)
             return None
-        if token == tk.turn_eos:
-            self.end_of_turn = self.spoke
-            self._finish(token)
-            return None
-        if token in (tk.speak, tk.tts_bos):
-            if not self.in_turn:
-                self.turn_start = True
-            return token
-        self.text_ids.append(token)
-        if not self.in_turn:
+        if self.turn_ended:
             self.turn_start = True
-        if self.count_chars(self.text_ids) >= self.max_text_chars:
-            self._finish(tk.chunk_eos)  # done, but this text token is still fed (the TTS needs its state)
+        self.turn_ended = False
+        j = len(self.generated) - 1
+        if j != 0 and self.count_chars([*self.text_ids, token]) >= self.max_text_chars:
+            self.generated.pop()  # rejected: not fed, not voiced (the draw still counts in the history)
+            self._finish(tk.chunk_eos)
+            return None
+        self.end_of_turn = token == tk.turn_eos
+        if self.end_of_turn:
+            self.turn_ended = True
+        if j != 0:
+            self.text_ids.append(token)
+        self.fed += 1
         return token
 
     def force_listen(self) -> None:
-        """Listen without decoding; a turn in progress is ended first (<|turn_eos|>)."""
+        """Listen without decoding; an open turn is closed first with <|turn_eos|> (modeling_minicpmo_unified.py:
+        5003-5011)."""
+        if not self.turn_ended:
+            self.pending = [self.tokens.turn_eos]
+            self.turn_ended = self.end_of_turn = True
+        self.generated.append(self.tokens.listen)
         self.is_listen = True
-        self.done = True
-        self.end_of_turn = self.in_turn
-        self.pending = [self.tokens.turn_eos if self.in_turn else self.tokens.listen, self.tokens.unit_end]
+        self._finish(self.tokens.listen)

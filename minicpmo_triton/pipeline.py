@@ -198,18 +198,21 @@ class DuplexPipeline:
     async def _spoken_turn(self, corr_id: int, state: DuplexSession, inp: StepInput, emit: Emit, t0: float) -> None:
         """A whole spoken turn now, one duplex unit per second of silence from the caller (MiniCPM-o's own
         form of speech: `<unit>[audio]<|speak|>text...<|chunk_eos|></unit>` ... `<|turn_eos|></unit>`).
-        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|>`), so the TTS conditions on its
+        `say`: the text is teacher-forced (`<|speak|>` text `<|turn_eos|><|chunk_eos|>`), so the TTS conditions on its
         hidden states as on sampled text's. `answer_tokens`: `<|speak|>` is forced after the context, then
         the model samples its answer; at the budget the turn is ended (a forced listen)."""
         tk = self.preset.tokens
-        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos] if inp.say else [tk.speak]
+        # Every unit opens with <|speak|> (a chunk's first token is not voiced). `say` ends its last chunk itself:
+        # after <|turn_eos|> the loop would go on to the model's own choice, and a chunk ended in <|listen|> is
+        # not voiced.
+        todo = [tk.speak, *self.tokenizer.encode(inp.say), tk.turn_eos, tk.chunk_eos] if inp.say else [tk.speak]
         budget = len(todo) if inp.say else inp.answer_tokens
         unit = replace(inp, audio=np.zeros(16_000, np.float32), respond=True, say="", answer_tokens=0)
-        produced, said, cancels = 0, 1, state.cancels
+        produced, said, cancels = 0, 2, state.cancels
         for _ in range(budget + 2):  # every unit decodes at least one token, or ends the turn
-            # `say` ends with its text (its last forced token is <|turn_eos|>), however many tokens the units'
-            # own terminators took; a unit that said none of it ends the turn rather than loop
-            ending = said == 0 if inp.say else produced >= budget
+            # `say` ends with its text (its last forced tokens are <|turn_eos|><|chunk_eos|>), however many
+            # tokens the units' own terminators took; a unit that said none of it ends the turn rather than loop
+            ending = said <= 1 if inp.say else produced >= budget
             async with self.llm_meet.member() as member:
                 llm = await self._step(corr_id, state, replace(unit, force_listen=ending),
                                        self._timed(emit, t0, member), member, forced=todo)
@@ -217,7 +220,7 @@ class DuplexPipeline:
                 return
             produced += len(llm.generated)
             said = _common_prefix(todo, [int(t) for t in llm.generated])
-            todo = todo[said:]
+            todo = [tk.speak, *todo[said:]]
             # only the first unit carries the context, the rollback and the images
             unit = StepInput(audio=unit.audio, respond=True)
 
@@ -287,14 +290,13 @@ class DuplexPipeline:
             state.tts_turn_open = False
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
-        if llm.is_listen:
-            state.tts_turn_open = False  # a forced listen mid-turn drops the rest of the turn's audio
+        if llm.is_listen:  # the TTS keeps its turn: only a voiced <|turn_eos|> ends it (as MiniCPM-o's loop)
             metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
-        turn_start = llm.turn_start or not state.tts_turn_open
+        turn_start = not state.tts_turn_open
         t = time.perf_counter()
         tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,

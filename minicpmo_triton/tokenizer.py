@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +21,16 @@ class Tokenizer(Protocol):
 
     def is_text(self, token_id: int) -> bool: ...
 
+    def bad_ids(self, vocab: int) -> list[int]:
+        """Ids the duplex decoder never draws (the checkpoint's `bad_token_ids`)."""
+        ...
+
     def decoder(self) -> IncrementalDecoder: ...
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` at once, special tokens skipped, broken characters as U+FFFD (the duplex loop's
+        28-character count: `tokenizer.decode(ids, skip_special_tokens=True)`)."""
+        ...
 
 
 class IncrementalDecoder(Protocol):
@@ -47,8 +57,15 @@ class ByteTokenizer:
     def is_text(self, token_id: int) -> bool:
         return 32 <= token_id < 127
 
+    def bad_ids(self, vocab: int) -> list[int]:
+        """tiny's `bad_token_ids`: the bytes that are not printable ASCII and the ids past its specials."""
+        return [i for i in range(vocab) if i < 256 and not self.is_text(i) or i >= 256 + len(TINY_SPECIALS)]
+
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class _HfDecoder:
@@ -79,6 +96,9 @@ class HuggingFaceTokenizer:
         # never as the control token (control tokens are placed by id, never parsed from a string).
         self._tok.encode_special_tokens = True
         self._specials = specials
+        config = Path(folder) / "tokenizer_config.json"
+        self._bad: tuple[int, ...] = tuple(json.loads(config.read_text()).get("bad_token_ids", [])) \
+            if config.exists() else ()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -86,8 +106,14 @@ class HuggingFaceTokenizer:
     def is_text(self, token_id: int) -> bool:
         return token_id not in self._specials
 
+    def bad_ids(self, vocab: int) -> list[int]:
+        return list(self._bad)
+
     def decoder(self) -> _HfDecoder:
         return _HfDecoder(self._tok, self._specials)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 def load_tokenizer(preset: PresetConfig, folder: Path) -> Tokenizer:

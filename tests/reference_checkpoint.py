@@ -223,6 +223,12 @@ def _byte_level_vocab() -> dict[str, int]:
     return {ch: i for i, ch in enumerate(alphabet)}
 
 
+def _unnamed_ids(specials: set[int]) -> list[int]:
+    """The ids with no token (past the 256 bytes, outside the specials): the published config names the ids
+    the model must never say in `bad_token_ids`; here, the ones that would decode to nothing."""
+    return [i for i in range(256, SMALL_CONFIG["vocab_size"]) if i not in specials]
+
+
 def write_tokenizer_set(folder: Path) -> dict[str, int]:
     """tokenizer.json, tokenizer_config.json, added_tokens.json, vocab.json, merges.txt, special_tokens_map.json:
     a byte-level BPE (no merges) whose special tokens sit at MiniCPM-o 4.5's ids. Returns the specials."""
@@ -248,7 +254,7 @@ def write_tokenizer_set(folder: Path) -> dict[str, int]:
         "add_bos_token": False, "add_prefix_space": False, "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": {str(i): {"content": s, "special": True, **entry} for s, i in specials.items()},
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
-        "model_max_length": 40960}, indent=2))
+        "model_max_length": 40960, "bad_token_ids": _unnamed_ids(set(specials.values()))}, indent=2))
     return specials
 
 
@@ -265,7 +271,8 @@ def shard_name(i: int, n: int) -> str:
 
 
 def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
-                     seed: int = SEED) -> ReferenceCheckpoint:
+                     seed: int = SEED, edit_llm: Callable[[nn.Module], None] | None = None) -> ReferenceCheckpoint:
+    """`edit_llm`: changes the LLM's weights before they are written (a test that needs some token said)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -275,6 +282,9 @@ def write_checkpoint(folder: Path, config: dict = SMALL_CONFIG, shards: int = 3,
     for stage, build in STAGE_BUILDERS.items():
         modules[stage], part = build(config, gen)
         tensors |= part
+    if edit_llm is not None:
+        edit_llm(modules["llm"])
+        tensors |= _prefixed("llm.", modules["llm"])
     names = sorted(tensors)
     per = -(-len(names) // shards)
     weight_map = {}

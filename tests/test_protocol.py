@@ -22,8 +22,9 @@ from gateway.dialects.backend import (
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
-from minicpmo_triton.duplex_rules import ChunkDecoder, allowed_token_mask
-from minicpmo_triton.tokenizer import ByteTokenizer, tiny_special_ids
+from minicpmo_triton.duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
+from minicpmo_triton.sampling import SamplingParams
+from minicpmo_triton.tokenizer import tiny_special_ids
 
 AUDIO = np.linspace(-0.5, 0.5, 16_000, dtype=np.float32)
 
@@ -118,10 +119,8 @@ def test_session_state_maps_a_spoken_turn() -> None:
 class _Rules:
     tokens = tiny().tokens
 
-    def decoder(self, in_turn: bool = False, max_new: int = 20) -> ChunkDecoder:
-        tok = ByteTokenizer()
-        return ChunkDecoder(self.tokens, in_turn, max_new, 28, 1.1, allowed_token_mask(288, self.tokens, tok.is_text),
-                            lambda ids: len(ids))
+    def decoder(self, turn_ended: bool = True, max_new: int = 20) -> ChunkDecoder:
+        return ChunkDecoder(self.tokens, turn_ended, max_new, 28, lambda ids: len([i for i in ids if i < 256]))
 
 
 def test_rules_listen_before_a_turn_ends_the_chunk() -> None:
@@ -132,31 +131,60 @@ def test_rules_listen_before_a_turn_ends_the_chunk() -> None:
 
 def test_rules_listen_mid_turn_becomes_tts_bos() -> None:
     tk = _Rules.tokens
-    d = _Rules().decoder(in_turn=True)
+    d = _Rules().decoder(turn_ended=False)
     assert d.accept(tk.listen) == tk.tts_bos and not d.done
 
 
-def test_rules_stop_at_28_characters_after_feeding_the_last() -> None:
+def test_rules_reject_the_token_that_reaches_28_characters() -> None:
+    """modeling_minicpmo_unified.py:5078-5092: the crossing token is neither fed nor voiced."""
     d = _Rules().decoder()
-    fed = [d.accept(65) for _ in range(28)]
-    assert fed[-1] == 65 and d.done and len(d.text_ids) == 28 and not d.is_listen
-    assert d.pending[0] == _Rules.tokens.chunk_eos
+    fed = [d.accept(_Rules.tokens.speak)] + [d.accept(65) for _ in range(28)]
+    assert fed[-2] == 65 and fed[-1] is None and d.done and len(d.text_ids) == 27 and not d.is_listen
+    assert d.pending == [_Rules.tokens.chunk_eos, _Rules.tokens.unit_end] and len(d.generated) == 28
 
 
-def test_rules_force_chunk_eos_on_the_last_step() -> None:
+def test_rules_end_with_chunk_eos_on_the_last_step() -> None:
     d = _Rules().decoder(max_new=3)
     d.accept(65)
     d.accept(66)
-    logits = d.adjust(np.zeros(288, np.float32))
-    assert int(np.argmax(logits)) == _Rules.tokens.chunk_eos and np.isinf(logits).sum() == 287
+    assert d.must_end
+    d.end_now()
+    assert d.pending == [_Rules.tokens.chunk_eos, _Rules.tokens.unit_end] and d.generated == [65, 66]
 
 
-def test_rules_turn_eos_ends_a_turn_and_disallowed_tokens_are_masked() -> None:
+def test_rules_turn_eos_is_fed_and_the_chunk_goes_on() -> None:
+    tk = _Rules().tokens
+    d = _Rules().decoder()
+    assert d.accept(tk.speak) == tk.speak and d.turn_start
+    assert d.accept(65) == 65
+    assert d.accept(tk.turn_eos) == tk.turn_eos and d.end_of_turn and d.turn_ended and not d.done
+    assert d.accept(tk.listen) is None and d.is_listen and d.text_ids == []  # a listened chunk is not voiced
+    assert d.pending == [tk.listen, tk.unit_end]
+
+
+def test_rules_forced_listen_closes_an_open_turn() -> None:
     tk = _Rules.tokens
-    d = _Rules().decoder(in_turn=True)
-    logits = d.adjust(np.zeros(288, np.float32))
-    assert np.isinf(logits[tk.im_end]) and np.isinf(logits[tk.audio_placeholder]) and np.isinf(logits[0])
-    assert d.accept(tk.turn_eos) is None and d.end_of_turn and not d.is_listen
+    d = _Rules().decoder(turn_ended=False)
+    d.force_listen()
+    assert d.pending == [tk.turn_eos, tk.listen, tk.unit_end] and d.end_of_turn and d.turn_ended
+
+
+def test_rules_first_draw_decides_chunk_eos_and_the_penalty_divides() -> None:
+    """utils.py StreamDecoder.decode: greedy argmax of the raw logits ends the chunk when it is <|chunk_eos|>;
+    else the repetition penalty divides a logit whatever its sign, then the length penalty acts on <|turn_eos|>."""
+    tk = _Rules.tokens
+    forbidden = forbidden_token_mask(288, tk, [0])
+    greedy = SamplingParams(0.0, 20, 0.8, 2.0)
+    logits = np.full(288, -5.0, np.float32)
+    logits[tk.chunk_eos] = 1.0
+    history: list[int] = []
+    assert stream_decode(logits, forbidden, history, greedy, 1.0, tk, np.random.default_rng(0)) == tk.chunk_eos
+    assert history == []  # the first draw is not recorded
+    logits[tk.chunk_eos], logits[65], logits[66] = -10.0, -1.0, -0.8
+    history = [65]
+    # 65 is penalised: -1 / 2 = -0.5, above 66's -0.8 (a sign-aware penalty would make it -2 and pick 66)
+    assert stream_decode(logits, forbidden, history, greedy, 1.0, tk, np.random.default_rng(0)) == 65
+    assert history == [65, 65]
 
 
 def test_tiny_special_ids_follow_the_byte_range() -> None:

@@ -80,7 +80,7 @@ def test_llm_state_lives_from_start_to_end(preset) -> None:
 def test_force_listen_skips_decoding(preset) -> None:
     stage = llm_stage(preset)
     [res] = stage.run([StageCall(chunk_request(preset, np.random.default_rng(1), force_listen=True), 1, start=True)])
-    assert res.is_listen and len(res.generated) == 0 and res.kv_length == 11
+    assert res.is_listen and res.generated.tolist() == [preset.tokens.listen] and res.kv_length == 11
 
 
 def test_a_mismatched_prefill_fails_only_its_own_request(preset) -> None:
@@ -288,8 +288,10 @@ def test_teacher_forced_tokens_have_the_hidden_states_of_the_same_tokens_sampled
     np.testing.assert_array_equal(forced.tts_hidden, sampled.tts_hidden)
 
     text = ByteTokenizer().encode("hello")
-    said = run(3, [tk.speak, *text, tk.turn_eos])
-    assert said.generated.tolist() == [tk.speak, *text, tk.turn_eos] and said.text_ids.tolist() == text
-    assert said.end_of_turn and said.tts_hidden.shape == (len(text), preset.llm.hidden)
+    said = run(3, [tk.speak, *text, tk.turn_eos, tk.chunk_eos])
+    # the TTS conditions on what is fed from the second token on: the text and <|turn_eos|>
+    assert said.generated.tolist() == [tk.speak, *text, tk.turn_eos, tk.chunk_eos]
+    assert said.text_ids.tolist() == [*text, tk.turn_eos] and not said.is_listen
+    assert said.end_of_turn and said.tts_hidden.shape == (len(text) + 1, preset.llm.hidden)
     cut = run(4, [tk.speak, *text, tk.turn_eos], max_new_tokens=4)  # the chunk's budget still ends it
-    assert cut.generated.tolist() == [tk.speak, *text[:2], tk.chunk_eos] and not cut.end_of_turn
+    assert cut.generated.tolist() == [tk.speak, *text[:2]] and not cut.end_of_turn  # then <|chunk_eos|>, deferred

@@ -204,7 +204,10 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
         raise ProtocolError("invalid_payload", "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
     image_opts = payload.get("image") if isinstance(payload.get("image"), dict) else {}
-    n_slices = slices(first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums")), 1)[0]
+    # unset: 9, the reference processor's own default (MiniCPM-o-Demo processing_minicpmo.py:128; its chat
+    # worker passes None through); the duplex stream's default stays 1, as its worker's
+    chosen = first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums"))
+    n_slices = 9 if chosen is None else slices(chosen, 1)[0]
     parsed = [_chat_message(m, n_slices, limits) for m in messages]
     limits.conversation(len(parsed), sum(len(m.text.encode("utf-8")) + len(m.key()[2]) for m in parsed))
     tts_ref = first(payload.get("tts_ref_audio"), tts.get("ref_audio_data"), tts.get("ref_audio"))

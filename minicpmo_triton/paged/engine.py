@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..model_config import DecoderDims
+from ..model_config import DecoderDims, SpecialTokens
 from .attention import PagedAttention, Rows, pick_attention
 from .model import PagedDecoder
 from .pool import KvPool, PoolShape, blocks_in_budget, budget_bytes
@@ -37,7 +37,7 @@ class RowDriver(Protocol):
 
     def pick(self, row: int) -> RowPick | None: ...
 
-    def accept(self, row: int, token: int) -> int | None: ...
+    def accept(self, row: int, token: int, drew_second: bool) -> int | None: ...
 
 
 @dataclass
@@ -70,9 +70,9 @@ class PagedLlmEngine:
         self.device = model.device
         self.sampler: DeviceSampler | None = None
 
-    def use_masks(self, masks: np.ndarray) -> None:
-        """The rule sets' allowed tokens [kinds, vocab], uploaded once: the stage's decode rules own them."""
-        self.sampler = DeviceSampler(masks, self.device, self.traffic)
+    def use_rules(self, forbidden: np.ndarray, tokens: SpecialTokens) -> None:
+        """The rule sets' forbidden tokens [DUPLEX / CHAT, vocab], uploaded once: the stage's decode rules own them."""
+        self.sampler = DeviceSampler(forbidden, tokens, self.device, self.traffic)
 
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
@@ -136,9 +136,10 @@ class PagedLlmEngine:
             if not picks:
                 break
             at = self.traffic.upload("inputs", [pos for pos, _, _ in picks], self.device)
-            assert self.sampler is not None, "use_masks first"
-            tokens = self.sampler.pick(out.logits[at], [p for _, _, p in picks])
-            feed = [(row, driver.accept(row, int(tok))) for (_, row, _), tok in zip(picks, tokens, strict=True)]
+            assert self.sampler is not None, "use_rules first"
+            picked = self.sampler.pick(out.logits[at], [p for _, _, p in picks])
+            feed = [(row, driver.accept(row, int(tok), bool(second)))
+                    for (_, row, _), tok, second in zip(picks, picked.tokens, picked.drew_second, strict=True)]
             active = [row for row, nxt in feed if nxt is not None]
             if not active:
                 break

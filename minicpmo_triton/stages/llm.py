@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
-from ..duplex_rules import ChunkDecoder, allowed_token_mask
+from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..paged.engine import LoopTiming, PagedLlmEngine, Prefill
-from ..paged.sampler import RowPick, logit_rule, rule_allows, rule_leaves_choice
+from ..paged.sampler import CHAT, DUPLEX, RowPick
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
@@ -26,7 +26,7 @@ from .decode_loop import DecodeTiming, batched_decode
 
 
 def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
-    """The fed text token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
+    """The fed token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
     token) or of a step."""
     return bool(dec.text_ids) and len(got) < len(dec.text_ids)
 
@@ -55,8 +55,9 @@ class LlmSession:
     cache: KvCache | PagedCache
     rng: np.random.Generator
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
-    in_turn: bool = False
-    history: list[int] = field(default_factory=list)
+    turn_ended: bool = True  # the reference's `current_turn_ended`
+    history: list[int] = field(default_factory=list)  # the duplex draws (StreamDecoder.generated_tokens)
+    chat_history: list[int] = field(default_factory=list)
     audio: AudioStream = field(default_factory=AudioStream)  # what the session has heard, for the next chunk
 
 
@@ -73,16 +74,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         self.tokenizer = tokenizer
         d = preset.llm
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
-        self.allowed = allowed_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
-        self.chat_allowed = chat_token_mask(self.allowed, preset.tokens)
+        self.forbidden = forbidden_token_mask(d.vocab, preset.tokens, tokenizer.bad_ids(d.vocab))
+        self.chat_allowed = chat_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
         # Any token but a control token may be teacher-forced: caller text holds newlines and accents that
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
         self.forcible = np.ones(d.vocab, bool)
         self.forcible[sorted(set(vars(preset.tokens).values()))] = False
-        self.masks = np.stack([self.allowed, self.chat_allowed])  # DUPLEX_MASK, CHAT_MASK
         if self.paged is not None:
-            self.paged.use_masks(self.masks)
+            self.paged.use_rules(np.stack([self.forbidden, ~self.chat_allowed]), preset.tokens)  # DUPLEX, CHAT
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
         rng = seeded_rng(call.request.seed, call.corr_id)
@@ -101,7 +101,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return LlmResult()
 
     def _count_chars(self, ids: list[int]) -> int:
-        return len(self.tokenizer.decoder().feed(ids))
+        return len(self.tokenizer.decode(ids))
 
     def check(self, request: LlmRequest, state: LlmSession) -> None:
         tk = self.preset.tokens
@@ -162,7 +162,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             embeds[use] = req_embeds
             prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
             decoders.append(self._decoder(req, sess))
-            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty))
+            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
+                                         self.preset.duplex.repetition_window))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
         if self.paged is not None:
@@ -182,15 +183,25 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
-            logits = dec.adjust(out["logits"])
             forced = items[row][0].forced_ids
-            if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
-                token = int(forced[len(dec.generated)])  # teacher forcing, where the chunk's rules allow the token
-            else:
-                apply_repetition_penalty(logits, sess.history, params[row].repetition_penalty,
+            if isinstance(dec, ChatDecoder):
+                logits = dec.adjust(out["logits"])
+                if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
+                    return dec.accept(int(forced[len(dec.generated)]))
+                apply_repetition_penalty(logits, sess.chat_history, params[row].repetition_penalty,
                                          self.preset.duplex.repetition_window)
                 token = sample(logits, params[row], sess.rng)
-            sess.history.append(token)
+                sess.chat_history.append(token)
+                return dec.accept(token)
+            if dec.must_end:
+                dec.end_now()
+                return None
+            if len(dec.generated) < len(forced):  # teacher forcing: decided in place of a draw, recorded as one
+                token = int(forced[len(dec.generated)])
+                sess.history.append(token)
+            else:
+                token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
+                                      items[row][0].length_penalty, tk, sess.rng)
             return dec.accept(token)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
@@ -213,8 +224,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             sess.cache = cache
             if req.decode:
                 sess.pending = dec.pending
-                sess.in_turn = isinstance(dec, ChunkDecoder) and dec.spoke and not dec.end_of_turn \
-                    and not dec.is_listen
+                if isinstance(dec, ChunkDecoder):
+                    sess.turn_ended = dec.turn_ended
             else:
                 sess.pending = []
             text = np.asarray(dec.text_ids, np.int64)
@@ -244,7 +255,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would)."""
         sess.cache = sess.cache.truncated(length)
         sess.pending = [self.preset.tokens.turn_eos, self.preset.tokens.unit_end]
-        sess.in_turn = False
+        sess.turn_ended = True
 
     def _decoder(self, req: LlmRequest, sess: LlmSession) -> ChunkDecoder | ChatDecoder:
         if req.chat:
@@ -253,9 +264,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 self.preset.tokens, max(1, req.max_new_tokens), req.last_chunk, self.chat_allowed, self.turn_close,
                 carry=carry)
         else:
-            dec = ChunkDecoder(self.preset.tokens, sess.in_turn, max(1, req.max_new_tokens),
-                               self.preset.duplex.max_unit_text_chars, req.length_penalty, self.allowed,
-                               self._count_chars)
+            dec = ChunkDecoder(self.preset.tokens, sess.turn_ended, max(1, req.max_new_tokens),
+                               self.preset.duplex.max_unit_text_chars, self._count_chars)
             if req.decode and req.force_listen:
                 dec.force_listen()
         if not req.decode:
@@ -271,6 +281,7 @@ class _DeviceRows:
                  decoders: list[ChunkDecoder | ChatDecoder], params: list[SamplingParams],
                  hidden_of: list[list[np.ndarray]]) -> None:
         self.stage, self.items, self.decoders, self.params, self.hidden_of = stage, items, decoders, params, hidden_of
+        self.picks: dict[int, RowPick] = {}  # each row's pick this step, read back when its token comes
 
     def wants_hidden(self, row: int) -> bool:
         return wants_hidden(self.decoders[row], self.hidden_of[row])
@@ -282,16 +293,37 @@ class _DeviceRows:
         dec, (req, sess), params = self.decoders[row], self.items[row], self.params[row]
         if dec.done:
             return None
-        rule, masks, forced = logit_rule(dec), self.stage.masks, -1
-        if len(dec.generated) < len(req.forced_ids):
-            token = int(req.forced_ids[len(dec.generated)])
-            # as `_may_force`: the rules allow it now, or it is plain text and the rules leave a choice
-            if rule_allows(rule, masks, token) or (self.stage.forcible[token] and rule_leaves_choice(rule, masks)):
-                forced = token
-        u = float(sess.rng.random()) if forced < 0 and not params.greedy else 0.0  # `sample`'s one draw
-        window = self.stage.preset.duplex.repetition_window
-        return RowPick(rule, params, forced, sess.history[-window:] if params.repetition_penalty != 1.0 else [], u)
+        forced = int(req.forced_ids[len(dec.generated)]) if len(dec.generated) < len(req.forced_ids) else -1
+        window = params.repetition_window
+        if isinstance(dec, ChatDecoder):
+            # as `_may_force` on the chat rules' logits: the token is allowed, or it is text and others are too
+            if forced >= 0 and not (self.stage.chat_allowed[forced]
+                                    or (self.stage.forcible[forced] and self.stage.chat_allowed.sum() > 1)):
+                forced = -1
+            u = float(sess.rng.random()) if forced < 0 and not params.greedy else 0.0  # `sample`'s one draw
+            history = sess.chat_history[-window:] if params.repetition_penalty != 1.0 else []
+            self.picks[row] = RowPick(CHAT, params, forced, history, u=(u, 0.0))
+            return self.picks[row]
+        if dec.must_end:
+            dec.end_now()
+            return None
+        pick = RowPick(DUPLEX, params, forced, sess.history[-window:] if params.repetition_penalty != 1.0 else [],
+                       req.length_penalty)
+        if forced < 0 and not params.greedy:  # `stream_decode`'s two draws; the second given back if not needed
+            first = float(sess.rng.random())
+            pick.rewind = sess.rng.bit_generator.state
+            pick.u = (first, float(sess.rng.random()))
+        self.picks[row] = pick
+        return pick
 
-    def accept(self, row: int, token: int) -> int | None:
-        self.items[row][1].history.append(token)
-        return self.decoders[row].accept(token)
+    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
+        dec, sess, pick = self.decoders[row], self.items[row][1], self.picks[row]
+        if isinstance(dec, ChatDecoder):
+            if pick.forced < 0:
+                sess.chat_history.append(token)
+            return dec.accept(token)
+        if pick.forced >= 0 or drew_second:
+            sess.history.append(token)  # a draw that went past <|chunk_eos|>, or a forced token, joins the history
+        elif pick.rewind is not None:
+            sess.rng.bit_generator.state = pick.rewind
+        return dec.accept(token)

@@ -1,0 +1,247 @@
+"""The duplex loop against MiniCPM-o 4.5's own: the reference's `DuplexCapability` and `StreamDecoder` run.
+
+tests/reference_code/MiniCPMO45/ is OpenBMB/MiniCPM-o-Demo's code as published (README there). Its
+`DuplexCapability.prepare`, `streaming_prefill`, `streaming_generate` and `finalize_unit`
+(modeling_minicpmo_unified.py:4452-5310) and `StreamDecoder` (utils.py:1168-2200) run unchanged, on
+transformers' Qwen3ForCausalLM from the small checkpoint tests/reference_checkpoint.py writes; ours is the LLM
+stage on that checkpoint's exported ONNX. What is not the reference's own, and why:
+
+- the audio: both sides get the same embeddings per chunk (the audio encoder is held to its reference in
+  tests/test_audio_encoder_reference.py); the reference's processor and `get_audio_embedding_streaming` are
+  stand-ins that hand them over (they need the Whisper weights and the mel processor, not under test here);
+- `transformers.modeling_attn_mask_utils`, gone in transformers 5, is imported by the SigLIP file only: a stub;
+- transformers 5's DynamicCache has no `key_cache` / `value_cache` lists, which StreamDecoder reads and writes
+  (utils.py:1306-1315, 1027-1140): `LegacyCache` gives it those lists over the same tensors;
+- `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here;
+  the TTS's own decode is held to `generate_chunk` in tests/test_reference_parity.py.
+
+Greedy, 48 chunks: forced listens (the first three and two overrides, one mid-turn), speaking turns,
+<|turn_eos|>, the 28-character cut; after every chunk the decided tokens, the TTS condition, is_listen,
+end_of_turn and the KV length after the unit is closed must be equal.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from export.checkpoint import load_checkpoint, read_config
+from export.config import preset_from_config
+from export.onnx_export import export_onnx
+from export.presets import MINICPMO45_TOKENS, minicpmo45
+from export.stages import build_modules, stage_graphs
+from minicpmo_triton.engines import OnnxEngine
+from minicpmo_triton.paged.engine import PagedLlmEngine
+from minicpmo_triton.stage_io import LlmRequest
+from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.llm import LlmStage
+from minicpmo_triton.tokenizer import HuggingFaceTokenizer
+
+from .reference_checkpoint import write_checkpoint
+
+REFERENCE_CODE = Path(__file__).parent / "reference_code"
+CHUNKS = 48
+AUDIO_TOKENS = 10  # per 1 s chunk
+OVERRIDES = {20, 33}  # chunks whose listen the caller forces (force_listen_override)
+PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful assistant.\n<|audio_start|>"
+SUFFIX = "<|audio_end|><|im_end|>"
+LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
+LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
+SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
+
+
+def _reference_modules() -> types.ModuleType:
+    stub = types.ModuleType("transformers.modeling_attn_mask_utils")
+    stub._prepare_4d_attention_mask = None  # type: ignore[attr-defined]
+    sys.modules.setdefault("transformers.modeling_attn_mask_utils", stub)
+    sys.path.insert(0, str(REFERENCE_CODE))
+    try:
+        import MiniCPMO45.modeling_minicpmo_unified as unified
+    finally:
+        sys.path.remove(str(REFERENCE_CODE))
+    return unified
+
+
+class _Layers:
+    """`cache.key_cache` as transformers 4 had it: a list of per-layer tensors, writable."""
+
+    def __init__(self, cache: Any, name: str) -> None:
+        self._cache, self._name = cache, name
+
+    def __len__(self) -> int:
+        return len(self._cache.layers)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return getattr(self._cache.layers[i], self._name)
+
+    def __setitem__(self, i: int, value: torch.Tensor) -> None:
+        setattr(self._cache.layers[i], self._name, value)
+
+
+def legacy_cache() -> Any:
+    from transformers.cache_utils import DynamicCache
+
+    class LegacyCache(DynamicCache):
+        @property
+        def key_cache(self) -> _Layers:
+            return _Layers(self, "keys")
+
+        @property
+        def value_cache(self) -> _Layers:
+            return _Layers(self, "values")
+
+    return LegacyCache()
+
+
+class _Features:
+    def __init__(self, embeds: torch.Tensor) -> None:
+        self.embeds = embeds
+        self.audio_features = torch.zeros(1, 80, 100)
+
+    def to(self, device: Any) -> _Features:
+        return self
+
+
+class _Processor:
+    """The reference processor's streaming audio calls, handing over the chunk's prepared embeddings."""
+
+    def __init__(self, tokenizer: Any, embeds: list[torch.Tensor]) -> None:
+        self.tokenizer = tokenizer
+        self._embeds = embeds
+        self._streaming_mel_processor = types.SimpleNamespace(get_config=lambda: {"effective_first_chunk_ms": 1035})
+
+    def get_streaming_chunk_size(self) -> int:
+        return 16_000
+
+    def process_audio_streaming(self, audio: np.ndarray, reset: bool, return_batch_feature: bool) -> _Features:
+        return _Features(self._embeds.pop(0))
+
+
+def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
+                     **kwargs: Any) -> Any:
+    model = types.SimpleNamespace(
+        processor=_Processor(tokenizer, embeds), llm=llm,
+        config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
+        get_audio_embedding_streaming=lambda features, **_: [[features.embeds]])
+    cap = unified.DuplexCapability(model, generate_audio=False, device="cpu", force_listen_count=3, **kwargs)
+    reset = cap.decoder.reset
+
+    def reset_with_legacy_cache() -> None:
+        reset()
+        cap.decoder.cache = legacy_cache()
+
+    cap.decoder.reset = reset_with_legacy_cache
+    return cap
+
+
+def _louder_controls(llm: torch.nn.Module) -> None:
+    """Random weights seldom say the control tokens: their output rows scaled up, so the script holds
+    <|turn_eos|>, <|listen|> and first-draw <|chunk_eos|> decisions of the model's own."""
+    with torch.no_grad():
+        for token, scale in LOUDER.items():
+            llm.lm_head.weight[token] *= scale
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    ref = write_checkpoint(tmp_path_factory.mktemp("reference_ckpt"), edit_llm=_louder_controls)
+    preset = preset_from_config(minicpmo45(), read_config(ref.folder))
+    modules = build_modules(preset, seed=99)
+    load_checkpoint(ref.folder, modules, preset)
+    out = tmp_path_factory.mktemp("onnx")
+    [graph] = [g for g in stage_graphs(preset, modules) if g.name == "llm"]
+    export_onnx(graph, out / "llm" / "model.onnx")
+    unified = _reference_modules()
+    from MiniCPMO45.tokenization_minicpmo_fast import MiniCPMOTokenizerFast
+
+    return {"ref": ref, "preset": preset, "onnx": out / "llm" / "model.onnx", "unified": unified,
+            "llm_weights": modules["llm"].state_dict(),
+            "tokenizer": MiniCPMOTokenizerFast.from_pretrained(str(ref.folder))}
+
+
+def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(AUDIO_TOKENS, hidden, generator=gen) * 0.5 for _ in range(n)]
+
+
+def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], **window: Any) -> list[dict[str, Any]]:
+    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+                           list(embeds), **window)
+    cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
+    out = []
+    for i in range(len(embeds)):
+        assert cap.streaming_prefill(audio_waveform=np.zeros(16_000, np.float32))["success"]
+        start = len(cap.total_ids)
+        res = cap.streaming_generate(decode_mode="greedy", force_listen_override=i in OVERRIDES,
+                                     max_new_speak_tokens_per_chunk=40 if i in LONG else 20,
+                                     text_repetition_penalty=1.05,
+                                     length_penalty=1.1)
+        condition = [] if res["is_listen"] else cap.total_hidden[-1]
+        cap.finalize_unit()
+        out.append({"decided": cap.total_ids[start:-1], "is_listen": res["is_listen"],
+                    "end_of_turn": res["end_of_turn"], "tts_ids": [int(c[0]) for c in condition],
+                    "tts_hidden": np.stack([c[1][0, 0].numpy() for c in condition]) if condition else None,
+                    "kv": cap.decoder.get_cache_length()})
+    return out
+
+
+def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], engine: str = "onnx") -> list[dict[str, Any]]:
+    """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
+    sampling on the device)."""
+    preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
+    tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(preset.tokens).values()))
+    llm = OnnxEngine(checkpoint["onnx"], threads=1) if engine == "onnx" else \
+        PagedLlmEngine.build(checkpoint["llm_weights"], preset.llm, pool_tokens=4096, attention="gather",
+                             max_tokens=preset.duplex.context_tokens)
+    stage = LlmStage(llm, preset, tokenizer, 600.0)
+    tk = preset.tokens
+    system = tok.encode(PREFIX, add_special_tokens=False) + tok.encode(SUFFIX, add_special_tokens=False)
+    out = []
+    for i, e in enumerate(embeds):
+        ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
+        request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
+                             force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
+                             **SETTINGS)
+        [res] = stage.run([StageCall(request, 1, start=i == 0)])
+        assert not isinstance(res, Exception), res
+        pending = stage.store.get(1).pending
+        decided = [int(t) for t in res.generated]
+        if pending[:-1] and pending[-2] in (tk.chunk_eos,) and (not decided or decided[-1] != tk.chunk_eos):
+            decided.append(tk.chunk_eos)  # the budget's or the cut's <|chunk_eos|>, deferred as the reference's
+        if len(pending) == 3:
+            decided.insert(0, tk.turn_eos)  # a forced listen's <|turn_eos|>, fed before the listen
+        out.append({"decided": decided, "is_listen": res.is_listen, "end_of_turn": res.end_of_turn,
+                    "tts_ids": [int(t) for t in res.text_ids], "tts_hidden": res.tts_hidden if len(res.text_ids)
+                    else None, "kv": res.kv_length + len(pending)})
+    return out
+
+
+@pytest.mark.parametrize("engine", ["onnx", "paged"])
+def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], engine: str) -> None:
+    embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
+    want = run_reference(checkpoint, embeds)
+    got = run_ours(checkpoint, embeds, engine)
+    tk = checkpoint["preset"].tokens
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"])
+        for key in ("decided", "is_listen", "tts_ids", "kv"):
+            assert g[key] == w[key], f"chunk {i}: {key} {g[key]} != reference {w[key]}"
+        if w["tts_hidden"] is not None:
+            np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
+        if not w["is_listen"]:
+            assert g["end_of_turn"] == w["end_of_turn"], f"chunk {i}"
+    # the script holds what the loop's rules decide on: a <|turn_eos|> the model said with the chunk going on,
+    # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), and the 28-character cut
+    tok = checkpoint["tokenizer"]
+    listened = [w for i, w in enumerate(want) if w["is_listen"] and i >= 3 and i not in OVERRIDES]
+    assert any(tk.turn_eos in w["decided"][:-2] for w in want), "a <|turn_eos|> with the chunk going on"
+    assert listened and any(w["decided"] == [tk.chunk_eos] for w in want)
+    cut = [i for i, w in enumerate(want) if i in LONG and w["decided"][-1] == tk.chunk_eos and len(w["decided"]) < 39
+           and len(tok.decode(w["tts_ids"], skip_special_tokens=True)) >= 20]
+    assert cut, "a chunk cut at 28 characters"
