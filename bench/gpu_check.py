@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from export.presets import minicpmo45, tiny
 from minicpmo_triton.model_config import DecoderDims
 from minicpmo_triton.paged.attention import FlexAttention, GatherAttention
 from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
-from minicpmo_triton.paged.sampler import DUPLEX_MASK, LogitRule, RowPick
+from minicpmo_triton.paged.sampler import CHAT, DUPLEX, RowPick
 from minicpmo_triton.sampling import SamplingParams
 
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
@@ -90,7 +91,10 @@ def build(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, session
           attention: str) -> PagedLlmEngine:
     eng = PagedLlmEngine.build(weights, d, device=device, pool_tokens=sessions * (history + 2 * 128 + CHUNK_TOKENS),
                                attention=attention, max_sessions=max(sessions, 1), max_tokens=8192)
-    eng.use_masks(np.ones((2, d.vocab), bool))
+    tokens = (minicpmo45() if d.vocab == REAL.vocab else tiny()).tokens  # the sampler reads <|chunk_eos|> etc.
+    forbidden = np.zeros((2, d.vocab), bool)
+    forbidden[:, tokens.tts_pad] = True
+    eng.use_rules(forbidden, tokens)
     return eng
 
 
@@ -100,12 +104,13 @@ def chunk_rows(d: DecoderDims, n: int, tokens: int, rng: np.random.Generator) ->
 
 
 def picks(n: int, rng: np.random.Generator) -> list[RowPick]:
-    """Greedy and sampled rows (the defaults: 0.7, top-k 20, top-p 0.8, a 512-token repetition window)."""
+    """Duplex rows, greedy and sampled (the defaults: 0.7, top-k 20, top-p 0.8, a 512-token repetition window,
+    length penalty 1.1), and every eighth a chat row."""
     out = []
     for r in range(n):
         params = SamplingParams(temperature=0.0) if r % 2 else SamplingParams()
-        out.append(RowPick(LogitRule(DUPLEX_MASK), params, history=rng.integers(0, 1000, 512).tolist(),
-                           u=float(rng.random())))
+        out.append(RowPick(CHAT if r % 8 == 7 else DUPLEX, params, history=rng.integers(0, 1000, 512).tolist(),
+                           length_penalty=1.1, u=(float(rng.random()), float(rng.random()))))
     return out
 
 
