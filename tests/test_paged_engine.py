@@ -68,10 +68,14 @@ def chunk(preset, corr: int, step: int, **settings: Any) -> LlmRequest:
                       seed=corr, **settings)
 
 
-# greedy with chunks of 4, 7 and 13 tokens (rows end at different iterations), and sampled at the defaults
+# greedy with chunks of 4, 13 and 20 tokens (rows end at different iterations), sampled at the defaults, a
+# teacher-forced text, a turn-based (chat) row sampled
 SESSIONS: dict[int, dict[str, Any]] = {1: {"temperature": 0.0, "max_new_tokens": 4},
-                                       2: {"temperature": 0.0, "max_new_tokens": 13},
-                                       3: {"max_new_tokens": 7}, 4: {"temperature": 0.0}}
+                                       2: {"temperature": 0.0, "max_new_tokens": 13, "length_penalty": 1.3},
+                                       3: {"max_new_tokens": 7}, 4: {"temperature": 0.0},
+                                       5: {"forced_ids": np.frombuffer(b"Hello there, how are you", np.uint8)
+                                           .astype(np.int64), "temperature": 0.0},
+                                       6: {"chat": True, "max_new_tokens": 6, "repetition_penalty": 1.3}}
 
 
 def run(st: LlmStage, preset, steps: int, sessions: dict[int, dict[str, Any]], *, first: int = 0,
@@ -207,9 +211,9 @@ def test_end_and_eviction_give_the_blocks_back(preset, weights) -> None:
     assert eng.pool.free_blocks < eng.pool.num_blocks
     st.run([StageCall(LlmRequest(decode=False), 1, end=True)])
     held = eng.pool.num_blocks - eng.pool.free_blocks
-    assert len(eng.pool.tables) == 3 and held > 0
+    assert len(eng.pool.tables) == len(SESSIONS) - 1 and held > 0
     st.store.ttl_s = -1.0  # every session is past its idle time
-    assert sorted(st.store.evict_expired()) == [2, 3, 4]
+    assert sorted(st.store.evict_expired()) == sorted(SESSIONS)[1:]
     assert eng.pool.free_blocks == eng.pool.num_blocks and not eng.pool.tables
 
 
