@@ -59,7 +59,7 @@ class CountingEngine:
         self.engine = engine
         self.traffic = traffic
         self.name = engine.name
-        self.input_names = engine.input_names
+        self.input_names = getattr(engine, "input_names", [])
 
     @staticmethod
     def _kind(name: str, inbound: bool) -> str:
