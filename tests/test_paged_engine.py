@@ -278,3 +278,17 @@ def test_the_flex_backend_attends_as_the_gather_does(device: str) -> None:
     ref = GatherAttention()(q, pool.key[0], pool.value[0], rows)
     got = FlexAttention(compiled=device == "cuda")(q, pool.key[0], pool.value[0], rows)
     torch.testing.assert_close(got, ref, atol=2e-3 if device == "cuda" else 1e-5, rtol=0)
+
+
+def test_export_prints_the_pool_n_sessions_need() -> None:
+    """`python -m export`'s memory report: the LLM pool for N sessions after 60 s and 300 s, bf16 and fp8; fp8
+    halves bf16, and 128 sessions at 60 s hold 128 x (30% speaking, 70% listening) sessions' tokens."""
+    from export.memory import FP8, pool_bytes, pool_report
+    from export.presets import minicpmo45
+
+    real = minicpmo45()
+    token = 2 * real.llm.layers * real.llm.kv_heads * real.llm.head_dim * 2
+    assert pool_bytes(real, 128, 60, 2) == 38 * 60 * (13 + 20) * token + 90 * 60 * 13 * token
+    assert pool_bytes(real, 128, 60, FP8) * 2 == pool_bytes(real, 128, 60, 2)
+    report = "\n".join(pool_report(real))
+    assert "128" in report and "300 s" in report and "bf16 / fp8" in report
