@@ -25,8 +25,8 @@ from export.presets import tiny
 from export.torch_engine import TorchEngine
 from minicpmo_triton.kv_batch import KvBatch, KvCache
 from minicpmo_triton.model_config import DecoderDims
-from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
-from minicpmo_triton.paged.sampler import DUPLEX, RowPick
+from minicpmo_triton.paged.engine import PagedLlmEngine
+from minicpmo_triton.paged.protocol import DUPLEX, Prefill, RowPick
 from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.sampling import SamplingParams
 

@@ -30,8 +30,8 @@ import torch
 from export.presets import minicpmo45, tiny
 from minicpmo_triton.model_config import DecoderDims
 from minicpmo_triton.paged.attention import FlexAttention, GatherAttention
-from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
-from minicpmo_triton.paged.sampler import CHAT, DUPLEX, RowPick
+from minicpmo_triton.paged.engine import PagedLlmEngine
+from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from minicpmo_triton.sampling import SamplingParams
 
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)

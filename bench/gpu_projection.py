@@ -29,9 +29,9 @@ from export.memory import pool_bytes
 from export.presets import minicpmo45
 from minicpmo_triton.model_config import DecoderDims, SpecialTokens
 from minicpmo_triton.paged.attention import Rows
-from minicpmo_triton.paged.engine import Forward, PagedLlmEngine, Prefill
+from minicpmo_triton.paged.engine import Forward, PagedLlmEngine
 from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.sampler import DUPLEX, Picked, RowPick
+from minicpmo_triton.paged.protocol import DUPLEX, Picked, Prefill, RowPick
 from minicpmo_triton.paged.traffic import Traffic, Work, layer_weight_count
 from minicpmo_triton.sampling import SamplingParams
 

@@ -20,8 +20,9 @@ from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.kv_batch import KvBatch, KvCache, right_pad
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
-from minicpmo_triton.paged.engine import PagedLlmEngine, Prefill
+from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.paged.pool import KvPool, PoolShape
+from minicpmo_triton.paged.protocol import Prefill
 from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder

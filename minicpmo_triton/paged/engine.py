@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -19,15 +20,9 @@ from ..model_config import DecoderDims, SpecialTokens
 from .attention import PagedAttention, Rows, pick_attention
 from .model import PagedDecoder
 from .pool import KvPool, PoolShape, blocks_in_budget, budget_bytes
-from .sampler import DeviceSampler, RowPick
+from .protocol import Prefill, RowPick
+from .sampler import DeviceSampler
 from .traffic import Traffic, Work
-
-
-@dataclass
-class Prefill:
-    ids: np.ndarray  # [n] int64
-    embeds: np.ndarray  # [rows of `use`, hidden] the embeddings spliced in where `use`
-    use: np.ndarray  # [n] bool
 
 
 class RowDriver(Protocol):
@@ -151,3 +146,18 @@ class PagedLlmEngine:
             steps += 1
         timing = LoopTiming(prefill_ms, (time.perf_counter() - t0) * 1000 - prefill_ms, steps)
         return lengths, timing
+
+
+WEIGHTS_FILE = "weights.safetensors"  # written by the export beside the LLM's model.onnx
+
+
+def load_paged_engine(folder: Path, dims: DecoderDims, device: str, context_tokens: int, **build: Any
+                      ) -> PagedLlmEngine:
+    """The paged engine over the exported LLM weights (`folder`/weights.safetensors) on `device`."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m export` first")
+    weights = load_file(str(path), device=device)
+    return PagedLlmEngine.build(weights, dims, device=device, max_tokens=context_tokens, **build)

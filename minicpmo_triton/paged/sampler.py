@@ -16,7 +16,6 @@ Only token ids and two flags per row come back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,27 +23,8 @@ import torch
 
 from ..errors import Code, StepError
 from ..model_config import SpecialTokens
-from ..sampling import SamplingParams
+from .protocol import CHAT, DUPLEX, Picked, RowPick
 from .traffic import Traffic
-
-DUPLEX, CHAT = 0, 1  # rule sets: rows of the forbidden-token masks
-
-
-@dataclass
-class RowPick:
-    kind: int  # DUPLEX or CHAT
-    params: SamplingParams
-    forced: int = -1  # >= 0: decided in place of a draw (teacher forcing)
-    history: list[int] = field(default_factory=list)  # the repetition window
-    length_penalty: float = 1.0  # duplex: on <|turn_eos|>
-    u: tuple[float, float] = (0.0, 0.0)  # the row's uniform draws (duplex: first and second; chat: one)
-    rewind: Any = None  # the rng's state after the first draw, restored when the second was not needed
-
-
-@dataclass
-class Picked:
-    tokens: np.ndarray  # [B] int64
-    drew_second: np.ndarray  # [B] bool: a duplex row went past its first draw (the token joins the history)
 
 
 def _padded_history(picks: list[RowPick]) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,8 +15,7 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
-from ..paged.engine import LoopTiming, PagedLlmEngine, Prefill
-from ..paged.sampler import CHAT, DUPLEX, RowPick
+from ..paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
@@ -23,6 +23,9 @@ from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
 from .decode_loop import DecodeTiming, batched_decode
+
+if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
+    from ..paged.engine import LoopTiming, PagedLlmEngine
 
 
 def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
@@ -67,7 +70,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         super().__init__(ttl_s)
         self.engine = engine
         # the paged engine keeps every session's KV cache in its pool; today's engines take it in each call
-        self.paged = engine if isinstance(engine, PagedLlmEngine) else None
+        self.paged: PagedLlmEngine | None = engine if engine.name == "paged" else None  # type: ignore[assignment]
         self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
