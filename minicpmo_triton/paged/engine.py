@@ -87,7 +87,9 @@ class PagedLlmEngine:
         if pool_size <= 1 and dev.type == "cuda":
             budget -= sum(t.numel() for t in weights.values()) * torch.empty(0, dtype=dtype).element_size()
         blocks = shape.blocks_for(pool_tokens) if pool_tokens else blocks_in_budget(shape, kv, budget)
-        pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic)
+        # flex masks scores, not values: a never-written block must hold no NaN, so its pool is zeroed
+        pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic,
+                      zeroed=backend.name == "flex" or dev.type != "cpu")
         model = PagedDecoder(weights, dims, pool, backend, dtype, Work())
         return cls(model, traffic)
 

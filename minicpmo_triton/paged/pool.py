@@ -60,15 +60,18 @@ class KvPool:
 
     def __init__(self, shape: PoolShape, num_blocks: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_sessions: int = 256, max_tokens: int = 8192,
-                 traffic: Traffic | None = None) -> None:
+                 traffic: Traffic | None = None, zeroed: bool = True) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(device)
         self.traffic = traffic or Traffic()
         dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
-        self.key = [torch.zeros(dims, dtype=dtype, device=self.device) for _ in range(shape.layers)]
-        self.value = [torch.zeros(dims, dtype=dtype, device=self.device) for _ in range(shape.layers)]
+        # unzeroed, a CPU pool's pages are committed only as blocks are first written (a reader that looks only at
+        # a row's real positions, as the gather does, never sees the rest)
+        alloc = torch.zeros if zeroed else torch.empty
+        self.key = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.layers)]
+        self.value = [alloc(dims, dtype=dtype, device=self.device) for _ in range(shape.layers)]
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest block is handed out first
         self._free_seqs = list(range(max_sessions - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
