@@ -70,7 +70,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         super().__init__(ttl_s)
         self.engine = engine
         # the paged engine keeps every session's KV cache in its pool; today's engines take it in each call
-        self.paged: PagedLlmEngine | None = engine if engine.name == "paged" else None  # type: ignore[assignment]
+        self.paged: PagedLlmEngine | None = engine if getattr(engine, "name", "") == "paged" else None  # type: ignore[assignment]
         self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
