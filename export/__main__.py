@@ -15,14 +15,16 @@ from tqdm import tqdm
 
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
+from minicpmo_triton.voice_prompt import DEFAULT_REF_AUDIO
 
-from .checkpoint import copy_voice_assets
+from .checkpoint import DEFAULT_VOICE, copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
+DEMO_REF_AUDIO = Path(__file__).resolve().parent / "assets" / "ref_minicpm_signature.wav"
 # Models earlier exports wrote and the project has since dropped. Git deletes their tracked config.pbtxt and
 # model.py but leaves the ignored artefacts (1/model.onnx, 1/stage.json), and Triton would try to serve such a
 # folder without its config; the export removes it.
@@ -38,6 +40,13 @@ def remove_retired_models(repository: Path) -> None:
         if (repository / model).is_dir():
             shutil.rmtree(repository / model)
             print(f"removed {repository / model}: the retired {model} model's leftover artefacts")
+
+
+def write_default_ref_audio(checkpoint: Path | None, folder: Path) -> None:
+    """The duplex system prompt's voice reference when a session sends none: the checkpoint's own, else the
+    demo's (export/assets/README.md)."""
+    own = checkpoint / DEFAULT_VOICE if checkpoint is not None else None
+    shutil.copy2(own if own is not None and own.exists() else DEMO_REF_AUDIO, folder / DEFAULT_REF_AUDIO)
 
 
 def write_stage_configs(repository: Path, preset: PresetConfig) -> None:
@@ -109,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     voice_folder = version_dir(args.model_repository, "token2wav")
     (voice_folder / DEFAULT_VOICE_WAV).unlink(missing_ok=True)  # the default voice is the checkpoint's, or the export's
     copied = copy_voice_assets(args.checkpoint, voice_folder) if args.checkpoint is not None else []
+    write_default_ref_audio(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL))
     graphs = [g for g in stage_graphs(preset, modules)
               if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():

@@ -122,7 +122,8 @@ class StepMetrics:
     sent the measured ones (`to_dict`). A step's events share one as it grows: each event carries a copy."""
 
     backend: str | None = None  # "triton"
-    kv_cache_length: int | None = None  # the session's LLM context after the step
+    kv_cache_length: int | None = None  # the session's LLM context after the step, from the call's start
+    kv_window_tokens: int | None = None  # ... of which the LLM holds now (the sliding window dropped the rest)
     llm_wait_ms: float | None = None  # held at the batch window before the LLM
     cost_llm_ms: float | None = None
     cost_audio_encoder_ms: float | None = None

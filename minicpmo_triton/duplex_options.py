@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .duplex_window import WINDOW_MODES
 from .model_config import DuplexDefaults
 from .sampling import sampling_problems, temperature_problem
 
@@ -32,6 +33,11 @@ class DuplexOptions:
     force_listen_count: int = _D.force_listen_count
     tts_temperature: float = _D.tts_temperature
     seed: int = 0
+    # MiniCPM-o's DuplexWindowConfig keys. `basic` by default: a call lasts as long as the caller stays (the
+    # demo's service leaves it `off` and ends the call at the context's end; `off` does that here too).
+    sliding_window_mode: str = "basic"
+    basic_window_high_tokens: int = _D.window_high_tokens
+    basic_window_low_tokens: int = _D.window_low_tokens
 
     @classmethod
     def from_config(cls, config: dict[str, Any], defaults: DuplexDefaults | None = None) -> DuplexOptions:
@@ -74,6 +80,11 @@ class DuplexOptions:
             problems["force_listen_count"] = f"must be within [0, {MAX_FORCE_LISTEN}]"
         if not 0 <= self.seed <= MAX_SEED:
             problems["seed"] = "must be within [0, 2**63-1]"
+        if self.sliding_window_mode not in WINDOW_MODES:
+            problems["sliding_window_mode"] = f"must be one of {', '.join(WINDOW_MODES)}"
+        if not 0 < self.basic_window_low_tokens <= self.basic_window_high_tokens < _D.context_tokens:
+            problems["basic_window_high_tokens"] = (f"and basic_window_low_tokens: 0 < low <= high < "
+                                                    f"{_D.context_tokens} (the context)")
         if problems:
             raise InvalidOptions("; ".join(f"config.{name} {why}" for name, why in problems.items()))
 

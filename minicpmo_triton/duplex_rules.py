@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model_config import SpecialTokens
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_finite
 
 NEG_INF = np.float32(-np.inf)
 
@@ -88,6 +88,7 @@ def stream_decode(logits: np.ndarray, forbidden: np.ndarray, history: list[int],
     """One token as StreamDecoder.decode (utils.py:2087-2200) picks it; `history` is the session's draws (the
     decoder's `generated_tokens`), extended here as the reference extends it."""
     raw = logits.astype(np.float32)
+    check_finite(raw)  # a broken forward is this row's coded error, never a token
     first = int(np.argmax(raw)) if params.greedy else _draw(_softmax(raw), rng)
     if first == tokens.chunk_eos:
         return first

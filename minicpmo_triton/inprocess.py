@@ -16,6 +16,7 @@ from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .tokenizer import load_tokenizer
+from .voice_prompt import default_ref_audio
 
 
 def _raise(result: Any) -> Any:
@@ -30,7 +31,7 @@ def _one(stage: SequenceStage[Any, Any, Any], call: StageCall[Any]) -> Any:
 
 class InProcessStages:
     def __init__(self, repository: Path, threads: int = 1, ttl_s: float = 600.0) -> None:
-        repository = Path(repository)
+        repository = self.repository = Path(repository)
         self.preset: PresetConfig = load_stage_config(repository / "llm" / "1")
         self.tokenizer = load_tokenizer(self.preset, repository / "duplex" / "1")
         v = lambda name: repository / name / "1"  # noqa: E731 (a one-line helper)
@@ -61,4 +62,5 @@ class InProcessStages:
         return _one(self.t2w_stage, call)
 
     def pipeline(self, ttl_s: float = 600.0) -> DuplexPipeline:
-        return DuplexPipeline(self, self.preset, self.tokenizer, ttl_s)
+        return DuplexPipeline(self, self.preset, self.tokenizer, ttl_s,
+                              default_ref_audio=default_ref_audio(self.repository / "duplex" / "1"))

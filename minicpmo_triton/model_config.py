@@ -161,6 +161,8 @@ class DuplexDefaults:
     tts_repetition_penalty: float = 1.05
     tts_repetition_window: int = 16  # over the chunk's own speech tokens
     context_tokens: int = 8192
+    window_high_tokens: int = 8000  # the sliding window's watermarks (DuplexWindowConfig's basic mode)
+    window_low_tokens: int = 6000
     chunk_ms: int = 1000
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, StepMetrics, VoiceRefs
 from .duplex_options import DuplexOptions
+from .duplex_window import WINDOW_MODES
 from .errors import Code, StepError
 from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
 from .model_config import PresetConfig
@@ -83,8 +84,12 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
-                 voices: VoiceLibrary | None = None) -> None:
+                 voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None) -> None:
         self.stages = stages
+        # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
+        # session sends none (encoded once, on first use)
+        self.default_ref_audio = default_ref_audio
+        self._default_ref: np.ndarray | None = None
         self.voices = voices or VoiceLibrary(None)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -137,6 +142,11 @@ class DuplexPipeline:
         ref = np.zeros((0, self.preset.llm.hidden), np.float32)
         if state.voice.ref_audio is not None:
             ref = (await self.stages.audio_encoder(AudioEncoderRequest(state.voice.ref_audio))).embeds
+        elif self.default_ref_audio is not None:
+            if self._default_ref is None:
+                encoded = await self.stages.audio_encoder(AudioEncoderRequest(self.default_ref_audio))
+                self._default_ref = encoded.embeds
+            ref = self._default_ref
         ids = [tk.im_start, *self.tokenizer.encode(f"system\n{prompt}\n"), tk.audio_start,
                *([tk.audio_placeholder] * len(ref)), tk.audio_end, tk.im_end]
         return ids, ref
@@ -271,6 +281,8 @@ class DuplexPipeline:
             repetition_penalty=opts.repetition_penalty, length_penalty=opts.length_penalty,
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
             forced_ids=np.asarray(forced or [], np.int64),
+            window_mode=WINDOW_MODES.index(opts.sliding_window_mode), window_high=opts.basic_window_high_tokens,
+            window_low=opts.basic_window_low_tokens,
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -281,7 +293,8 @@ class DuplexPipeline:
         metrics = replace(metrics, cost_llm_ms=round(_ms(t) - wait_ms, 2),
                           cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
                           generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated),
-                          kv_cache_length=llm.kv_length)
+                          kv_cache_length=llm.kv_length + llm.kv_dropped,  # from the call's start: rollbacks
+                          kv_window_tokens=llm.kv_length)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])

@@ -81,13 +81,18 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: fl
     logits[ids] = np.where(vals < 0, vals * alpha, vals / alpha)
 
 
+def check_finite(logits: np.ndarray) -> None:
+    """NaN or +inf anywhere (or nothing but -inf): the row's forward broke, a coded error for this row."""
+    if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
+        raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """logits: [vocab] float32, already penalised and masked (-inf where forbidden).
 
     NaN or +inf anywhere (or nothing but -inf) means the row's forward broke: a coded error for this
     row, never a token picked from garbage."""
-    if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any():
-        raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
+    check_finite(logits)
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

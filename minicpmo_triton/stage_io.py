@@ -116,6 +116,10 @@ class LlmRequest:
     # Teacher forcing: these tokens are decoded in place of sampled ones, under the same rules (a rule that
     # ends the chunk, its token budget, still wins); their hidden states are collected as a sampled text's.
     forced_ids: np.ndarray = tensor(np.int64, 1)
+    # The sliding window (duplex_window.py): an index in WINDOW_MODES (0 off, 1 basic) and its watermarks
+    window_mode: int = 0
+    window_high: int = _D.window_high_tokens
+    window_low: int = _D.window_low_tokens
 
 
 @dataclass
@@ -132,6 +136,8 @@ class LlmResult:
     decode_ms: float = 0.0
     encode_ms: float = 0.0  # the request's audio through the audio encoder
     cached_tokens: int = 0  # context reused from earlier steps / turns (the KV length before this call)
+    kv_dropped: int = 0  # tokens the sliding window has dropped from this session so far
+    window_events: int = 0  # times it slid
 
 
 # ---- tts ----

@@ -80,7 +80,10 @@ class _HfDecoder:
         text = self._tok.decode(self._ids)  # type: ignore[attr-defined]
         if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for more
             return ""
-        delta, self._emitted = text[len(self._emitted):], text
+        delta = text[len(self._emitted):]
+        # every character is whole: start afresh (byte-level text splits there cleanly), so an hour-long
+        # session neither keeps its whole transcript here nor decodes it again at every step
+        self._ids, self._emitted = [], ""
         return delta
 
 

@@ -36,7 +36,7 @@ from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
-from .voice_prompt import VoiceLibrary
+from .voice_prompt import VoiceLibrary, default_ref_audio
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -270,7 +270,8 @@ class DuplexModel:
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
-                                       voices=VoiceLibrary(Path(voices_dir) if voices_dir else None))
+                                       voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
+                                       default_ref_audio=default_ref_audio(ctx.version_dir))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None

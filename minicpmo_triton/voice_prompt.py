@@ -138,6 +138,15 @@ def prompt_mel(audio24k: np.ndarray, n_mels: int = 80) -> np.ndarray:
     return np.log(np.maximum(mel, 1e-5)).astype(np.float32)
 
 
+DEFAULT_REF_AUDIO = "default_ref_audio.wav"  # in the duplex model's version folder (export/assets/README.md)
+
+
+def default_ref_audio(version_dir: Path) -> np.ndarray | None:
+    """The duplex system prompt's voice reference when a session sends none, 16 kHz; None if not exported."""
+    path = Path(version_dir) / DEFAULT_REF_AUDIO
+    return read_wav(path) if path.exists() else None
+
+
 def read_wav(path: Path) -> np.ndarray:
     """A WAV file as 16 kHz mono float32 (channels averaged, resampled)."""
     import soundfile

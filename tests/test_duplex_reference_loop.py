@@ -11,7 +11,9 @@ stage on that checkpoint's exported ONNX. What is not the reference's own, and w
   stand-ins that hand them over (they need the Whisper weights and the mel processor, not under test here);
 - `transformers.modeling_attn_mask_utils`, gone in transformers 5, is imported by the SigLIP file only: a stub;
 - transformers 5's DynamicCache has no `key_cache` / `value_cache` lists, which StreamDecoder reads and writes
-  (utils.py:1306-1315, 1027-1140): `LegacyCache` gives it those lists over the same tensors;
+  (utils.py:1306-1315, 1027-1140), and its `crop` takes tokens to remove where 4's took the length to keep:
+  `LegacyCache` gives StreamDecoder transformers 4's lists and `crop` over the same tensors, and the config
+  its `rope_theta` attribute back (5 moved it into `rope_parameters`);
 - `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here;
   the TTS's own decode is held to `generate_chunk` in tests/test_reference_parity.py.
 
@@ -22,6 +24,7 @@ end_of_turn and the KV length after the unit is closed must be equal.
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from pathlib import Path
@@ -36,6 +39,7 @@ from export.config import preset_from_config
 from export.onnx_export import export_onnx
 from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
+from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
 from minicpmo_triton.engines import OnnxEngine
 from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.stage_io import LlmRequest
@@ -52,6 +56,7 @@ OVERRIDES = {20, 33}  # chunks whose listen the caller forces (force_listen_over
 PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful assistant.\n<|audio_start|>"
 SUFFIX = "<|audio_end|><|im_end|>"
 LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
+HIGH, LOW = 400, 300  # the basic window's watermarks, small enough to slide several times in 48 chunks
 LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
@@ -96,6 +101,13 @@ def legacy_cache() -> Any:
         def value_cache(self) -> _Layers:
             return _Layers(self, "values")
 
+        def crop(self, max_length: int) -> None:
+            """transformers 4's `crop`: keep the first `max_length` tokens (5's takes how many to remove)."""
+            length = self.get_seq_length()
+            keep = length + max_length if max_length < 0 else max_length
+            if keep < length:
+                super().crop(keep - length)
+
     return LegacyCache()
 
 
@@ -125,6 +137,9 @@ class _Processor:
 
 def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
                      **kwargs: Any) -> Any:
+    # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
+    # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
+    llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
     model = types.SimpleNamespace(
         processor=_Processor(tokenizer, embeds), llm=llm,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
@@ -170,9 +185,10 @@ def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
     return [torch.randn(AUDIO_TOKENS, hidden, generator=gen) * 0.5 for _ in range(n)]
 
 
-def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], **window: Any) -> list[dict[str, Any]]:
+def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
     cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
-                           list(embeds), **window)
+                           list(embeds), sliding_window_mode=window, basic_window_high_tokens=HIGH,
+                           basic_window_low_tokens=LOW)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
     out = []
     for i in range(len(embeds)):
@@ -187,11 +203,12 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], **wind
         out.append({"decided": cap.total_ids[start:-1], "is_listen": res["is_listen"],
                     "end_of_turn": res["end_of_turn"], "tts_ids": [int(c[0]) for c in condition],
                     "tts_hidden": np.stack([c[1][0, 0].numpy() for c in condition]) if condition else None,
-                    "kv": cap.decoder.get_cache_length()})
+                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count})
     return out
 
 
-def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], engine: str = "onnx") -> list[dict[str, Any]]:
+def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
+             engine: str = "onnx") -> list[dict[str, Any]]:
     """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
     sampling on the device)."""
     preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
@@ -207,10 +224,18 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], engine: str
         ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
         request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
                              force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
-                             **SETTINGS)
+                             window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW, **SETTINGS)
         [res] = stage.run([StageCall(request, 1, start=i == 0)])
         assert not isinstance(res, Exception), res
-        pending = stage.store.get(1).pending
+        session = stage.store.get(1)
+        pending = session.pending
+        # the reference closes the unit and slides at once; the stage does both as the next step starts:
+        # what that will leave, from a copy of the session's ledger
+        ledger = copy.deepcopy(session.units)
+        closed = res.kv_length + len(pending)
+        ledger.close(closed)
+        if window == "basic":
+            closed -= ledger.plan_basic(closed, WindowConfig(window, HIGH, LOW))
         decided = [int(t) for t in res.generated]
         if pending[:-1] and pending[-2] in (tk.chunk_eos,) and (not decided or decided[-1] != tk.chunk_eos):
             decided.append(tk.chunk_eos)  # the budget's or the cut's <|chunk_eos|>, deferred as the reference's
@@ -218,19 +243,20 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], engine: str
             decided.insert(0, tk.turn_eos)  # a forced listen's <|turn_eos|>, fed before the listen
         out.append({"decided": decided, "is_listen": res.is_listen, "end_of_turn": res.end_of_turn,
                     "tts_ids": [int(t) for t in res.text_ids], "tts_hidden": res.tts_hidden if len(res.text_ids)
-                    else None, "kv": res.kv_length + len(pending)})
+                    else None, "kv": closed, "slides": ledger.events})
     return out
 
 
 @pytest.mark.parametrize("engine", ["onnx", "paged"])
-def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], engine: str) -> None:
+@pytest.mark.parametrize("window", ["off", "basic"])
+def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
     embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
-    want = run_reference(checkpoint, embeds)
-    got = run_ours(checkpoint, embeds, engine)
+    want = run_reference(checkpoint, embeds, window)
+    got = run_ours(checkpoint, embeds, window, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"])
-        for key in ("decided", "is_listen", "tts_ids", "kv"):
+        for key in ("decided", "is_listen", "tts_ids", "kv", "slides"):
             assert g[key] == w[key], f"chunk {i}: {key} {g[key]} != reference {w[key]}"
         if w["tts_hidden"] is not None:
             np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
@@ -245,3 +271,5 @@ def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], 
     cut = [i for i, w in enumerate(want) if i in LONG and w["decided"][-1] == tk.chunk_eos and len(w["decided"]) < 39
            and len(tok.decode(w["tts_ids"], skip_special_tokens=True)) >= 20]
     assert cut, "a chunk cut at 28 characters"
+    if window == "basic":
+        assert want[-1]["slides"] >= 2 and max(w["kv"] for w in want) <= HIGH + 60

@@ -73,13 +73,15 @@ class PoisonedEngine:
 
 # ---- the LLM ----
 
-AUDIO_START_MARK = "audio_start"  # a prefill token the duplex chunks never carry: marks the poisoned row
+# Marks the poisoned row: a byte the duplex decoder never draws (one of tiny's bad ids; control tokens such as
+# <|audio_start|> it may draw, as MiniCPM-o's loop may), so only a prefill that carries it is poisoned.
+POISON_MARK = 1
 
 
 def llm_stage(preset, poison: bool = False) -> LlmStage:
     eng = engine("llm")
     if poison:
-        eng = PoisonedEngine(eng, "input_ids", preset.tokens.audio_start, "logits")
+        eng = PoisonedEngine(eng, "input_ids", POISON_MARK, "logits")
     encoder = AudioStreamEncoder(load_engine(MODEL_REPOSITORY / "audio_encoder" / "1", name="stream"), preset.audio,
                                  preset.samples_per_audio_token)
     return LlmStage(eng, preset, load_tokenizer(preset, MODEL_REPOSITORY / "duplex" / "1"), 600.0, encoder)
@@ -190,12 +192,11 @@ def test_a_row_that_breaks_the_batched_forward_fails_alone_and_leaves_no_trace(p
     """A row whose forward goes NaN (past every check) fails the batch; each row then runs again alone from
     its state before the batch: the clean rows get exactly their solo output, the broken one `numeric_error`
     and its state as it was, so its next clean step is what it would have been without the broken one."""
-    tk = preset.tokens
     poisoned, alone = llm_stage(preset, poison=True), llm_stage(preset)
     clean = list(CLEAN)
 
     def poison(r: LlmRequest) -> LlmRequest:
-        ids = np.concatenate([[tk.audio_start], r.input_ids])  # the marker the poisoned engine breaks on
+        ids = np.concatenate([[POISON_MARK], r.input_ids])  # the marker the poisoned engine breaks on
         return dataclasses.replace(r, input_ids=ids)
 
     sessions = [*clean, HOSTILE]

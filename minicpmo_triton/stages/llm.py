@@ -11,9 +11,10 @@ import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
+from ..duplex_window import WINDOW_MODES, UnitLedger, WindowConfig, drop_tokens
 from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvCache
+from ..kv_batch import KvBatch, KvCache
 from ..model_config import PresetConfig
 from ..paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from ..pcm import pcm_problem
@@ -62,6 +63,7 @@ class LlmSession:
     history: list[int] = field(default_factory=list)  # the duplex draws (StreamDecoder.generated_tokens)
     chat_history: list[int] = field(default_factory=list)
     audio: AudioStream = field(default_factory=AudioStream)  # what the session has heard, for the next chunk
+    units: UnitLedger = field(default_factory=UnitLedger)  # for the sliding window
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
@@ -108,7 +110,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
 
     def check(self, request: LlmRequest, state: LlmSession) -> None:
         tk = self.preset.tokens
-        if request.rollback_to > state.cache.length:
+        if request.rollback_to - state.units.dropped > state.cache.length:
             raise ValueError(f"llm: cannot roll back to {request.rollback_to}, past the {state.cache.length} cached")
         n_audio = 0
         if len(request.audio):
@@ -131,8 +133,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if request.decode:
             check_sampling("llm", temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                            repetition_penalty=request.repetition_penalty, length_penalty=request.length_penalty)
+        if not 0 <= request.window_mode < len(WINDOW_MODES) or not 0 < request.window_low <= request.window_high:
+            raise StepError(Code.INVALID_CONFIG, "llm: the sliding window needs a known mode and 0 < low <= high")
         need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
-        if need > self.preset.duplex.context_tokens - state.cache.length:
+        used = state.cache.length
+        if request.window_mode and state.units.preserve is not None:
+            used = min(used, request.window_high)  # past the high watermark, this step's close slides the window
+        if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
@@ -156,7 +163,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         row_embeds, encode_ms = self._encode(items)
         for (req, sess), req_embeds in zip(items, row_embeds, strict=True):
             if req.rollback_to >= 0:
-                self._roll_back(sess, req.rollback_to)
+                self._roll_back(sess, req.rollback_to - sess.units.dropped)
+            self._slide(req, sess)
             ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
             use = ids == tk.audio_placeholder
             if len(ids) == 0:
@@ -195,6 +203,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                                          self.preset.duplex.repetition_window)
                 token = sample(logits, params[row], sess.rng)
                 sess.chat_history.append(token)
+                del sess.chat_history[:-self.preset.duplex.repetition_window]
                 return dec.accept(token)
             if dec.must_end:
                 dec.end_now()
@@ -205,6 +214,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             else:
                 token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
                                       items[row][0].length_penalty, tk, sess.rng)
+                if len(sess.history) > 2 * params[row].repetition_window:  # only the window is read: keep it bounded
+                    del sess.history[:-params[row].repetition_window]
             return dec.accept(token)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
@@ -245,6 +256,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                 decode_ms=timing.decode_ms,
                 encode_ms=encode_ms,
                 cached_tokens=cached,
+                kv_dropped=sess.units.dropped,
+                window_events=sess.units.events,
             ))
         return results
 
@@ -253,10 +266,42 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         force a terminator)."""
         return bool(np.isfinite(logits[token])) or (self.forcible[token] and np.count_nonzero(np.isfinite(logits)) > 1)
 
+    def _slide(self, req: LlmRequest, sess: LlmSession) -> None:
+        """The unit the pending tokens close is closed (`finalize_unit`), the window slides if it must, and the
+        session's first <unit> marks the end of its kept system prompt."""
+        closed_at = sess.cache.length + len(sess.pending)
+        if sess.pending:
+            sess.units.close(closed_at)
+        mode = WINDOW_MODES[req.window_mode]
+        if mode == "basic" and (n := sess.units.plan_basic(closed_at, WindowConfig(mode, req.window_high,
+                                                                                   req.window_low))):
+            assert sess.units.preserve is not None
+            # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
+            # window slides (one more forward for this row, once per slide)
+            self._feed(sess, sess.pending)
+            sess.pending = []
+            sess.cache = drop_tokens(sess.cache, sess.units.preserve, n, self.preset.llm.rope_theta)
+        units = np.flatnonzero(req.input_ids == self.preset.tokens.unit)
+        if len(units):
+            sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]))
+
+    def _feed(self, sess: LlmSession, ids: list[int]) -> None:
+        """Tokens into one session's cache, alone (no decode)."""
+        batch, n = KvBatch([sess.cache]), np.array([len(ids)], np.int64)
+        out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
+                               "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
+                               "use_embeds": np.zeros((1, len(ids)), bool), **batch.feeds(n)})
+        batch.advance(out["present_key"], out["present_value"], n)
+        sess.cache = batch.extract(0)
+
     def _roll_back(self, sess: LlmSession, length: int) -> None:
         """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the
-        spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would)."""
+        spoken turn ends there (its terminator and </unit> open the next prefill, as a chunk's would).
+        `length` counts from the window's start: a point the window has already dropped cannot be returned to."""
+        if length < (sess.units.preserve or 0):
+            raise StepError(Code.INVALID_INPUT, "llm: the rollback point has left the sliding window")
         sess.cache = sess.cache.truncated(length)
+        sess.units.truncate(length)
         sess.pending = [self.preset.tokens.turn_eos, self.preset.tokens.unit_end]
         sess.turn_ended = True
 
