@@ -81,6 +81,10 @@ class SequenceStore(Generic[T]):
             self._drop(value)
         return expired
 
+    def values(self) -> list[T]:
+        with self._lock:
+            return [e.value for e in self._entries.values()]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -153,3 +153,45 @@ class KvPool:
         """Store new tokens' keys and values [N, kv_heads, head_dim] at flat `slots` [N], in place."""
         self.key[layer].view(-1, self.shape.kv_heads, self.shape.head_dim)[slots] = key.to(self.dtype)
         self.value[layer].view(-1, self.shape.kv_heads, self.shape.head_dim)[slots] = value.to(self.dtype)
+
+    def slid_copy(self, seq: int, preserve: int, count: int, length: int, theta: float) -> int:
+        """A new session id holding `seq`'s first `length` tokens less [preserve, preserve + count): the prefix as
+        it is, the suffix moved up to `preserve` with its keys re-rotated to their new positions (the sliding
+        window, `duplex_window.drop_tokens`). A copy, not a move, so a step that fails after it can be undone:
+        `seq` is untouched (the stage frees whichever of the two its session no longer holds)."""
+        new = self.open(0)
+        self.reserve(new, length - count)
+        kept = length - count - preserve
+        up = self.traffic.upload
+        src = torch.cat([self.slots(seq, 0, preserve), self.slots(seq, preserve + count, kept)])
+        src = up("state", src, self.device)
+        dst = up("state", self.slots(new, 0, length - count), self.device)
+        shape = (-1, self.shape.kv_heads, self.shape.head_dim)
+        for layer in range(self.shape.layers):
+            keys = self.key[layer].view(shape)[src].to(torch.float32)
+            keys[preserve:] = realign_rope(keys[preserve:], preserve + count, preserve, theta)
+            self.key[layer].view(shape)[dst] = keys.to(self.dtype)
+            self.value[layer].view(shape)[dst] = self.value[layer].view(shape)[src]
+        return new
+
+
+def _rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos()] * 2, -1)[:, None, :], torch.cat([angles.sin()] * 2, -1)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def realign_rope(keys: torch.Tensor, old_start: int, new_start: int, theta: float) -> torch.Tensor:
+    """`duplex_window.realign_rope` on the device: keys [n, kv_heads, D] encoded at old_start.. re-encoded at
+    new_start.. (fp32)."""
+    n, d = keys.shape[0], keys.shape[-1]
+    pos = torch.arange(n, device=keys.device)
+    cos_old, sin_old = _rope_cos_sin(d, pos + old_start, theta)
+    base = cos_old * keys - sin_old * _rotate_half(keys)
+    cos_new, sin_new = _rope_cos_sin(d, pos + new_start, theta)
+    return cos_new * base + sin_new * _rotate_half(base)

@@ -99,6 +99,14 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.free(state.cache.seq)
 
+    def run(self, calls: list[StageCall[LlmRequest]]) -> list[LlmResult | Exception]:
+        results = super().run(calls)
+        if self.paged is not None:  # a slide copies a session into a new pool entry: the one it left, or one an
+            held = {s.cache.seq for s in self.store.values() if isinstance(s.cache, PagedCache)}  # undo dropped
+            for seq in [q for q in self.paged.pool.tables if q not in held]:
+                self.paged.pool.free(seq)
+        return results
+
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
 
@@ -280,13 +288,26 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             # window slides (one more forward for this row, once per slide)
             self._feed(sess, sess.pending)
             sess.pending = []
-            sess.cache = drop_tokens(sess.cache, sess.units.preserve, n, self.preset.llm.rope_theta)
+            sess.cache = self._drop(sess.cache, sess.units.preserve, n)
         units = np.flatnonzero(req.input_ids == self.preset.tokens.unit)
         if len(units):
             sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]))
 
+    def _drop(self, cache: KvCache | PagedCache, preserve: int, n: int) -> KvCache | PagedCache:
+        theta = self.preset.llm.rope_theta
+        if isinstance(cache, PagedCache) and self.paged is not None:  # into a new pool entry: undoable
+            return PagedCache(self.paged.pool.slid_copy(cache.seq, preserve, n, cache.length, theta), cache.length - n)
+        return drop_tokens(cache, preserve, n, theta)  # type: ignore[arg-type]
+
     def _feed(self, sess: LlmSession, ids: list[int]) -> None:
         """Tokens into one session's cache, alone (no decode)."""
+        if isinstance(sess.cache, PagedCache) and self.paged is not None:
+            c = sess.cache
+            self.paged.forward([c.seq], [c.length], [Prefill(np.asarray(ids, np.int64),
+                                                             np.zeros((0, self.preset.llm.hidden), np.float32),
+                                                             np.zeros(len(ids), bool))])
+            sess.cache = PagedCache(c.seq, c.length + len(ids))
+            return
         batch, n = KvBatch([sess.cache]), np.array([len(ids)], np.int64)
         out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
                                "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
