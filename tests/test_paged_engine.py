@@ -136,15 +136,15 @@ def test_logits_of_a_ragged_batch_match_the_onnx_graph(preset, weights) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_stage_on_the_paged_engine_says_what_it_says_on_onnx(preset, weights, device: str) -> None:
-    """Four sessions in one batch for five steps (greedy and sampled, chunks of different lengths): the same
-    tokens, text, cache lengths and decisions, the TTS's hidden rows within 1e-4 (fp32 on the CPU)."""
-    dtype_atol = 1e-4 if device == "cpu" else 5e-2
+    """Six sessions in one batch for five steps (greedy and sampled, chunks of different lengths, a length penalty,
+    teacher forcing, a chat row): the same tokens, text, cache lengths and decisions, the TTS's hidden rows
+    within 1e-4. On CUDA the engine runs fp32 (flex attention), so its tokens can be held to the ONNX graph's."""
     ref = run(onnx_stage(preset), preset, 5, SESSIONS)
-    got = run(stage(preset, paged_engine(preset, weights, device, attention="auto")), preset, 5,
-              SESSIONS if device == "cpu" else {c: s for c, s in SESSIONS.items() if s.get("temperature") == 0.0})
+    got = run(stage(preset, paged_engine(preset, weights, device, attention="auto", dtype=torch.float32)), preset, 5,
+              SESSIONS)
     for corr, results in got.items():
         for a, b in zip(results, ref[corr], strict=True):
-            assert_same(a, b, dtype_atol) if device == "cpu" else assert_same(a, b, hidden_atol=np.inf)
+            assert_same(a, b, 1e-4 if device == "cpu" else 1e-3)
     assert max(len(r.generated) for rs in got.values() for r in rs) > 4, "the sessions decode"
 
 

@@ -72,11 +72,12 @@ class PagedLlmEngine:
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
               pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
-              max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0) -> PagedLlmEngine:
+              max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
+              dtype: torch.dtype | None = None) -> PagedLlmEngine:
         """`pool_size`: GB (> 1) or a fraction of the device's free memory, unless `pool_tokens` says how many
-        tokens it holds; `kv_dtype`: auto (the weights'), fp8."""
+        tokens it holds; `kv_dtype`: auto (the weights'), fp8; `dtype`: the weights' (default: `device_dtype`)."""
         dev = torch.device(device)
-        dtype = device_dtype(dev)
+        dtype = dtype or device_dtype(dev)
         kv = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
         backend: PagedAttention = pick_attention(dev, "gather" if kv_dtype == "fp8" else attention)
         if backend.name == "flex":
