@@ -12,7 +12,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,6 +37,9 @@ from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
+
+if TYPE_CHECKING:  # torch: imported only where the paged engine is built
+    from .paged.engine import PagedLlmEngine
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -165,7 +168,7 @@ class LlmModel(_StatefulStageModel):
         return LlmStage(_llm_engine(ctx), ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
 
 
-def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:  # noqa: F821 (torch's, imported when built)
+def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
     """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
     device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
     device = f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
