@@ -22,8 +22,9 @@ from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
 from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.protocol import Prefill
+from minicpmo_triton.paged.protocol import DUPLEX, Prefill, RowPick
 from minicpmo_triton.paged.traffic import CountingEngine, Traffic
+from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall
@@ -310,3 +311,53 @@ def test_an_fp8_pool_holds_four_times_the_tokens_and_stays_close(preset, weights
     assert abs(blocks["fp8"] - 4 * blocks["auto"]) < 4  # the budget divided in whole blocks
     scale = logits["auto"].abs().max().item()
     assert 0 < (logits["fp8"] - logits["auto"]).abs().max().item() < 0.05 * scale
+
+
+class GreedyRows:
+    """A driver: each row greedy under the duplex rules (nothing forbidden, no penalty), `n` tokens, each fed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: dict[int, list[int]] = {}
+
+    def wants_hidden(self, row: int) -> bool:
+        return False
+
+    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
+        raise AssertionError("no hidden rows are asked for")
+
+    def pick(self, row: int) -> RowPick | None:
+        if len(self.tokens.setdefault(row, [])) >= self.n:
+            return None
+        return RowPick(DUPLEX, SamplingParams(temperature=0.0, repetition_penalty=1.0))
+
+    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
+        self.tokens[row].append(token)
+        return token if len(self.tokens[row]) < self.n else None
+
+
+def test_a_session_admitted_mid_decode_joins_the_running_batch(preset, weights) -> None:
+    """In-flight batching in the engine's loop: a session whose 20-token prefill arrives while another decodes
+    joins the next forward, packed beside the other's one-token step; both decide exactly what they decide alone,
+    and the pair takes 3 + 12 forwards, not 12 + 12."""
+    rng = np.random.default_rng(3)
+    prompts = [Prefill(rng.integers(0, 256, n), np.zeros((0, preset.llm.hidden), np.float32), np.zeros(n, bool))
+               for n in (9, 20)]
+
+    def engine() -> PagedLlmEngine:
+        eng = paged_engine(preset, weights)
+        eng.use_rules(np.zeros((2, preset.llm.vocab), bool), preset.tokens)
+        return eng
+
+    alone, forwards = [], 0
+    for prompt in prompts:
+        eng, driver = engine(), GreedyRows(12)
+        eng.run([eng.pool.open(64)], [0], [prompt], driver)
+        alone.append(driver.tokens[0])
+        forwards += eng.model.work.forwards
+    eng, driver = engine(), GreedyRows(12)
+    calls = iter([[], [], [(eng.pool.open(64), 0, prompts[1])]])
+    lengths, _ = eng.run([eng.pool.open(64)], [0], [prompts[0]], driver, admit=lambda: next(calls, []))
+    assert [driver.tokens[0], driver.tokens[1]] == alone
+    assert lengths == [9 + 11, 20 + 11]  # the last token of each is decided, not fed
+    assert eng.model.work.forwards == 3 + 12 < forwards

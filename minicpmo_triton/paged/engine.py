@@ -9,6 +9,7 @@ None when the row is done), and what to feed after a token (or None when the chu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +34,9 @@ class RowDriver(Protocol):
     def pick(self, row: int) -> RowPick | None: ...
 
     def accept(self, row: int, token: int, drew_second: bool) -> int | None: ...
+
+
+Admit = Callable[[], list[tuple[int, int, Prefill]]]  # -> new rows: (session id, its length, its prefill)
 
 
 @dataclass
@@ -115,40 +119,53 @@ class PagedLlmEngine:
         index = self.traffic.upload("inputs", [out.first[p] for p in positions], self.device)
         return self.traffic.download("outputs", out.hidden[index].to(torch.float32))
 
-    def run(self, seqs: list[int], pasts: list[int], prefill: list[Prefill], driver: RowDriver
-            ) -> tuple[list[int], LoopTiming]:
-        """Prefill every row, then decode until every row is done. Returns each row's new length."""
+    def run(self, seqs: list[int], pasts: list[int], prefill: list[Prefill], driver: RowDriver,
+            admit: Admit | None = None) -> tuple[list[int], LoopTiming]:
+        """Prefill every row, then decode until every row is done. Returns each row's new length.
+
+        `admit`, called before each decode iteration, may bring new rows (their session, its length, their
+        prefill): they join that iteration's forward, their prefill packed beside the others' one-token steps (no
+        padding, nobody waits for them), and are decided from then on like the rest; they are numbered on from
+        the rows given (the driver must know them) and their lengths are returned after them."""
         t0 = time.perf_counter()
-        lengths = [p + len(f.ids) for p, f in zip(pasts, prefill, strict=True)]
-        out = self.forward(seqs, list(pasts), prefill)
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        active = list(range(len(seqs)))  # batch position -> the row
-        steps = 0
-        while active:
-            wants = [pos for pos, row in enumerate(active) if driver.wants_hidden(row)]
-            if wants:
-                for pos, vec in zip(wants, self.hidden_rows(out, wants), strict=True):
-                    driver.add_hidden(active[pos], vec)
-            picks = [(pos, row, driver.pick(row)) for pos, row in enumerate(active)]
-            picks = [(pos, row, p) for pos, row, p in picks if p is not None]
-            if not picks:
-                break
-            at = self.traffic.upload("inputs", [pos for pos, _, _ in picks], self.device)
-            assert self.sampler is not None, "use_rules first"
-            picked = self.sampler.pick(out.logits[at], [p for _, _, p in picks])
-            feed = [(row, driver.accept(row, int(tok), bool(second)))
-                    for (_, row, _), tok, second in zip(picks, picked.tokens, picked.drew_second, strict=True)]
-            active = [row for row, nxt in feed if nxt is not None]
-            if not active:
-                break
-            step = [Prefill(np.array([nxt], np.int64), np.zeros((0, 1), np.float32), np.zeros(1, bool))
-                    for _, nxt in feed if nxt is not None]
-            out = self.forward([seqs[r] for r in active], [lengths[r] for r in active], step)
-            for r in active:
-                lengths[r] += 1
+        seqs, lengths = list(seqs), list(pasts)
+        feed: dict[int, Prefill] = dict(enumerate(prefill))  # row -> what it feeds in the next forward
+        prefill_ms, steps = 0.0, 0
+        while feed:
+            rows = list(feed)
+            out = self.forward([seqs[r] for r in rows], [lengths[r] for r in rows], [feed[r] for r in rows])
+            for r in rows:
+                lengths[r] += len(feed[r].ids)
+            if not steps:
+                prefill_ms = (time.perf_counter() - t0) * 1000
             steps += 1
-        timing = LoopTiming(prefill_ms, (time.perf_counter() - t0) * 1000 - prefill_ms, steps)
+            feed = self._decide(out, rows, driver)
+            for seq, past, pre in admit() if admit is not None else []:
+                feed[len(seqs)] = pre
+                seqs.append(seq)
+                lengths.append(past)
+        timing = LoopTiming(prefill_ms, (time.perf_counter() - t0) * 1000 - prefill_ms, max(0, steps - 1))
         return lengths, timing
+
+    def _decide(self, out: Forward, rows: list[int], driver: RowDriver) -> dict[int, Prefill]:
+        """Each row's next token, chosen on the device; what the rows still going feed next."""
+        wants = [pos for pos, row in enumerate(rows) if driver.wants_hidden(row)]
+        if wants:
+            for pos, vec in zip(wants, self.hidden_rows(out, wants), strict=True):
+                driver.add_hidden(rows[pos], vec)
+        picks = [(pos, row, driver.pick(row)) for pos, row in enumerate(rows)]
+        picks = [(pos, row, p) for pos, row, p in picks if p is not None]
+        if not picks:
+            return {}
+        at = self.traffic.upload("inputs", [pos for pos, _, _ in picks], self.device)
+        assert self.sampler is not None, "use_rules first"
+        picked = self.sampler.pick(out.logits[at], [p for _, _, p in picks])
+        feed = {}
+        for (_, row, _), tok, second in zip(picks, picked.tokens, picked.drew_second, strict=True):
+            nxt = driver.accept(row, int(tok), bool(second))
+            if nxt is not None:
+                feed[row] = Prefill(np.array([nxt], np.int64), np.zeros((0, 1), np.float32), np.zeros(1, bool))
+        return feed
 
 
 WEIGHTS_FILE = "weights.safetensors"  # written by the export beside the LLM's model.onnx
