@@ -99,7 +99,7 @@ class DeviceSampler:
 
     def _duplex(self, raw: torch.Tensor, picks: list[RowPick]) -> tuple[torch.Tensor, ...]:
         tk, neg = self.tokens, torch.tensor(float("-inf"), device=raw.device)
-        bad = torch.isnan(raw).any(1) | torch.isposinf(raw).any(1)
+        bad = torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | ~torch.isfinite(raw).any(1)  # `check_finite`
         greedy = self._up([p.params.greedy for p in picks], np.bool_)
         u1 = self._up([p.u[0] for p in picks], np.float64)
         u2 = self._up([p.u[1] for p in picks], np.float64)
