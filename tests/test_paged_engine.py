@@ -22,7 +22,8 @@ from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
 from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.protocol import DUPLEX, Prefill, RowPick
+from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
+from minicpmo_triton.paged.sampler import DeviceSampler
 from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
@@ -361,3 +362,16 @@ def test_a_session_admitted_mid_decode_joins_the_running_batch(preset, weights) 
     assert [driver.tokens[0], driver.tokens[1]] == alone
     assert lengths == [9 + 11, 20 + 11]  # the last token of each is decided, not fed
     assert eng.model.work.forwards == 3 + 12 < forwards
+
+
+@pytest.mark.parametrize("kind", [DUPLEX, CHAT])
+def test_broken_logits_are_a_numeric_error_on_the_device_too(preset, kind: int) -> None:
+    """As the host's `check_finite`: a row whose logits hold NaN is a coded error, never a token."""
+    sampler = DeviceSampler(np.zeros((2, preset.llm.vocab), bool), preset.tokens, torch.device("cpu"), Traffic())
+    logits = torch.zeros(2, preset.llm.vocab)
+    picks = [RowPick(kind, SamplingParams(temperature=0.0)), RowPick(kind, SamplingParams())]
+    assert len(sampler.pick(logits, picks).tokens) == 2
+    logits[1, 5] = float("nan")
+    with pytest.raises(StepError) as info:
+        sampler.pick(logits, picks)
+    assert info.value.code == Code.NUMERIC_ERROR
