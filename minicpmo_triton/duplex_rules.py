@@ -54,11 +54,12 @@ def top_k_top_p(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """utils.py `top_k_top_p_filtering`: below the k-th logit out (ties kept); then, by falling logit, every
     token after the one whose cumulative probability first exceeds top_p out."""
     out = logits.copy()
-    if top_k > 0:
-        kth = np.sort(out)[-min(top_k, out.shape[0])]
+    if 0 < top_k < out.shape[0]:
+        kth = np.partition(out, -top_k)[-top_k]
         out[out < kth] = NEG_INF
     if top_p > 0.0:
-        order = np.argsort(-out, kind="stable")
+        live = np.flatnonzero(out > NEG_INF)  # the rest have probability 0 and stay out
+        order = live[np.argsort(-out[live], kind="stable")]
         cum = np.cumsum(_softmax(out[order]))
         remove = np.zeros_like(cum, bool)
         remove[1:] = cum[:-1] > top_p
@@ -97,8 +98,9 @@ def stream_decode(logits: np.ndarray, forbidden: np.ndarray, history: list[int],
     if params.greedy:
         token = int(np.argmax(out))
     else:
-        scaled = (out / np.float32(params.temperature)).astype(np.float32)
-        token = _draw(_softmax(top_k_top_p(scaled, params.top_k, params.top_p)), rng)
+        kept = top_k_top_p((out / np.float32(params.temperature)).astype(np.float32), params.top_k, params.top_p)
+        live = np.flatnonzero(kept > NEG_INF)  # a draw among the kept tokens alone: the same distribution
+        token = int(live[_draw(_softmax(kept[live]), rng)])
     history.append(token)
     return token
 

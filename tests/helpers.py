@@ -11,6 +11,15 @@ import websockets
 from gateway.audio import decode_f32_base64, encode_f32_base64
 
 GREEDY = {"do_sample": False}
+
+
+def default_ref_tokens(repository: Any) -> int:
+    """Audio tokens of the duplex system prompt's default voice reference (10 a second on tiny): they count in
+    a session's input audio, as a reference the caller sends does."""
+    from minicpmo_triton.voice_prompt import default_ref_audio
+
+    ref = default_ref_audio(repository / "duplex" / "1")
+    return 0 if ref is None else -(-len(ref) // 1600)
 SPEAKING_TEXT = ("Good morning. Could you please tell me what the weather will be like tomorrow in Paris? "
                  "I am planning a long walk along the river.")
 OTHER_TEXT = "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen."

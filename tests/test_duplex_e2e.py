@@ -23,6 +23,7 @@ from .helpers import (
     SPEAKING_TEXT,
     append_message,
     audio_of,
+    default_ref_tokens,
     deltas,
     open_session,
     recv_until,
@@ -72,7 +73,8 @@ async def test_listen_and_speak_deltas_and_audio_shape(gateway, speech) -> None:
     spoken = {e["response_id"] for e in deltas(result.events) if e["kind"] in ("text", "audio")}
     assert len(spoken) >= 1 and all(r.startswith("resp_") for r in spoken)
     usage = [e["usage"] for e in result.events if "usage" in e]
-    assert usage[-1]["input_audio_tokens"] == 10 * len(result.timings)  # 10 audio tokens per second
+    # 10 audio tokens per second, and the system prompt's default voice reference
+    assert usage[-1]["input_audio_tokens"] == 10 * len(result.timings) + default_ref_tokens(MODEL_REPOSITORY)
     assert usage[-1]["output_speech_tokens"] == 25 * len(audio_deltas)
 
 
@@ -140,7 +142,8 @@ async def test_http_close_ends_the_triton_sequence(gateway, triton, speech) -> N
         resp = await http.post(f"{gateway.http}/sessions/{session_id}/close", json={"reason": "test_done"})
     assert resp.status_code == 200 and resp.json() == {"ok": True, "session_id": session_id, "closed": True}
     closed = await recv_until(ws, lambda e: e["type"] == "session.closed")
-    assert closed[-1]["reason"] == "test_done" and closed[-1]["usage"]["input_audio_tokens"] == 20
+    assert closed[-1]["reason"] == "test_done"
+    assert closed[-1]["usage"]["input_audio_tokens"] == 20 + default_ref_tokens(MODEL_REPOSITORY)
     with pytest.raises(websockets.ConnectionClosed) as info:
         await ws.recv()
     assert info.value.rcvd.code == 1000

@@ -39,9 +39,11 @@ from export.config import preset_from_config
 from export.onnx_export import export_onnx
 from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
+from minicpmo_triton.duplex_rules import forbidden_token_mask, stream_decode
 from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
 from minicpmo_triton.engines import OnnxEngine
 from minicpmo_triton.paged.engine import PagedLlmEngine
+from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
@@ -273,3 +275,44 @@ def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], 
     assert cut, "a chunk cut at 28 characters"
     if window == "basic":
         assert want[-1]["slides"] >= 2 and max(w["kv"] for w in want) <= HIGH + 60
+
+
+def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, Any]) -> None:
+    """Sampling: the reference draws with torch's generator, the stage with numpy's, so the draws cannot be
+    aligned one for one; the distributions must agree. `StreamDecoder.decode` itself (utils.py:2087) and
+    `stream_decode` draw 2000 times each from the same logits and history (the first draw's <|chunk_eos|>,
+    the penalties, T / top-k / top-p in play): the total variation distance between the two histograms stays
+    under 0.08 (two samples of one distribution at this size: about 0.04; without the first draw the
+    <|chunk_eos|> share alone, about 0.2, would move it)."""
+    preset, tk, n = checkpoint["preset"], checkpoint["preset"].tokens, 2000
+    vocab = preset.llm.vocab
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.full((1, vocab), -12.0)
+    words = torch.randperm(200, generator=gen)[:30] + 32  # byte tokens the tokenizer names
+    logits[0, words] = torch.randn(30, generator=gen) + 2.0
+    logits[0, [tk.chunk_eos, tk.turn_eos, tk.listen, tk.speak]] = torch.tensor([5.0, 2.5, 1.5, 2.2])
+    history = [int(t) for t in words[:8]] + [tk.speak]
+    settings = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
+
+    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"], [])
+    torch.manual_seed(11)
+    want = np.zeros(vocab)
+    for _ in range(n):
+        cap.decoder.generated_tokens = list(history)
+        want[int(cap.decoder.decode(logits.clone(), mode="sampling", text_repetition_penalty=1.05,
+                                    text_repetition_window_size=512, length_penalty=1.1, **settings))] += 1
+
+    tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(tk).values()))
+    forbidden = forbidden_token_mask(vocab, tk, tokenizer.bad_ids(vocab))
+    params = SamplingParams(repetition_penalty=1.05, repetition_window=512, **settings)
+    rng = np.random.default_rng(11)
+    got = np.zeros(vocab)
+    raw = logits[0].numpy()
+    for _ in range(n):
+        got[stream_decode(raw, forbidden, list(history), params, 1.1, tk, rng)] += 1
+    tv = 0.5 * np.abs(got - want).sum() / n
+    print(f"\n<|chunk_eos|> {got[tk.chunk_eos] / n:.3f} (reference {want[tk.chunk_eos] / n:.3f}); "
+          f"<|turn_eos|> {got[tk.turn_eos] / n:.3f} ({want[tk.turn_eos] / n:.3f}); "
+          f"distinct tokens {np.count_nonzero(got)} ({np.count_nonzero(want)}); total variation {tv:.3f}")
+    assert np.count_nonzero(want) > 5 and want[tk.chunk_eos] > 0.1 * n
+    assert tv < 0.08

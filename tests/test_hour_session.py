@@ -22,7 +22,7 @@ from minicpmo_triton.pipeline import StepEvent, StepInput
 from .conftest import MODEL_REPOSITORY
 from .helpers import GREEDY, SPEAKING_TEXT, open_session, transcript
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function")]
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function"), pytest.mark.timeout(3600)]
 STEPS = 3600
 IN_FLIGHT = 4  # appends ahead of the answers: within the gateway's queue (8), so steps run back to back
 HIGH = DuplexOptions().basic_window_high_tokens

@@ -21,7 +21,7 @@ from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY, REPO, RunningGateway, RunningTriton, start_gateway, stop_gateway
-from .helpers import GREEDY, SPEAKING_TEXT, deltas, transcript
+from .helpers import GREEDY, SPEAKING_TEXT, default_ref_tokens, deltas, transcript
 from .reference_checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -69,7 +69,8 @@ async def test_the_real_layout_serves_duplex_steps(real_repository, real_server,
     assert {e["input_id"] for e in steps} == {f"in_{i}" for i in range(CHUNKS)}  # every step answered
     assert [e["kind"] for e in steps[:3]] == ["listen"] * 3  # force_listen_count, as MiniCPM-o does
     usage = [e["usage"] for e in served.events if "usage" in e]
-    assert usage[-1]["input_audio_tokens"] == 10 * CHUNKS
+    # the checkpoint's own assets/system_ref_audio.wav is the system prompt's default voice reference
+    assert usage[-1]["input_audio_tokens"] == 10 * CHUNKS + default_ref_tokens(real_repository) > 10 * CHUNKS
     assert usage[0]["input_text_tokens"] > 0  # the system prompt through the checkpoint's tokenizer
     spoken = deltas(served.events, "audio")
     assert spoken, "greedy on this fixture the model speaks: the TTS and token2wav serve too"
