@@ -17,7 +17,10 @@ import torch
 from minicpmo_triton.model_config import SPEECH_TOKENS_PER_SECOND, DecoderDims, PresetConfig
 
 SECONDS = (1, 60, 300)
-FP32, BF16 = 4, 2
+FP32, BF16, FP8 = 4, 2, 1
+POOL_SESSIONS = (32, 128, 256, 512)
+POOL_SECONDS = (60, 300)
+SPEAKING = 0.3  # the share of sessions speaking at a time, for the pool's size
 WHISPER_FRAMES_PER_SECOND = 50
 
 
@@ -66,4 +69,23 @@ def memory_report(preset: PresetConfig) -> str:
         cells = [f"{_mib(rows[s][0][stage])} / {_mib(rows[s][1][stage])}" for s in SECONDS]
         lines.append(f"  {stage:16s} " + " ".join(f"{c:>17s}" for c in cells))
     lines.append("  (token2wav's stream caches: Step-Audio2 flow + HiFT; vision: none kept)")
+    lines.extend(pool_report(preset))
     return "\n".join(lines)
+
+
+def pool_bytes(preset: PresetConfig, sessions: int, seconds: float, dtype_bytes: int) -> int:
+    """The LLM's KV pool for `sessions` sessions `seconds` in, SPEAKING of them speaking the whole time."""
+    speaking = round(sessions * SPEAKING)
+    return (speaking * kv_bytes(preset, seconds, True, dtype_bytes)["llm"]
+            + (sessions - speaking) * kv_bytes(preset, seconds, False, dtype_bytes)["llm"])
+
+
+def pool_report(preset: PresetConfig) -> list[str]:
+    """The pool the paged LLM engine needs (its `pool_size` parameter), bf16 and fp8 KV."""
+    lines = [f"  LLM KV pool for N sessions ({SPEAKING:.0%} speaking), GiB bf16 / fp8:",
+             f"  {'sessions':16s} " + " ".join(f"{f'{s} s':>17s}" for s in POOL_SECONDS)]
+    for n in POOL_SESSIONS:
+        cells = [f"{pool_bytes(preset, n, s, BF16) / 2**30:,.1f} / {pool_bytes(preset, n, s, FP8) / 2**30:,.1f}"
+                 for s in POOL_SECONDS]
+        lines.append(f"  {n:<16d} " + " ".join(f"{c:>17s}" for c in cells))
+    return lines

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from minicpmo_triton.duplex_contract import ChatInput, StepInput
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, describe
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, RETRYABLE, Code, describe
 
 from . import peers
 from .auth import ANONYMOUS
@@ -335,6 +335,11 @@ class Session:
                 code = ev.code or Code.STAGE_ERROR
                 if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
                     await self.apply(await self.in_order(self.state.on_step_error, step, code, ev.message))
+                elif code in RETRYABLE:  # the server has no room now (its KV pool): told as a refusal to retry
+                    err = ProtocolError(CLOSE_REASONS[code], ev.message, close_code=CLOSE_TRY_AGAIN,
+                                        error_type="server_error", retryable=True)
+                    await self.emit([self.state.error_event(err)])
+                    self._spawn(self.close(err.code, message=err.message, ws_code=CLOSE_TRY_AGAIN))
                 else:
                     reason = CLOSE_REASONS.get(code, "backend_error")
                     # its type and place are in the Triton log (no caller data here: the message may quote it)

@@ -29,6 +29,7 @@ class Code(StrEnum):
     INVALID_VOICE = "invalid_voice"  # a voice reference the voice stage cannot use
     INVALID_INPUT = "invalid_input"
     NUMERIC_ERROR = "numeric_error"
+    POOL_FULL = "pool_full"  # the KV pool has no room for this session now: retryable, once others end
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
     INTERNAL_ERROR = "internal_error"
@@ -39,7 +40,8 @@ class Code(StrEnum):
 
 CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
 CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config",
-                 Code.INVALID_VOICE: "invalid_voice"}
+                 Code.INVALID_VOICE: "invalid_voice", Code.POOL_FULL: "pool_full"}
+RETRYABLE = frozenset({Code.POOL_FULL})  # the same request may succeed later: the client is told to retry
 
 STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)

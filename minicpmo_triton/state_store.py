@@ -28,9 +28,11 @@ class _Entry(Generic[T]):
 
 
 class SequenceStore(Generic[T]):
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[T], None] | None = None) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
+        self._on_drop = on_drop  # state held outside the entry (KV pool blocks) is given back here
         self._entries: dict[int, _Entry[T]] = {}
         self._lock = threading.Lock()
         self.evicted_total = 0
@@ -38,8 +40,15 @@ class SequenceStore(Generic[T]):
     def start(self, corr_id: int, value: T) -> T:
         """Begin (or restart) a sequence: any earlier state under this ID is replaced."""
         with self._lock:
+            old = self._entries.get(corr_id)
             self._entries[corr_id] = _Entry(value, self._clock())
+        if old is not None:
+            self._drop(old.value)
         return value
+
+    def _drop(self, value: T) -> None:
+        if self._on_drop is not None:
+            self._on_drop(value)
 
     def get(self, corr_id: int) -> T:
         with self._lock:
@@ -57,16 +66,24 @@ class SequenceStore(Generic[T]):
 
     def end(self, corr_id: int) -> bool:
         with self._lock:
-            return self._entries.pop(corr_id, None) is not None
+            entry = self._entries.pop(corr_id, None)
+        if entry is not None:
+            self._drop(entry.value)
+        return entry is not None
 
     def evict_expired(self) -> list[int]:
         now = self._clock()
         with self._lock:
             expired = [cid for cid, e in self._entries.items() if now - e.touched > self.ttl_s]
-            for cid in expired:
-                del self._entries[cid]
+            dropped = [self._entries.pop(cid).value for cid in expired]
             self.evicted_total += len(expired)
+        for value in dropped:
+            self._drop(value)
         return expired
+
+    def values(self) -> list[T]:
+        with self._lock:
+            return [e.value for e in self._entries.values()]
 
     def __len__(self) -> int:
         with self._lock:

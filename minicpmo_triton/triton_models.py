@@ -12,7 +12,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -20,9 +20,10 @@ import triton_python_backend_utils as pb_utils
 from . import duplex_contract as contract
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
-from .engines import load_engine
+from .engines import Engine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
+from .paged.protocol import pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
@@ -36,6 +37,9 @@ from .stages.vision_encoder import VisionEncoderStage
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
+
+if TYPE_CHECKING:  # torch: imported only where the paged engine is built
+    from .paged.engine import PagedLlmEngine
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -51,6 +55,8 @@ class _ModelContext:
         self.version_dir = Path(args["model_repository"]) / args["model_version"]
         self.params = {k: v["string_value"] for k, v in self.config.get("parameters", {}).items()}
         self.preset = load_stage_config(self.version_dir)
+        self.kind: str = args.get("model_instance_kind", "CPU")  # GPU for a KIND_GPU instance
+        self.device_id = int(args.get("model_instance_device_id", 0) or 0)
 
     def setting(self, key: str) -> Any:
         """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
@@ -159,7 +165,19 @@ class LlmModel(_StatefulStageModel):
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
         encoder = AudioStreamEncoder(load_engine(models / "audio_encoder" / "1", _threads(ctx), "stream"),
                                      ctx.preset.audio, ctx.preset.samples_per_audio_token)
-        return LlmStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, tokenizer, _ttl(ctx), encoder)
+        return LlmStage(_llm_engine(ctx), ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
+
+
+def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
+    """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
+    device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
+    device = f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
+    if pick_llm_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
+        return load_engine(ctx.version_dir, _threads(ctx))
+    from .paged.engine import load_paged_engine  # torch
+
+    return load_paged_engine(ctx.version_dir, ctx.preset.llm, device, ctx.preset.duplex.context_tokens,
+                             pool_size=ctx.setting("kv_pool_size"), kv_dtype=ctx.setting("kv_dtype"))
 
 
 class TtsModel(_StatefulStageModel):

@@ -40,6 +40,7 @@ from export.stages import build_modules, stage_graphs
 from minicpmo_triton.duplex_rules import forbidden_token_mask, stream_decode
 from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
 from minicpmo_triton.engines import OnnxEngine
+from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
@@ -167,6 +168,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from MiniCPMO45.tokenization_minicpmo_fast import MiniCPMOTokenizerFast
 
     return {"ref": ref, "preset": preset, "onnx": out / "llm" / "model.onnx", "unified": unified,
+            "llm_weights": modules["llm"].state_dict(),
             "tokenizer": MiniCPMOTokenizerFast.from_pretrained(str(ref.folder))}
 
 
@@ -197,10 +199,16 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
     return out
 
 
-def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
+def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
+             engine: str = "onnx") -> list[dict[str, Any]]:
+    """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
+    sampling on the device)."""
     preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
     tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(preset.tokens).values()))
-    stage = LlmStage(OnnxEngine(checkpoint["onnx"], threads=1), preset, tokenizer, 600.0)
+    llm = OnnxEngine(checkpoint["onnx"], threads=1) if engine == "onnx" else \
+        PagedLlmEngine.build(checkpoint["llm_weights"], preset.llm, pool_tokens=4096, attention="gather",
+                             max_tokens=preset.duplex.context_tokens)
+    stage = LlmStage(llm, preset, tokenizer, 600.0)
     tk = preset.tokens
     system = tok.encode(PREFIX, add_special_tokens=False) + tok.encode(SUFFIX, add_special_tokens=False)
     out = []
@@ -231,11 +239,12 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
     return out
 
 
+@pytest.mark.parametrize("engine", ["onnx", "paged"])
 @pytest.mark.parametrize("window", ["off", "basic"])
-def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str) -> None:
+def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
     embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
     want = run_reference(checkpoint, embeds, window)
-    got = run_ours(checkpoint, embeds, window)
+    got = run_ours(checkpoint, embeds, window, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"])

@@ -99,7 +99,10 @@ class SequenceStage(Generic[Req, Res, State]):
     """Subclasses give `new_state` and `compute`, which runs the whole batch in one go."""
 
     def __init__(self, ttl_s: float) -> None:
-        self.store: SequenceStore[State] = SequenceStore(ttl_s)
+        self.store: SequenceStore[State] = SequenceStore(ttl_s, on_drop=self.drop_state)
+
+    def drop_state(self, state: State) -> None:
+        """A session's state is gone (END, a restart, eviction): give back what it holds outside itself."""
 
     def new_state(self, call: StageCall[Req]) -> State:
         raise NotImplementedError

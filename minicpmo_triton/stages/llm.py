@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,13 +16,23 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
 from ..model_config import PresetConfig
+from ..paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
-from .decode_loop import batched_decode
+from .decode_loop import DecodeTiming, batched_decode
+
+if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
+    from ..paged.engine import LoopTiming, PagedLlmEngine
+
+
+def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
+    """The fed token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
+    token) or of a step."""
+    return bool(dec.text_ids) and len(got) < len(dec.text_ids)
 
 
 class ContextFull(StepError):
@@ -30,9 +42,21 @@ class ContextFull(StepError):
         super().__init__(Code.CONTEXT_FULL, message)
 
 
+@dataclass(frozen=True)
+class PagedCache:
+    """A session's place in the paged engine's KV pool: its id there and how many of its tokens are real (the
+    pool may hold more blocks: they are given back after the step, or reused)."""
+
+    seq: int
+    length: int
+
+    def truncated(self, length: int) -> PagedCache:
+        return PagedCache(self.seq, length)
+
+
 @dataclass
 class LlmSession:
-    cache: KvCache
+    cache: KvCache | PagedCache
     rng: np.random.Generator
     pending: list[int] = field(default_factory=list)  # last chunk's terminator + </unit>
     turn_ended: bool = True  # the reference's `current_turn_ended`
@@ -43,10 +67,13 @@ class LlmSession:
 
 
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
-    def __init__(self, engine: Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
-                 encoder: AudioStreamEncoder | None = None) -> None:
+    def __init__(self, engine: Engine | PagedLlmEngine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
+                 encoder: AudioStreamEncoder | None = None, admit_tokens: int = 1024) -> None:
         super().__init__(ttl_s)
         self.engine = engine
+        # the paged engine keeps every session's KV cache in its pool; today's engines take it in each call
+        self.paged: PagedLlmEngine | None = engine if getattr(engine, "name", "") == "paged" else None  # type: ignore[assignment]
+        self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -59,9 +86,26 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
         self.forcible = np.ones(d.vocab, bool)
         self.forcible[sorted(set(vars(preset.tokens).values()))] = False
+        if self.paged is not None:
+            self.paged.use_rules(np.stack([self.forbidden, ~self.chat_allowed]), preset.tokens)  # DUPLEX, CHAT
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
-        return LlmSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
+        rng = seeded_rng(call.request.seed, call.corr_id)
+        if self.paged is not None:
+            return LlmSession(PagedCache(self.paged.pool.open(self.admit_tokens), 0), rng)
+        return LlmSession(self._empty(), rng)
+
+    def drop_state(self, state: LlmSession) -> None:
+        if isinstance(state.cache, PagedCache) and self.paged is not None:
+            self.paged.pool.free(state.cache.seq)
+
+    def run(self, calls: list[StageCall[LlmRequest]]) -> list[LlmResult | Exception]:
+        results = super().run(calls)
+        if self.paged is not None:  # a slide copies a session into a new pool entry: the one it left, or one an
+            held = {s.cache.seq for s in self.store.values() if isinstance(s.cache, PagedCache)}  # undo dropped
+            for seq in [q for q in self.paged.pool.tables if q not in held]:
+                self.paged.pool.free(seq)
+        return results
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
@@ -105,6 +149,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             used = min(used, request.window_high)  # past the high watermark, this step's close slides the window
         if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
+        if isinstance(state.cache, PagedCache) and self.paged is not None:
+            self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
 
     def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
         """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
@@ -139,10 +185,20 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                                          self.preset.duplex.repetition_window))
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
+        if self.paged is not None:
+            driver = _DeviceRows(self, items, decoders, params, hidden_of)
+            seqs = [s.cache.seq for _, s in items]  # type: ignore[union-attr]
+            lengths, timing = self.paged.run(seqs, [s.cache.length for _, s in items],
+                                             [Prefill(p["input_ids"], e, p["use_embeds"])
+                                              for p, e in zip(prefill, row_embeds, strict=True)], driver)
+            caches: list[KvCache | PagedCache] = [PagedCache(q, n) for q, n in zip(seqs, lengths, strict=True)]
+            for q, n in zip(seqs, lengths, strict=True):
+                self.paged.pool.truncate(q, n)
+            return self._results(items, decoders, caches, hidden_of, prefill, timing, encode_ms)
+
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
-            if dec.text_ids and len(hidden_of[row]) < len(dec.text_ids):
-                # the fed token's hidden state: position 0 of a prefill (a carried token) or of a step
+            if wants_hidden(dec, hidden_of[row]):
                 hidden_of[row].append(out["hidden"][0])
             if dec.done:
                 return None
@@ -175,8 +231,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             return {"input_ids": np.array(tokens, np.int64)[:, None],
                     "embeds": np.zeros((n, 1, h), np.float32), "use_embeds": np.zeros((n, 1), bool)}
 
-        caches, timing = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
-                                        ("logits", "hidden"))
+        host_caches, host_timing = batched_decode(self.engine, [s.cache for _, s in items], prefill,  # type: ignore[arg-type]
+                                                  step_feeds, choose, ("logits", "hidden"))
+        return self._results(items, decoders, host_caches, hidden_of, prefill, host_timing, encode_ms)
+
+    def _results(self, items: list[tuple[LlmRequest, LlmSession]], decoders: list[ChunkDecoder | ChatDecoder],
+                 caches: Sequence[KvCache | PagedCache], hidden_of: list[list[np.ndarray]],
+                 prefill: list[dict[str, np.ndarray]], timing: DecodeTiming | LoopTiming,
+                 encode_ms: float) -> list[LlmResult]:
+        h = self.preset.llm.hidden
         results = []
         for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True):
             cached = sess.cache.length
@@ -225,13 +288,26 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             # window slides (one more forward for this row, once per slide)
             self._feed(sess, sess.pending)
             sess.pending = []
-            sess.cache = drop_tokens(sess.cache, sess.units.preserve, n, self.preset.llm.rope_theta)
+            sess.cache = self._drop(sess.cache, sess.units.preserve, n)
         units = np.flatnonzero(req.input_ids == self.preset.tokens.unit)
         if len(units):
             sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]))
 
+    def _drop(self, cache: KvCache | PagedCache, preserve: int, n: int) -> KvCache | PagedCache:
+        theta = self.preset.llm.rope_theta
+        if isinstance(cache, PagedCache) and self.paged is not None:  # into a new pool entry: undoable
+            return PagedCache(self.paged.pool.slid_copy(cache.seq, preserve, n, cache.length, theta), cache.length - n)
+        return drop_tokens(cache, preserve, n, theta)  # type: ignore[arg-type]
+
     def _feed(self, sess: LlmSession, ids: list[int]) -> None:
         """Tokens into one session's cache, alone (no decode)."""
+        if isinstance(sess.cache, PagedCache) and self.paged is not None:
+            c = sess.cache
+            self.paged.forward([c.seq], [c.length], [Prefill(np.asarray(ids, np.int64),
+                                                             np.zeros((0, self.preset.llm.hidden), np.float32),
+                                                             np.zeros(len(ids), bool))])
+            sess.cache = PagedCache(c.seq, c.length + len(ids))
+            return
         batch, n = KvBatch([sess.cache]), np.array([len(ids)], np.int64)
         out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
                                "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
@@ -264,3 +340,59 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if not req.decode:
             dec.done = True
         return dec
+
+
+class _DeviceRows:
+    """The paged engine's side of the host rules: what `LlmStage.compute`'s `choose` does, with the logits left on
+    the device (each row's pick is sent as numbers; the token comes back)."""
+
+    def __init__(self, stage: LlmStage, items: list[tuple[LlmRequest, LlmSession]],
+                 decoders: list[ChunkDecoder | ChatDecoder], params: list[SamplingParams],
+                 hidden_of: list[list[np.ndarray]]) -> None:
+        self.stage, self.items, self.decoders, self.params, self.hidden_of = stage, items, decoders, params, hidden_of
+        self.picks: dict[int, RowPick] = {}  # each row's pick this step, read back when its token comes
+
+    def wants_hidden(self, row: int) -> bool:
+        return wants_hidden(self.decoders[row], self.hidden_of[row])
+
+    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
+        self.hidden_of[row].append(hidden)
+
+    def pick(self, row: int) -> RowPick | None:
+        dec, (req, sess), params = self.decoders[row], self.items[row], self.params[row]
+        if dec.done:
+            return None
+        forced = int(req.forced_ids[len(dec.generated)]) if len(dec.generated) < len(req.forced_ids) else -1
+        window = params.repetition_window
+        if isinstance(dec, ChatDecoder):
+            # as `_may_force` on the chat rules' logits: the token is allowed, or it is text and others are too
+            if forced >= 0 and not (self.stage.chat_allowed[forced]
+                                    or (self.stage.forcible[forced] and self.stage.chat_allowed.sum() > 1)):
+                forced = -1
+            u = float(sess.rng.random()) if forced < 0 and not params.greedy else 0.0  # `sample`'s one draw
+            history = sess.chat_history[-window:] if params.repetition_penalty != 1.0 else []
+            self.picks[row] = RowPick(CHAT, params, forced, history, u=(u, 0.0))
+            return self.picks[row]
+        if dec.must_end:
+            dec.end_now()
+            return None
+        pick = RowPick(DUPLEX, params, forced, sess.history[-window:] if params.repetition_penalty != 1.0 else [],
+                       req.length_penalty)
+        if forced < 0 and not params.greedy:  # `stream_decode`'s two draws; the second given back if not needed
+            first = float(sess.rng.random())
+            pick.rewind = sess.rng.bit_generator.state
+            pick.u = (first, float(sess.rng.random()))
+        self.picks[row] = pick
+        return pick
+
+    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
+        dec, sess, pick = self.decoders[row], self.items[row][1], self.picks[row]
+        if isinstance(dec, ChatDecoder):
+            if pick.forced < 0:
+                sess.chat_history.append(token)
+            return dec.accept(token)
+        if pick.forced >= 0 or drew_second:
+            sess.history.append(token)  # a draw that went past <|chunk_eos|>, or a forced token, joins the history
+        elif pick.rewind is not None:
+            sess.rng.bit_generator.state = pick.rewind
+        return dec.accept(token)

@@ -1,0 +1,234 @@
+"""The paged LLM engine on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's LLM dims (Qwen3-8B).
+
+1. parity: the CUDA backend (flex_attention over the pool) against the reference gather, same weights, same
+   pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode;
+2. speed: all 36 layers, 32 / 64 / 128 sessions each holding 60 s of history in the pool: ms per decode
+   iteration (every session one token, sampling and the duplex rules on the device included) and per packed
+   chunk prefill (12 tokens each), and a 1 s step estimated from them (every session's prefill, one decode
+   iteration for all, then 30% speaking for the rest of a 20-token chunk);
+3. memory: the pool's bytes, the weights', the peak allocated.
+Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error), a table to
+stdout. `--device cpu --quick` runs the same code at small dims to test the script.
+
+    python -m bench.gpu_check --out gpu_out            (scripts/gpu_check.sh runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from export.presets import minicpmo45, tiny
+from minicpmo_triton.model_config import DecoderDims
+from minicpmo_triton.paged.attention import FlexAttention, GatherAttention
+from minicpmo_triton.paged.engine import PagedLlmEngine
+from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
+from minicpmo_triton.sampling import SamplingParams
+
+# Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
+REAL = DecoderDims(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151748)
+QUICK = DecoderDims(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=2000)
+HISTORY_60S = 13 * 60  # tokens a listening session holds after 60 s (<unit>, 10 audio, <|listen|>, </unit> a second)
+CHUNK_TOKENS = 12
+SPEAK_TOKENS = 20  # max_new_speak_tokens_per_chunk
+SPEAKING = 0.3
+
+
+def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    out = {"model.embed_tokens.weight": w(d.vocab, d.hidden), "lm_head.weight": w(d.vocab, d.hidden),
+           "model.norm.weight": torch.ones(d.hidden, device=device, dtype=dtype)}
+    for i in range(d.layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": torch.ones(d.hidden, device=device, dtype=dtype),
+                p + "post_attention_layernorm.weight": torch.ones(d.hidden, device=device, dtype=dtype),
+                p + "self_attn.q_norm.weight": torch.ones(d.head_dim, device=device, dtype=dtype),
+                p + "self_attn.k_norm.weight": torch.ones(d.head_dim, device=device, dtype=dtype),
+                p + "self_attn.q_proj.weight": w(d.heads * d.head_dim, d.hidden),
+                p + "self_attn.k_proj.weight": w(d.kv_heads * d.head_dim, d.hidden),
+                p + "self_attn.v_proj.weight": w(d.kv_heads * d.head_dim, d.hidden),
+                p + "self_attn.o_proj.weight": w(d.hidden, d.heads * d.head_dim),
+                p + "mlp.gate_proj.weight": w(d.intermediate, d.hidden),
+                p + "mlp.up_proj.weight": w(d.intermediate, d.hidden),
+                p + "mlp.down_proj.weight": w(d.hidden, d.intermediate)}
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn: Any, repeats: int) -> float:
+    """Median ms of `repeats` calls after two warm-ups (the first compiles)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def build(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, sessions: int, history: int,
+          attention: str) -> PagedLlmEngine:
+    eng = PagedLlmEngine.build(weights, d, device=device, pool_tokens=sessions * (history + 2 * 128 + CHUNK_TOKENS),
+                               attention=attention, max_sessions=max(sessions, 1), max_tokens=8192)
+    tokens = (minicpmo45() if d.vocab == REAL.vocab else tiny()).tokens  # the sampler reads <|chunk_eos|> etc.
+    forbidden = np.zeros((2, d.vocab), bool)
+    forbidden[:, tokens.tts_pad] = True
+    eng.use_rules(forbidden, tokens)
+    return eng
+
+
+def chunk_rows(d: DecoderDims, n: int, tokens: int, rng: np.random.Generator) -> list[Prefill]:
+    return [Prefill(rng.integers(0, d.vocab, tokens), np.zeros((0, d.hidden), np.float32), np.zeros(tokens, bool))
+            for _ in range(n)]
+
+
+def picks(n: int, rng: np.random.Generator) -> list[RowPick]:
+    """Duplex rows, greedy and sampled (the defaults: 0.7, top-k 20, top-p 0.8, a 512-token repetition window,
+    length penalty 1.1), and every eighth a chat row."""
+    out = []
+    for r in range(n):
+        params = SamplingParams(temperature=0.0) if r % 2 else SamplingParams()
+        out.append(RowPick(CHAT if r % 8 == 7 else DUPLEX, params, history=rng.integers(0, 1000, 512).tolist(),
+                           length_penalty=1.1, u=(float(rng.random()), float(rng.random()))))
+    return out
+
+
+def parity(d: DecoderDims, device: str, sessions: int, history: int) -> dict[str, Any]:
+    """One engine, its attention swapped: the same forwards (rewriting the same keys in the same slots)."""
+    d2 = dataclasses.replace(d, layers=2)
+    weights = random_weights(d2, device)
+    eng = build(d2, weights, device, sessions, history, "flex")  # flex's pool blocks: 128 tokens
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, history, sessions).tolist()
+    seqs = [eng.pool.open(1) for _ in range(sessions)]
+    rows = [Prefill(rng.integers(0, d2.vocab, n), np.zeros((0, d2.hidden), np.float32), np.zeros(n, bool))
+            for n in lens]
+    gather, flex = GatherAttention(), FlexAttention(compiled=device == "cuda")
+    out: dict[str, Any] = {"sessions": sessions, "layers": 2, "dtype": str(eng.model.dtype)}
+    for name, pasts, batch in (("prefill", [0] * sessions, rows),
+                               ("decode", lens, chunk_rows(d2, sessions, 1, rng))):
+        logits = {}
+        for backend in (gather, flex):
+            eng.model.attention = backend
+            logits[backend.name] = eng.forward(seqs, pasts, batch).logits.float()
+        diff = (logits["flex"] - logits["gather"]).abs().max().item()
+        agree = (logits["flex"].argmax(1) == logits["gather"].argmax(1)).float().mean().item()
+        scale = logits["gather"].abs().max().item()
+        out[name] = {"max_abs_diff": diff, "max_abs_logit": scale, "greedy_agreement": agree}
+    return out
+
+
+def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: int, history: int,
+            repeats: int, attention: str = "auto") -> dict[str, Any]:
+    """`n` sessions `history` tokens in: a decode iteration of all, of the 30% speaking, a chunk prefill of all."""
+    eng = build(d, weights, device, n, history, attention)
+    for layer in range(d.layers):  # any history will do: the work is the same whatever the values
+        eng.pool.key[layer].normal_()
+        eng.pool.value[layer].normal_()
+    seqs = [eng.pool.open(history + CHUNK_TOKENS + 1) for _ in range(n)]
+    rng = np.random.default_rng(n)
+    pasts = [history] * n
+    step_rows, prefill_rows = chunk_rows(d, n, 1, rng), chunk_rows(d, n, CHUNK_TOKENS, rng)
+    row_picks = picks(n, rng)
+    speakers = max(1, int(n * SPEAKING))
+    sampler = eng.sampler
+    assert sampler is not None
+
+    def decode(k: int) -> None:
+        sampler.pick(eng.forward(seqs[:k], pasts[:k], step_rows[:k]).logits, row_picks[:k])
+
+    decode_ms = timed(device, lambda: decode(n), repeats)
+    speak_ms = timed(device, lambda: decode(speakers), repeats)
+    prefill_ms = timed(device, lambda: eng.forward(seqs, pasts, prefill_rows), repeats)
+    return {"sessions": n, "history": history, "attention": eng.model.attention.name,
+            "decode_iteration_ms": decode_ms, "decode_iteration_30pct_ms": speak_ms, "chunk_prefill_ms": prefill_ms,
+            "step_estimate_ms": prefill_ms + decode_ms + (SPEAK_TOKENS - 1) * speak_ms,
+            "pool_gib": eng.pool.nbytes / 2**30, "pool_blocks": eng.pool.num_blocks,
+            "block_size": eng.pool.shape.block_size,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+
+
+def speed(d: DecoderDims, device: str, counts: list[int], history: int, repeats: int,
+          deadline: float) -> list[dict[str, Any]]:
+    weights = random_weights(d, device)
+    weights_gib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**30
+    results: list[dict[str, Any]] = []
+    for n in counts:
+        if time.monotonic() > deadline:
+            results.append({"sessions": n, "skipped": "out of time"})
+            continue
+        try:
+            results.append({**measure(d, weights, device, n, history, repeats), "weights_gib": weights_gib})
+        except Exception as exc:  # noqa: BLE001 (one size failing, out of memory say, leaves the others)
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"sessions {n}: {error}; again with the gather backend", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                results.append({**measure(d, weights, device, n, history, repeats, "gather"),
+                                "weights_gib": weights_gib, "flex_error": error})
+            except Exception as again:  # noqa: BLE001
+                results.append({"sessions": n, "error": error, "gather_error": f"{type(again).__name__}: {again}"})
+        print(json.dumps(results[-1]), flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("gpu_out"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small dims, 2 and 4 sessions (tests the script)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no new size past this")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    d = QUICK if args.quick else REAL
+    counts = [2, 4] if args.quick else [32, 64, 128]
+    history = 50 if args.quick else HISTORY_60S
+    report: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "dims": dataclasses.asdict(d),
+                              "note": "random weights; speed of the engine, not of a served model"}
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    path = args.out / "gpu_check.json"
+    stages = {"parity": lambda: parity(d, args.device, 8, history),
+              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 10, deadline)}
+    failed = False
+    for name, run in stages.items():
+        t0 = time.perf_counter()
+        try:
+            report[name] = run()
+        except Exception as exc:  # noqa: BLE001 (a stage that breaks is recorded; the next one still runs)
+            failed = True
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        report[f"{name}_s"] = time.perf_counter() - t0
+        path.write_text(json.dumps(report, indent=1))
+        print(f"== {name} ({report[f'{name}_s']:.0f} s)\n{json.dumps(report[name], indent=1)[:3000]}", flush=True)
+    print(f"results: {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The paged LLM engine: a packed prefill of every row's chunk, then one batched decode forward per token, the KV
+cache in the pool, the choice of each token on the device; the host sees token ids and the hidden rows it asks for.
+
+A `RowDriver` is the stage's side of the loop (the host's decode rules): per row, whether it wants the hidden
+state of the token just fed (the TTS conditions on text tokens' hidden states), what the next pick is (or
+None when the row is done), and what to feed after a token (or None when the chunk is over).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..model_config import DecoderDims, SpecialTokens
+from .attention import PagedAttention, Rows, pick_attention
+from .model import PagedDecoder
+from .pool import KvPool, PoolShape, blocks_in_budget, budget_bytes
+from .protocol import Prefill, RowPick
+from .sampler import DeviceSampler
+from .traffic import Traffic, Work
+
+
+class RowDriver(Protocol):
+    def wants_hidden(self, row: int) -> bool: ...
+
+    def add_hidden(self, row: int, hidden: np.ndarray) -> None: ...
+
+    def pick(self, row: int) -> RowPick | None: ...
+
+    def accept(self, row: int, token: int, drew_second: bool) -> int | None: ...
+
+
+Admit = Callable[[], list[tuple[int, int, Prefill]]]  # -> new rows: (session id, its length, its prefill)
+
+
+@dataclass
+class Forward:
+    logits: torch.Tensor  # [B, vocab] fp32, device
+    hidden: torch.Tensor  # [N, hidden], device
+    first: list[int]  # each row's first token in `hidden`
+
+
+@dataclass
+class LoopTiming:
+    prefill_ms: float
+    decode_ms: float
+    steps: int
+
+
+def device_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on the GPU (Qwen3 overflows fp16), fp32 on the CPU (where bf16 matmuls are slow and the parity
+    tests hold the path to 1e-4)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class PagedLlmEngine:
+    name = "paged"
+
+    def __init__(self, model: PagedDecoder, traffic: Traffic) -> None:
+        self.model = model
+        self.pool = model.pool
+        self.traffic = traffic
+        self.device = model.device
+        self.sampler: DeviceSampler | None = None
+
+    def use_rules(self, forbidden: np.ndarray, tokens: SpecialTokens) -> None:
+        """The rule sets' forbidden tokens [DUPLEX / CHAT, vocab], uploaded once: the stage's decode rules own them."""
+        self.sampler = DeviceSampler(forbidden, tokens, self.device, self.traffic)
+
+    @classmethod
+    def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
+              pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
+              max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
+              dtype: torch.dtype | None = None) -> PagedLlmEngine:
+        """`pool_size`: GB (> 1) or a fraction of the device's free memory, unless `pool_tokens` says how many
+        tokens it holds; `kv_dtype`: auto (the weights'), fp8; `dtype`: the weights' (default: `device_dtype`)."""
+        dev = torch.device(device)
+        dtype = dtype or device_dtype(dev)
+        kv = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
+        backend: PagedAttention = pick_attention(dev, "gather" if kv_dtype == "fp8" else attention)
+        if backend.name == "flex":
+            block_size = max(block_size, 128)  # flex's KV tile: one pool block per tile
+        traffic = Traffic()
+        shape = PoolShape(dims.layers, dims.kv_heads, dims.head_dim, block_size)
+        budget = budget_bytes(pool_size, dev)
+        if pool_size <= 1 and dev.type == "cuda":
+            budget -= sum(t.numel() for t in weights.values()) * torch.empty(0, dtype=dtype).element_size()
+        blocks = shape.blocks_for(pool_tokens) if pool_tokens else blocks_in_budget(shape, kv, budget)
+        # flex masks scores, not values: a never-written block must hold no NaN, so its pool is zeroed
+        pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic,
+                      zeroed=backend.name == "flex" or dev.type != "cpu")
+        model = PagedDecoder(weights, dims, pool, backend, dtype, Work())
+        return cls(model, traffic)
+
+    def forward(self, seqs: list[int], pasts: list[int], rows_in: list[Prefill]) -> Forward:
+        counts = [len(p.ids) for p in rows_in]
+        for seq, past, n in zip(seqs, pasts, counts, strict=True):
+            self.pool.reserve(seq, past + n)  # a no-op when the stage reserved the step at its check
+        rows = Rows(self.pool.block_table(seqs, [p + n for p, n in zip(pasts, counts, strict=True)]), pasts, counts)
+        up = self.traffic.upload
+        ids = up("inputs", np.concatenate([p.ids for p in rows_in]).astype(np.int64), self.device)
+        x = self.model.embed(ids)
+        if any(p.use.any() for p in rows_in):
+            use = up("inputs", np.concatenate([p.use for p in rows_in]), self.device)
+            x[use] = up("inputs", np.concatenate([p.embeds for p in rows_in if p.use.any()]), self.device).to(x.dtype)
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pasts, counts, strict=True)])
+        slots = torch.cat([self.pool.slots(s, p, n) for s, p, n in zip(seqs, pasts, counts, strict=True)])
+        hidden = self.model.forward(x, up("inputs", positions, self.device), up("inputs", slots, self.device), rows)
+        last = up("inputs", [s + n - 1 for s, n in zip(rows.start, counts, strict=True)], self.device)
+        return Forward(self.model.logits(hidden[last]), hidden, rows.start)
+
+    def hidden_rows(self, out: Forward, positions: list[int]) -> np.ndarray:
+        index = self.traffic.upload("inputs", [out.first[p] for p in positions], self.device)
+        return self.traffic.download("outputs", out.hidden[index].to(torch.float32))
+
+    def run(self, seqs: list[int], pasts: list[int], prefill: list[Prefill], driver: RowDriver,
+            admit: Admit | None = None) -> tuple[list[int], LoopTiming]:
+        """Prefill every row, then decode until every row is done. Returns each row's new length.
+
+        `admit`, called before each decode iteration, may bring new rows (their session, its length, their
+        prefill): they join that iteration's forward, their prefill packed beside the others' one-token steps (no
+        padding, nobody waits for them), and are decided from then on like the rest; they are numbered on from
+        the rows given (the driver must know them) and their lengths are returned after them."""
+        t0 = time.perf_counter()
+        seqs, lengths = list(seqs), list(pasts)
+        feed: dict[int, Prefill] = dict(enumerate(prefill))  # row -> what it feeds in the next forward
+        prefill_ms, steps = 0.0, 0
+        while feed:
+            rows = list(feed)
+            out = self.forward([seqs[r] for r in rows], [lengths[r] for r in rows], [feed[r] for r in rows])
+            for r in rows:
+                lengths[r] += len(feed[r].ids)
+            if not steps:
+                prefill_ms = (time.perf_counter() - t0) * 1000
+            steps += 1
+            feed = self._decide(out, rows, driver)
+            for seq, past, pre in admit() if admit is not None else []:
+                feed[len(seqs)] = pre
+                seqs.append(seq)
+                lengths.append(past)
+        timing = LoopTiming(prefill_ms, (time.perf_counter() - t0) * 1000 - prefill_ms, max(0, steps - 1))
+        return lengths, timing
+
+    def _decide(self, out: Forward, rows: list[int], driver: RowDriver) -> dict[int, Prefill]:
+        """Each row's next token, chosen on the device; what the rows still going feed next."""
+        wants = [pos for pos, row in enumerate(rows) if driver.wants_hidden(row)]
+        if wants:
+            for pos, vec in zip(wants, self.hidden_rows(out, wants), strict=True):
+                driver.add_hidden(rows[pos], vec)
+        picks = [(pos, row, driver.pick(row)) for pos, row in enumerate(rows)]
+        picks = [(pos, row, p) for pos, row, p in picks if p is not None]
+        if not picks:
+            return {}
+        at = self.traffic.upload("inputs", [pos for pos, _, _ in picks], self.device)
+        assert self.sampler is not None, "use_rules first"
+        picked = self.sampler.pick(out.logits[at], [p for _, _, p in picks])
+        feed = {}
+        for (_, row, _), tok, second in zip(picks, picked.tokens, picked.drew_second, strict=True):
+            nxt = driver.accept(row, int(tok), bool(second))
+            if nxt is not None:
+                feed[row] = Prefill(np.array([nxt], np.int64), np.zeros((0, 1), np.float32), np.zeros(1, bool))
+        return feed
+
+
+WEIGHTS_FILE = "weights.safetensors"  # written by the export beside the LLM's model.onnx
+
+
+def load_paged_engine(folder: Path, dims: DecoderDims, device: str, context_tokens: int, **build: Any
+                      ) -> PagedLlmEngine:
+    """The paged engine over the exported LLM weights (`folder`/weights.safetensors) on `device`."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / WEIGHTS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m export` first")
+    weights = load_file(str(path), device=device)
+    return PagedLlmEngine.build(weights, dims, device=device, max_tokens=context_tokens, **build)

@@ -1,0 +1,91 @@
+"""The LLM (a Qwen3 decoder + lm_head) over packed tokens and a KV pool: no padding, no cache copied.
+
+Weights keep the checkpoint's names (`llm.*` less the prefix, as `export/modules/llm.py` loads them):
+  model.embed_tokens.weight                 [vocab, hidden]
+  model.layers.{i}.input_layernorm.weight   [hidden]
+  model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  q: [heads * D, hidden], k/v: [kv_heads * D, hidden],
+                                            o: [hidden, heads * D]
+  model.layers.{i}.self_attn.{q,k}_norm.weight      [D] (Qwen3's q/k norm)
+  model.layers.{i}.post_attention_layernorm.weight  [hidden]
+  model.layers.{i}.mlp.{gate,up}_proj.weight        [intermediate, hidden]; down_proj: [hidden, intermediate]
+  model.norm.weight                         [hidden]
+  lm_head.weight                            [vocab, hidden]
+A forward takes every row's new tokens packed in one [N, hidden] batch (a 300-token prefill beside one-token
+decode rows costs no padding), writes their keys and values into the pool in place and attends over each row's
+blocks. Norms and softmax run in fp32 whatever the weights' dtype (bf16 on the GPU, fp32 on the CPU): Qwen3's
+activations overflow fp16, and fp32 here keeps the CPU path within 1e-4 of the ONNX graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+from ..model_config import DecoderDims
+from .attention import PagedAttention, Rows
+from .pool import KvPool
+from .traffic import Work, layer_weight_count
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x32 = x.to(torch.float32)
+    return (x32 * cos + torch.cat([-x32[..., half:], x32[..., :half]], dim=-1) * sin).to(x.dtype)
+
+
+class PagedDecoder:
+    def __init__(self, weights: dict[str, torch.Tensor], dims: DecoderDims, pool: KvPool, attention: PagedAttention,
+                 dtype: torch.dtype, work: Work | None = None) -> None:
+        self.d = dims
+        self.pool = pool
+        self.attention = attention
+        self.dtype = dtype
+        self.device = pool.device
+        self.work = work or Work()
+        self.w = {name: t.detach().to(self.device, dtype) for name, t in weights.items()}
+        elt = torch.empty(0, dtype=dtype).element_size()
+        self.layer_bytes = layer_weight_count(dims) * elt  # read once per forward, whatever the batch
+        self.head_bytes = dims.vocab * dims.hidden * elt
+        d = dims
+        self.inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32,
+                                                             device=self.device) / d.head_dim))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w["model.embed_tokens.weight"][ids]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """x [N, hidden] the new tokens' inputs, positions/slots [N] int64 on the device. Returns the final
+        normed hidden states [N, hidden] (they stay on the device)."""
+        d, w, n = self.d, self.w, x.shape[0]
+        self.work.count_forward(d, rows, self.layer_bytes, self.pool.shape.token_bytes(self.pool.dtype))
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        for i in range(d.layers):
+            p = f"model.layers.{i}."
+            h = _norm(x, w[p + "input_layernorm.weight"], d.rms_eps)
+            q = functional.linear(h, w[p + "self_attn.q_proj.weight"]).view(n, d.heads, d.head_dim)
+            k = functional.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, d.kv_heads, d.head_dim)
+            v = functional.linear(h, w[p + "self_attn.v_proj.weight"]).view(n, d.kv_heads, d.head_dim)
+            if d.qk_norm:
+                q = _norm(q, w[p + "self_attn.q_norm.weight"], d.rms_eps)
+                k = _norm(k, w[p + "self_attn.k_norm.weight"], d.rms_eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.pool.write(i, slots, k, v)
+            a = self.attention(q, self.pool.key[i], self.pool.value[i], rows)
+            x = x + functional.linear(a.reshape(n, d.heads * d.head_dim), w[p + "self_attn.o_proj.weight"])
+            h = _norm(x, w[p + "post_attention_layernorm.weight"], d.rms_eps)
+            gate = functional.silu(functional.linear(h, w[p + "mlp.gate_proj.weight"]))
+            x = x + functional.linear(gate * functional.linear(h, w[p + "mlp.up_proj.weight"]),
+                                      w[p + "mlp.down_proj.weight"])
+        return _norm(x, w["model.norm.weight"], d.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, vocab] fp32 for the rows' last hidden states; they never leave the device."""
+        self.work.count_head(self.d, hidden.shape[0], self.head_bytes)
+        return functional.linear(hidden, self.w["lm_head.weight"]).to(torch.float32)

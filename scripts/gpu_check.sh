@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The paged LLM engine on one GPU with no checkpoint (bench/gpu_check.py): CUDA backend vs reference parity,
+# ms per step at 32/64/128 sessions of real-width random weights, pool memory. Results under $OUT
+# (default ./gpu_out). Needs python3 with torch (CUDA) and numpy; nothing is downloaded. Under 8 minutes.
+#   scripts/gpu_check.sh                      # on the GPU
+#   scripts/gpu_check.sh --device cpu --quick # the same code at small dims, to test the script
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./gpu_out}
+mkdir -p "$OUT"
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "python: $(command -v "$PY" || echo MISSING) $("$PY" --version 2>&1)"
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>&1 || echo "nvidia-smi: MISSING"
+} | tee "$OUT/env.txt"
+if ! "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import importlib, sys
+missing = []
+for name in ("numpy", "torch"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name}: {mod.__version__}")
+    except ImportError:
+        missing.append(name)
+if "torch" not in missing:
+    import torch
+    print(f"cuda available: {torch.cuda.is_available()} (torch built for CUDA {torch.version.cuda})")
+    try:
+        import triton
+        print(f"triton: {triton.__version__} (torch.compile's GPU kernels)")
+    except ImportError:
+        print("triton: MISSING (flex_attention cannot compile: the check falls back to what runs)")
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        print("flex_attention: importable")
+    except ImportError:
+        print("flex_attention: MISSING (torch too old)")
+if missing:
+    print(f"MISSING: {' '.join(missing)}: install them (pip install torch numpy) and run again")
+    sys.exit(1)
+EOF
+then
+  echo "gpu_check: cannot run (see $OUT/env.txt)"
+  exit 2
+fi
+timeout 470 "$PY" -m bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"
