@@ -9,7 +9,8 @@ from enum import StrEnum
 class ClientCode(StrEnum):
     """Every code a client is refused with (`ProtocolError.code`; on the wire, the value). Members, never strings:
     a misspelt member fails where it is named; tests/test_errors.py checks no `ProtocolError("...")` is left.
-    The stages' client errors (`minicpmo_triton.errors.CLIENT_ERRORS`) keep their values here."""
+    The stages' client and retryable errors (`minicpmo_triton.errors.CLIENT_ERRORS`, `RETRYABLE`) keep their values
+    here."""
 
     ADDRESS_SESSION_LIMIT = "address_session_limit"
     ALREADY_INITIALIZED = "already_initialized"
@@ -42,6 +43,7 @@ class ClientCode(StrEnum):
     NOT_READY = "not_ready"
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
     PLAYBACK_ACK_TOO_LATE = "playback_ack_too_late"
+    POOL_FULL = "pool_full"  # the LLM's KV pool has no room for the session now (a stage's retryable refusal)
     QUEUE_FULL = "queue_full"
     RATE_LIMITED = "rate_limited"
     RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"

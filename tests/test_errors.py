@@ -16,7 +16,7 @@ import pytest
 from gateway.codes import ClientCode
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent, decode_event, encode_event
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, Code, StepError, from_wire, to_wire
+from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, RETRYABLE, Code, StepError, from_wire, to_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("minicpmo_triton", "gateway", "export")
@@ -72,8 +72,9 @@ def test_every_protocol_error_names_a_client_code_member() -> None:
             assert arg.attr in ClientCode.__members__, f"{where}: ClientCode.{arg.attr} is no member"
     with pytest.raises(ValueError, match="invalid_valeu"):
         ProtocolError("invalid_valeu", "a typo")  # type: ignore[arg-type]
-    # a stage's client error becomes the client's refusal with its code kept
+    # a stage's client error, or its retryable refusal, becomes the client's refusal with its code kept
     assert all(ProtocolError(code, "why").code == code for code in CLIENT_ERRORS)
+    assert all(ProtocolError(CLOSE_REASONS[code], "why").code == code for code in RETRYABLE)
 
 
 def test_a_code_that_is_no_member_is_refused_where_it_is_raised() -> None:
