@@ -92,10 +92,14 @@ class PagedDecoder:
         d = dims
         self.inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32,
                                                              device=self.device) / d.head_dim))
-        self.compiled = compile_wanted(self.device, compile_layers)
-        # the same graph for every layer (weights are arguments); N changes with the batch: dynamic after one recompile
-        self._inputs: Any = torch.compile(attention_inputs) if self.compiled else attention_inputs
-        self._output: Any = torch.compile(attention_output) if self.compiled else attention_output
+        self.use_compiled(compile_wanted(self.device, compile_layers))
+
+    def use_compiled(self, on: bool) -> None:
+        """The layers' two functions compiled (the same graph for every layer: weights are arguments; N changes
+        with the batch, so it turns dynamic after one recompile) or eager."""
+        self.compiled = on
+        self._inputs: Any = torch.compile(attention_inputs) if on else attention_inputs
+        self._output: Any = torch.compile(attention_output) if on else attention_output
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["model.embed_tokens.weight"][ids]
