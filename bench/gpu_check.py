@@ -2,12 +2,13 @@
 
 1. parity: the CUDA backend (flex_attention over the pool) against the reference gather, same weights, same
    pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode,
-   eager layers and compiled ones (each against the eager gather);
+   eager layers and compiled ones (each against the eager gather; decode's flex at static padded shapes);
 2. speed: all 36 layers, 32 / 64 / 128 sessions each holding 60 s of history in the pool: ms per decode
    iteration (every session one token, sampling and the duplex rules on the device included; forward and sampler
    timed apart) and per packed chunk prefill (12 tokens each), and a 1 s step estimated from them (every
    session's prefill, one decode iteration for all, then 30% speaking for the rest of a 20-token chunk); each
-   size eager and with the layers compiled (model.py), so the before and after are one run;
+   size as it was (eager layers, flex compiled dynamic) and as it is (compiled layers, decode's flex static at
+   padded shapes: inductor's decoding kernel), so the before and after are one run;
    profile: torch.profiler's top ops of one decode iteration at the first size, eager and compiled
    (OUT/profile_*.txt);
 3. memory: the pool's bytes, the weights', the peak allocated.
@@ -152,6 +153,8 @@ def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: in
             ) -> dict[str, Any]:
     """`n` sessions `history` tokens in: a decode iteration of all, of the 30% speaking, a chunk prefill of all."""
     eng = build(d, weights, device, n, history, attention, compiled)
+    if not compiled and eng.model.attention.name == "flex":  # the engine as it was: flex dynamic for decode too
+        eng.model.attention = FlexAttention(compiled=device == "cuda", static_decode=False)
     for layer in range(d.layers):  # any history will do: the work is the same whatever the values
         eng.pool.key[layer].normal_()
         eng.pool.value[layer].normal_()
@@ -187,6 +190,7 @@ def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: in
         write_profile(profile, lambda: decode(n))
     decode_ms, speak_ms = forward_ms + sampler_ms, speak_forward_ms + speak_sampler_ms
     return {"sessions": n, "history": history, "attention": eng.model.attention.name, "compiled": eng.model.compiled,
+            "attention_fallbacks": getattr(eng.model.attention, "fallbacks", []),
             "decode_iteration_ms": decode_ms, "decode_forward_ms": forward_ms, "decode_sampler_ms": sampler_ms,
             "decode_iteration_30pct_ms": speak_ms, "decode_30pct_forward_ms": speak_forward_ms,
             "decode_30pct_sampler_ms": speak_sampler_ms, "chunk_prefill_ms": prefill_ms,
