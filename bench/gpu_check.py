@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                               "note": "random weights; speed of the engine, not of a served model"}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
+        # each size's pool is a new static shape for the decode graphs (a server has one pool): room for them all
+        torch._dynamo.config.recompile_limit = 64
     path = args.out / "gpu_check.json"
     stages = {"parity": lambda: parity(d, args.device, 8, history),
               "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 10, deadline, args.out)}
