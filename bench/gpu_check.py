@@ -188,6 +188,7 @@ def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: in
     prefill_ms = timed(device, lambda: eng.forward(seqs, pasts, prefill_rows), repeats)
     if profile is not None:
         write_profile(profile, lambda: decode(n))
+        write_profile(profile.with_name(profile.stem + "_30pct.txt"), lambda: decode(speakers))
     decode_ms, speak_ms = forward_ms + sampler_ms, speak_forward_ms + speak_sampler_ms
     return {"sessions": n, "history": history, "attention": eng.model.attention.name, "compiled": eng.model.compiled,
             "attention_fallbacks": getattr(eng.model.attention, "fallbacks", []),
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.recompile_limit = 64
     path = args.out / "gpu_check.json"
     stages = {"parity": lambda: parity(d, args.device, 8, history),
-              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 10, deadline, args.out)}
+              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 20, deadline, args.out)}
     failed = False
     for name, run in stages.items():
         t0 = time.perf_counter()
