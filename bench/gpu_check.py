@@ -1,11 +1,16 @@
 """The paged LLM engine on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's LLM dims (Qwen3-8B).
 
 1. parity: the CUDA backend (flex_attention over the pool) against the reference gather, same weights, same
-   pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode;
+   pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode,
+   eager layers and compiled ones (each against the eager gather; decode's flex at static padded shapes);
 2. speed: all 36 layers, 32 / 64 / 128 sessions each holding 60 s of history in the pool: ms per decode
-   iteration (every session one token, sampling and the duplex rules on the device included) and per packed
-   chunk prefill (12 tokens each), and a 1 s step estimated from them (every session's prefill, one decode
-   iteration for all, then 30% speaking for the rest of a 20-token chunk);
+   iteration (every session one token, sampling and the duplex rules on the device included; forward and sampler
+   timed apart) and per packed chunk prefill (12 tokens each), and a 1 s step estimated from them (every
+   session's prefill, one decode iteration for all, then 30% speaking for the rest of a 20-token chunk); each
+   size as it was (eager layers, flex compiled dynamic) and as it is (compiled layers, decode's flex static at
+   padded shapes: inductor's decoding kernel), so the before and after are one run;
+   profile: torch.profiler's top ops of one decode iteration at the first size, eager and compiled
+   (OUT/profile_*.txt);
 3. memory: the pool's bytes, the weights', the peak allocated.
 Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error), a table to
 stdout. `--device cpu --quick` runs the same code at small dims to test the script.
@@ -88,9 +93,10 @@ def timed(device: str, fn: Any, repeats: int) -> float:
 
 
 def build(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, sessions: int, history: int,
-          attention: str) -> PagedLlmEngine:
+          attention: str, compiled: bool = False) -> PagedLlmEngine:
     eng = PagedLlmEngine.build(weights, d, device=device, pool_tokens=sessions * (history + 2 * 128 + CHUNK_TOKENS),
-                               attention=attention, max_sessions=max(sessions, 1), max_tokens=8192)
+                               attention=attention, max_sessions=max(sessions, 1), max_tokens=8192,
+                               compile_layers=compiled)
     tokens = (minicpmo45() if d.vocab == REAL.vocab else tiny()).tokens  # the sampler reads <|chunk_eos|> etc.
     forbidden = np.zeros((2, d.vocab), bool)
     forbidden[:, tokens.tts_pad] = True
@@ -129,20 +135,26 @@ def parity(d: DecoderDims, device: str, sessions: int, history: int) -> dict[str
     for name, pasts, batch in (("prefill", [0] * sessions, rows),
                                ("decode", lens, chunk_rows(d2, sessions, 1, rng))):
         logits = {}
-        for backend in (gather, flex):
+        for key, backend, compiled in (("gather", gather, False), ("flex", flex, False),
+                                       ("flex_compiled", flex, True), ("gather_compiled", gather, True)):
             eng.model.attention = backend
-            logits[backend.name] = eng.forward(seqs, pasts, batch).logits.float()
-        diff = (logits["flex"] - logits["gather"]).abs().max().item()
-        agree = (logits["flex"].argmax(1) == logits["gather"].argmax(1)).float().mean().item()
-        scale = logits["gather"].abs().max().item()
-        out[name] = {"max_abs_diff": diff, "max_abs_logit": scale, "greedy_agreement": agree}
+            eng.model.use_compiled(compiled)
+            logits[key] = eng.forward(seqs, pasts, batch).logits.float()
+        ref = logits.pop("gather")
+        scale = ref.abs().max().item()
+        out[name] = {key: {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_logit": scale,
+                           "greedy_agreement": (got.argmax(1) == ref.argmax(1)).float().mean().item()}
+                     for key, got in logits.items()}
     return out
 
 
 def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: int, history: int,
-            repeats: int, attention: str = "auto") -> dict[str, Any]:
+            repeats: int, attention: str = "auto", compiled: bool = False, profile: Path | None = None
+            ) -> dict[str, Any]:
     """`n` sessions `history` tokens in: a decode iteration of all, of the 30% speaking, a chunk prefill of all."""
-    eng = build(d, weights, device, n, history, attention)
+    eng = build(d, weights, device, n, history, attention, compiled)
+    if not compiled and eng.model.attention.name == "flex":  # the engine as it was: flex dynamic for decode too
+        eng.model.attention = FlexAttention(compiled=device == "cuda", static_decode=False)
     for layer in range(d.layers):  # any history will do: the work is the same whatever the values
         eng.pool.key[layer].normal_()
         eng.pool.value[layer].normal_()
@@ -155,41 +167,78 @@ def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: in
     sampler = eng.sampler
     assert sampler is not None
 
-    def decode(k: int) -> None:
-        sampler.pick(eng.forward(seqs[:k], pasts[:k], step_rows[:k]).logits, row_picks[:k])
+    def decode(k: int) -> tuple[float, float]:
+        """ms of the forward (logits included) and of the sampler, the device synchronised between."""
+        sync(device)
+        t0 = time.perf_counter()
+        logits = eng.forward(seqs[:k], pasts[:k], step_rows[:k]).logits
+        sync(device)
+        t1 = time.perf_counter()
+        sampler.pick(logits, row_picks[:k])  # ends in a download: synchronised
+        return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
 
-    decode_ms = timed(device, lambda: decode(n), repeats)
-    speak_ms = timed(device, lambda: decode(speakers), repeats)
+    def split(k: int) -> tuple[float, float]:
+        for _ in range(2):  # warm-ups: the first compiles
+            decode(k)
+        runs = [decode(k) for _ in range(repeats)]
+        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+    forward_ms, sampler_ms = split(n)
+    speak_forward_ms, speak_sampler_ms = split(speakers)
     prefill_ms = timed(device, lambda: eng.forward(seqs, pasts, prefill_rows), repeats)
-    return {"sessions": n, "history": history, "attention": eng.model.attention.name,
-            "decode_iteration_ms": decode_ms, "decode_iteration_30pct_ms": speak_ms, "chunk_prefill_ms": prefill_ms,
+    if profile is not None:
+        write_profile(profile, lambda: decode(n))
+        write_profile(profile.with_name(profile.stem + "_30pct.txt"), lambda: decode(speakers))
+    decode_ms, speak_ms = forward_ms + sampler_ms, speak_forward_ms + speak_sampler_ms
+    return {"sessions": n, "history": history, "attention": eng.model.attention.name, "compiled": eng.model.compiled,
+            "attention_fallbacks": getattr(eng.model.attention, "fallbacks", []),
+            "decode_iteration_ms": decode_ms, "decode_forward_ms": forward_ms, "decode_sampler_ms": sampler_ms,
+            "decode_iteration_30pct_ms": speak_ms, "decode_30pct_forward_ms": speak_forward_ms,
+            "decode_30pct_sampler_ms": speak_sampler_ms, "chunk_prefill_ms": prefill_ms,
             "step_estimate_ms": prefill_ms + decode_ms + (SPEAK_TOKENS - 1) * speak_ms,
             "pool_gib": eng.pool.nbytes / 2**30, "pool_blocks": eng.pool.num_blocks,
             "block_size": eng.pool.shape.block_size,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
 
 
+def write_profile(path: Path, fn: Any) -> None:
+    """torch.profiler's ops of one call, by host time and by device time: where a decode iteration goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+    table = prof.key_averages()
+    text = table.table(sort_by="cpu_time_total", row_limit=30)
+    if torch.cuda.is_available():
+        text += "\n" + table.table(sort_by="cuda_time_total", row_limit=20)
+    path.write_text(text)
+
+
 def speed(d: DecoderDims, device: str, counts: list[int], history: int, repeats: int,
-          deadline: float) -> list[dict[str, Any]]:
+          deadline: float, out: Path) -> list[dict[str, Any]]:
     weights = random_weights(d, device)
     weights_gib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**30
     results: list[dict[str, Any]] = []
-    for n in counts:
+    for n, compiled in [(n, c) for n in counts for c in (False, True)]:
         if time.monotonic() > deadline:
-            results.append({"sessions": n, "skipped": "out of time"})
+            results.append({"sessions": n, "compiled": compiled, "skipped": "out of time"})
             continue
+        profile = out / f"profile_{'compiled' if compiled else 'eager'}.txt" if n == counts[0] else None
         try:
-            results.append({**measure(d, weights, device, n, history, repeats), "weights_gib": weights_gib})
+            results.append({**measure(d, weights, device, n, history, repeats, compiled=compiled, profile=profile),
+                            "weights_gib": weights_gib})
         except Exception as exc:  # noqa: BLE001 (one size failing, out of memory say, leaves the others)
             error = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"sessions {n}: {error}; again with the gather backend", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
             try:
-                results.append({**measure(d, weights, device, n, history, repeats, "gather"),
+                results.append({**measure(d, weights, device, n, history, repeats, "gather", compiled),
                                 "weights_gib": weights_gib, "flex_error": error})
             except Exception as again:  # noqa: BLE001
-                results.append({"sessions": n, "error": error, "gather_error": f"{type(again).__name__}: {again}"})
+                results.append({"sessions": n, "compiled": compiled, "error": error,
+                                "gather_error": f"{type(again).__name__}: {again}"})
         print(json.dumps(results[-1]), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -212,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                               "note": "random weights; speed of the engine, not of a served model"}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
+        # each size's pool is a new static shape for the decode graphs (a server has one pool): room for them all
+        torch._dynamo.config.recompile_limit = 64
     path = args.out / "gpu_check.json"
     stages = {"parity": lambda: parity(d, args.device, 8, history),
-              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 10, deadline)}
+              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 20, deadline, args.out)}
     failed = False
     for name, run in stages.items():
         t0 = time.perf_counter()

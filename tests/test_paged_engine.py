@@ -263,16 +263,17 @@ def test_bytes_per_step_do_not_grow_with_context_on_the_paged_path(preset, weigh
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_flex_backend_attends_as_the_gather_does(device: str) -> None:
-    """Three rows (3 new tokens on 5, 1 on 40, 20 on 17) whose blocks are interleaved in the pool: torch's
-    flex_attention over the pool with the tables' block mask (compiled on CUDA, unfused on the CPU) gives the
-    reference gather's output."""
+@pytest.mark.parametrize("news", [(3, 1, 20), (1, 1, 1)], ids=["packed", "decode"])
+def test_the_flex_backend_attends_as_the_gather_does(device: str, news: tuple[int, int, int]) -> None:
+    """Three rows (3 new tokens on 5, 1 on 40, 20 on 17; or one each: a decode, its batch and tables padded
+    to 8 rows and 8 blocks) whose blocks are interleaved in the pool: torch's flex_attention over the pool with
+    the tables' block mask (compiled on CUDA, unfused on the CPU) gives the reference gather's output."""
     torch.manual_seed(0)
     block = 16 if device == "cpu" else 128
     pool = KvPool(PoolShape(1, 2, 32, block), 64, device=device)
     pool.key[0].normal_()
     pool.value[0].normal_()
-    lens = [(5, 3), (40 * block // 16, 1), (17, 20)]
+    lens = list(zip([5, 40 * block // 16, 17], news, strict=True))
     seqs = [pool.open(1) for _ in lens]
     for seq, (past, count) in zip(seqs, lens, strict=True):
         pool.reserve(seq, past + count)

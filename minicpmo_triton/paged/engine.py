@@ -77,9 +77,10 @@ class PagedLlmEngine:
     def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
               pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
               max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
-              dtype: torch.dtype | None = None) -> PagedLlmEngine:
+              dtype: torch.dtype | None = None, compile_layers: bool | None = None) -> PagedLlmEngine:
         """`pool_size`: GB (> 1) or a fraction of the device's free memory, unless `pool_tokens` says how many
-        tokens it holds; `kv_dtype`: auto (the weights'), fp8; `dtype`: the weights' (default: `device_dtype`)."""
+        tokens it holds; `kv_dtype`: auto (the weights'), fp8; `dtype`: the weights' (default: `device_dtype`);
+        `compile_layers`: None = on CUDA (model.py)."""
         dev = torch.device(device)
         dtype = dtype or device_dtype(dev)
         kv = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
@@ -95,7 +96,7 @@ class PagedLlmEngine:
         # flex masks scores, not values: a never-written block must hold no NaN, so its pool is zeroed
         pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic,
                       zeroed=backend.name == "flex" or dev.type != "cpu")
-        model = PagedDecoder(weights, dims, pool, backend, dtype, Work())
+        model = PagedDecoder(weights, dims, pool, backend, dtype, Work(), compile_layers)
         return cls(model, traffic)
 
     def forward(self, seqs: list[int], pasts: list[int], rows_in: list[Prefill]) -> Forward:
