@@ -2,7 +2,8 @@
 
 With the sliding window on (the serving default) the call never ends `context_full`, the LLM holds at most
 the high watermark plus a unit, the server's memory stays flat, and the last minute says what the in-process
-pipeline says given the same hour. A few minutes on 2 cores: `-m slow` (a step of its own in .ci/run).
+pipeline says given the same hour. Run by hand (`-m slow`): over 46 minutes on a loaded 2-core machine, past
+what CI can give it, so it is no step of .ci/run.
 """
 
 from __future__ import annotations
