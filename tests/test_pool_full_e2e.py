@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
 import websockets
 
 from gateway.triton import TritonServer, free_ports
