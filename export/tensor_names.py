@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 Tensors = dict[str, torch.Tensor]
-D = TypeVar("D")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
 class CheckpointCode(StrEnum):

@@ -42,20 +42,23 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     if stage.startswith("token2wav_"):
         return token2wav_profiles(stage, preset, max_batch)
     if stage == "vision_encoder":
-        d = preset.vision
-        n, opt, most = d.batch_slices, (d.scale_resolution // d.patch) ** 2, d.max_patches
-        return {"pixels": ((1, 3, d.patch, d.patch), (n, 3, d.patch, opt * d.patch), (n, 3, d.patch, most * d.patch)),
+        v = preset.vision
+        n, opt, most = v.batch_slices, (v.scale_resolution // v.patch) ** 2, v.max_patches
+        return {"pixels": ((1, 3, v.patch, v.patch), (n, 3, v.patch, opt * v.patch), (n, 3, v.patch, most * v.patch)),
                 "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}
     d = preset.llm if stage == "llm" else preset.tts.decoder
-    kv = lambda p: (d.layers, p[0], d.kv_heads, p[1], d.head_dim)  # noqa: E731 (a one-line helper)
+
+    def kv_shape(p: tuple[int, int]) -> tuple[int, ...]:
+        return d.layers, p[0], d.kv_heads, p[1], d.head_dim
+
     seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))
     past = ((1, 0), (max_batch // 2, ctx // 2), (max_batch, ctx))
     names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "has_hidden", "code_ids", "is_code"]
     hidden_in = "embeds" if stage == "llm" else "llm_hidden"
-    shapes = {n: seq for n in names + ["position_ids"]}
+    shapes: dict[str, tuple[tuple[int, ...], ...]] = {n: seq for n in names + ["position_ids"]}
     shapes[hidden_in] = tuple((b, t, preset.llm.hidden) for b, t in seq)
     shapes["past_mask"] = past
-    shapes["past_key"] = shapes["past_value"] = tuple(kv(p) for p in past)
+    shapes["past_key"] = shapes["past_value"] = tuple(kv_shape(p) for p in past)
     shapes["last_index"] = tuple((b,) for b, _ in seq)
     return shapes
 

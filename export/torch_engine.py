@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ class TorchEngine:
 
     def __init__(self, module: torch.nn.Module, output_names: list[str]) -> None:
         self.module = module.eval()
+        self.input_names = list(inspect.signature(module.forward).parameters)  # fed by name
         self.output_names = output_names
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

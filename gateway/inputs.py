@@ -34,7 +34,7 @@ VOICE_NAMES = ("default",)  # the voices a session may name
 @dataclass(frozen=True)
 class InputAppend:
     input_id: str | None
-    audio: np.ndarray | None
+    audio: np.ndarray
     frames: list[bytes] = field(default_factory=list)  # encoded images, base64-decoded
     max_slice_nums: list[int] = field(default_factory=list)
     force_listen: bool = False

@@ -21,7 +21,7 @@ BACKCHANNELS = frozenset({
 
 
 def is_backchannel(hint: str | None) -> bool:
-    return bool(hint) and hint.strip().lower().strip(".!?,。！？") in BACKCHANNELS
+    return hint is not None and hint.strip().lower().strip(".!?,。！？") in BACKCHANNELS
 
 
 def rms(audio: np.ndarray) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter, deque
@@ -43,10 +44,15 @@ class _Stream(Protocol):
 class LiveSession(Protocol):
     session_id: str
     owner: str  # the principal (gateway.auth) that opened it
-    state: _State
-    triton: _Stream
     started_at: float
     offloaded: int  # client frames decided in a worker thread
+
+    # read-only here (properties), so a session's own richer types fit
+    @property
+    def state(self) -> _State: ...
+
+    @property
+    def triton(self) -> _Stream: ...
 
     async def close(self, reason: str, *, ws_code: int = ...) -> None: ...
 
@@ -166,9 +172,9 @@ class Gateway:
             while True:
                 for url in self.pool.endpoints.keys() - watches.keys():
                     health = StageHealth(url, s.health_period_s, s.health_timeout_s, s.step_timeout_s,
-                                         lambda state, why, url=url: self._stages_are(url, state, why),
-                                         lambda url=url: self._endpoint_down(url),
-                                         heal=lambda url=url: self._heal(url))
+                                         functools.partial(self._stages_are, url),
+                                         functools.partial(self._endpoint_down, url),
+                                         heal=functools.partial(self._heal, url))
                     watches[url] = asyncio.get_running_loop().create_task(health.watch())
                 for url in watches.keys() - self.pool.endpoints.keys():
                     watches.pop(url).cancel()

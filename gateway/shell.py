@@ -106,7 +106,7 @@ async def admitted(gw: Gateway, ws: WebSocket, queue_event: QueueEvent | None = 
             raise ProtocolError(ClientCode.QUEUE_FULL, "the queue for a session is full; retry later",
                                 close_code=CLOSE_TRY_AGAIN, error_type="server_error", retryable=True) from None
     try:
-        yield None if ticket is None else await _wait_in_queue(gw, ws, ticket, queue_event)
+        yield None if ticket is None or queue_event is None else await _wait_in_queue(gw, ws, ticket, queue_event)
     finally:
         if ticket is not None and not ticket.done():
             gw.leave_queue(ticket)  # it never got a slot
@@ -127,7 +127,7 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
             wait_s = round(position * gw.mean_session_s / max(1, gw.settings.max_sessions), 1)
             await ws.send_text(json.dumps(queue_event(first, position, gw.queue_length, ticket_id, wait_s).encode()))
             first = False
-            waiting = {ticket} if watcher is None else {ticket, watcher}
+            waiting: set[asyncio.Future[Any]] = {ticket} if watcher is None else {ticket, watcher}
             await asyncio.wait(waiting, timeout=QUEUE_UPDATE_S, return_when=asyncio.FIRST_COMPLETED)
             if watcher is not None and watcher.done():
                 early, watcher = watcher.result(), None  # raises Disconnected for a caller who left
@@ -247,8 +247,9 @@ class Session:
 
     def _settled(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # a cancel that met the sequence's end
-            log.info("session %s: background task failed: %s", self.session_id, describe(task.exception()))
+        exc = None if task.cancelled() else task.exception()  # cancelled: a cancel that met the sequence's end
+        if exc is not None:
+            log.info("session %s: background task failed: %s", self.session_id, describe(exc))
 
     # ---- the state: on the event loop, its inputs in order ----
     async def in_order(self, call: Callable[..., T], *args: Any) -> T:
@@ -334,9 +335,9 @@ class Session:
             if ev.kind == "error":
                 code = ev.code or Code.STAGE_ERROR
                 if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self.apply(await self.in_order(self.state.on_step_error, step, code, ev.message))
+                    await self.apply(await self.in_order(self.state.on_step_error, step, ClientCode(code), ev.message))
                 elif code in RETRYABLE:  # the server has no room now (its KV pool): told as a refusal to retry
-                    err = ProtocolError(CLOSE_REASONS[code], ev.message, close_code=CLOSE_TRY_AGAIN,
+                    err = ProtocolError(ClientCode(CLOSE_REASONS[code]), ev.message, close_code=CLOSE_TRY_AGAIN,
                                         error_type="server_error", retryable=True)
                     await self.emit([self.state.error_event(err)])
                     self._spawn(self.close(err.code, message=err.message, ws_code=CLOSE_TRY_AGAIN))

@@ -105,6 +105,12 @@ def _check_tree(value: Any) -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
+def json_object(message: dict[str, Any], key: str) -> dict[str, Any]:
+    """`message[key]` when it is a JSON object, else an empty one (absent, null, or another type)."""
+    value = message.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def parse_json(text: str | bytes) -> Any:
     """A client frame's JSON within the limits above; ValueError (its message for the client) otherwise.
     The parser's own recursion guard stops very deep input early (RecursionError, reported as too deep);

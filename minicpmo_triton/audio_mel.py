@@ -32,7 +32,7 @@ SLIDE_KEEP = 1 * SAMPLE_RATE_IN
 def mel_filterbank(n_mels: int, n_fft: int = N_FFT, sr: int = SAMPLE_RATE_IN) -> np.ndarray:
     """Slaney-style triangular filters, as Whisper's feature extractor uses: [n_mels, n_fft/2 + 1]."""
 
-    def hz_to_mel(f: np.ndarray) -> np.ndarray:
+    def hz_to_mel(f: np.ndarray | float) -> np.ndarray:
         f = np.asarray(f, dtype=np.float64)
         lin = f / (200.0 / 3)
         log = 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / (np.log(6.4) / 27.0)

@@ -258,6 +258,12 @@ def _audio_row(rows: Tensors, name: str) -> np.ndarray | None:
     return None if raw is None else raw.reshape(-1).astype(np.float32)
 
 
+def _audio_or_empty(rows: Tensors, name: str) -> np.ndarray:
+    """A step's audio row; none sent is no audio (an empty row)."""
+    audio = _audio_row(rows, name)
+    return np.zeros(0, np.float32) if audio is None else audio
+
+
 def _flag(rows: Tensors, name: str) -> bool:
     raw = rows.get(name)
     return bool(raw is not None and raw.reshape(-1)[0])
@@ -298,9 +304,8 @@ def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Requ
     context = _json_input(rows, "context")
     frames, slices = rows.get("frames"), rows.get("max_slice_nums")
     rollback = rows.get("rollback_to")
-    empty = np.zeros(0, np.float32)
     return StepInput(
-        audio=_audio_row(rows, "audio") if "audio" in rows else empty,
+        audio=_audio_or_empty(rows, "audio"),
         force_listen=_flag(rows, "force_listen"),
         context_text=str(context.get("text") or ""),
         context_kind=str(context.get("kind") or "tool_result"),
@@ -310,7 +315,7 @@ def decode_request(rows: Tensors, start: bool, defaults: DuplexDefaults) -> Requ
         max_slice_nums=[int(n) for n in slices.reshape(-1)] if slices is not None else [],
         voice=voice,
         rollback_to=-1 if rollback is None else int(rollback.reshape(-1)[0]),
-        replay_audio=_audio_row(rows, "replay_audio") if "replay_audio" in rows else empty,
+        replay_audio=_audio_or_empty(rows, "replay_audio"),
         say=str(context.get("say") or ""),
         answer_tokens=_count(context.get("answer_tokens")),
     )

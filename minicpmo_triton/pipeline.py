@@ -120,9 +120,10 @@ class DuplexPipeline:
             raise
 
     async def _end_stage(self, stage: str, corr_id: int) -> None:
-        fn, request = {"llm": (self.stages.llm, LlmRequest(decode=False)),
-                       "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
-                       "token2wav": (self.stages.token2wav, Token2WavRequest())}[stage]
+        ends: dict[str, tuple[Callable[[StageCall[Any]], Awaitable[object]], object]] = {
+            "llm": (self.stages.llm, LlmRequest(decode=False)), "tts": (self.stages.tts, TtsRequest(n_tokens=0)),
+            "token2wav": (self.stages.token2wav, Token2WavRequest())}
+        fn, request = ends[stage]
         if stage == "llm":
             await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
         await fn(StageCall(request, corr_id, end=True))

@@ -136,7 +136,7 @@ class _StatefulStageModel:
         self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        calls = []
+        calls: list[StageCall[Any]] = []
         for request in requests:
             rows = _rows(request)
             calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
@@ -233,7 +233,7 @@ class _StatelessStageModel:
         self.stage = self.make_stage(_ModelContext(args))
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        calls = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
+        calls: list[Any] = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
         return [_response(r, self.stage_name) for r in self.stage.run(calls)]
 
 

@@ -48,7 +48,7 @@ def audio_key(audio: np.ndarray) -> bytes:
 
 
 # ---- Kaldi fbank (torchaudio.compliance.kaldi.fbank with its defaults, use_energy False) ----
-def _kaldi_mel(f: np.ndarray) -> np.ndarray:
+def _kaldi_mel(f: np.ndarray | float) -> np.ndarray:
     return 1127.0 * np.log(1.0 + f / 700.0)
 
 
@@ -83,7 +83,7 @@ def kaldi_fbank(audio: np.ndarray, n_mels: int = 80, sample_rate: int = SAMPLE_R
 
 
 # ---- librosa's Slaney mel filterbank (librosa.filters.mel, htk False, norm "slaney") ----
-def _slaney_hz_to_mel(f: np.ndarray) -> np.ndarray:
+def _slaney_hz_to_mel(f: np.ndarray | float) -> np.ndarray:
     f = np.asarray(f, np.float64)
     log_step = np.log(6.4) / 27.0
     return np.where(f >= 1000.0, 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / log_step, f * 3.0 / 200.0)

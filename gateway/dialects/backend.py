@@ -21,7 +21,7 @@ from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64
 from ..codes import ClientCode
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..limits import Limits, identifier
-from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, new_response_id, parse_json
+from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, json_object, new_response_id, parse_json
 from .state import Closed, DialectState, Effects, EventFields, PlannedStep, ServerEvent
 
 MODES = ("full_duplex", "turn_based")
@@ -205,7 +205,7 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
     if not isinstance(max_new, int) or isinstance(max_new, bool) or not 1 <= max_new <= 4096:
         raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
-    image_opts = payload.get("image") if isinstance(payload.get("image"), dict) else {}
+    image_opts = json_object(payload, "image")
     # unset: 9, the reference processor's own default (MiniCPM-o-Demo processing_minicpmo.py:128; its chat
     # worker passes None through); the duplex stream's default stays 1, as its worker's
     chosen = first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums"))
@@ -304,7 +304,7 @@ class ContextAccepted(BackendEvent, type="input.context.accepted"):
 
 class Error(BackendEvent, type="error"):
     session_id: str | None
-    error: dict[str, str]
+    error: dict[str, str | bool]
 
 
 def error_event(code: str, message: str, session_id: str | None = None, retryable: bool = False) -> Error:
@@ -374,7 +374,7 @@ class BackendState(DialectState):
             return Effects()
         return Effects([ContextAccepted(self.session_id, msg.input_id, msg.operation_id, msg.kind, msg.respond)])
 
-    def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
         return Effects([error_event(code, message, self.session_id)])
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:

@@ -19,7 +19,7 @@ from ..audio import encode_f32_base64
 from ..codes import ClientCode
 from ..inputs import InputAppend, parse_append, voice_ref
 from ..limits import Limits
-from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError
+from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, json_object
 from .realtime_events import (
     RealtimeEvent,
     SessionEvent,
@@ -194,8 +194,8 @@ class MiniCPMRealtimeState(DialectState):
                 raise ProtocolError(ClientCode.INVALID_PAYLOAD, "instructions must be a string", "session.instructions",
                                     error_type="client_error")
             self.instructions = self.limits.prompt(instructions, "session.instructions")
-        voice_config = session.get("voice_config") if isinstance(session.get("voice_config"), dict) else {}
-        self.model = {**(session.get("config") if isinstance(session.get("config"), dict) else {}), **voice_config}
+        voice_config = json_object(session, "voice_config")
+        self.model = {**json_object(session, "config"), **voice_config}
         try:
             self.options()
             self.voice = {name: voice_ref(name, session[name], CLOSE_POLICY)

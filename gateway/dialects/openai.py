@@ -294,10 +294,11 @@ class OpenAIRealtimeState(DialectState):
         item_id = msg.item_id
         if self.active is not None and self.active.item.id == item_id:
             raise ProtocolError(ClientCode.INVALID_VALUE, "cancel the response before deleting its item", "item_id")
-        self.conversation.delete(item_id)
-        if self.to_say is not None and self.to_say.id == item_id:
+        item = self.conversation.get(item_id)
+        self.conversation.delete(item.id)
+        if self.to_say is not None and self.to_say.id == item.id:
             self.to_say = None
-        return Effects([oe.ItemDeleted(item_id)])
+        return Effects([oe.ItemDeleted(item.id)])
 
     def _item_truncate(self, msg: oe.ItemTruncate) -> Effects:
         item = self.conversation.get(msg.item_id)
@@ -514,7 +515,7 @@ class OpenAIRealtimeState(DialectState):
         """A duplex session's step was answered: the next ones waiting (a long append's seconds) go out."""
         return Effects(steps=self.duplex.answered()) if step.kind != "chat" else Effects()
 
-    def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
         out = Effects([error_event(ProtocolError(code, message))])
         if step.epoch == self.epoch and self.active is not None and step.kind == "chat":

@@ -21,7 +21,7 @@ from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions,
 from ..codes import ClientCode
 from ..limits import Limits, identifier
 from ..overlap import POLICIES, OverlapSettings
-from ..wire import ProtocolError
+from ..wire import ProtocolError, json_object
 from .openai_extensions import Extensions
 
 VAD_TYPES = ("server_vad", "semantic_vad")  # the spec's turn detection; null: none, the client commits
@@ -237,10 +237,9 @@ def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
             raise ProtocolError(ClientCode.INVALID_VALUE, f"eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
                                 f"{TD_PARAM}.eagerness")
         out = dataclasses.replace(out, eagerness=raw["eagerness"])
-    for key in ("create_response", "interrupt_response"):
-        if raw.get(key) is not None:
-            out = dataclasses.replace(out, **{key: bool(raw[key])})
-    return out
+    flags: dict[str, Any] = {key: bool(raw[key]) for key in ("create_response", "interrupt_response")
+                             if raw.get(key) is not None}
+    return dataclasses.replace(out, **flags)
 
 
 def _raw_turn_detection(u: Update) -> tuple[bool, Any]:
@@ -319,7 +318,7 @@ def _instructions(config: RealtimeConfig, u: Update) -> dict[str, Any]:
 
 def _model_key(key: str) -> Field:
     def read(config: RealtimeConfig, u: Update) -> dict[str, Any]:
-        extra = u.session.get("extra_body") if isinstance(u.session.get("extra_body"), dict) else {}
+        extra = json_object(u.session, "extra_body")
         value = extra.get(key, u.session.get(key))
         if value is None:
             return {}

@@ -83,6 +83,7 @@ class Item:
         return len(self.text.encode("utf-8")) + audio + sum(len(i) for i in self.images)
 
     def to_dict(self) -> dict[str, Any]:
+        content: list[dict[str, Any]]
         if self.role == "assistant":
             content = [{"type": "output_audio", "transcript": self.text} if self.spoken
                        else {"type": "output_text", "text": self.text}]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codes import ClientCode
-from ..wire import ProtocolError
+from ..wire import ProtocolError, json_object
 from .realtime_events import RealtimeEvent
 from .state import EventFields
 
@@ -214,7 +214,7 @@ class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
         if not isinstance(data, str) or not data:
             raise ProtocolError(ClientCode.MISSING_FIELD,
                                 "input_audio_buffer.append needs `audio` (base64 audio/pcm)", "audio")
-        hints = msg.get("hints") if isinstance(msg.get("hints"), dict) else {}
+        hints = json_object(msg, "hints")
         hint = msg.get("transcript_hint") or hints.get("transcript")
         return cls(data, hint if isinstance(hint, str) else None)
 
@@ -262,7 +262,7 @@ class ResponseCreate(ClientEvent, type="response.create"):
 
     @classmethod
     def decode(cls, msg: Json) -> ResponseCreate:
-        spec = msg.get("response") if isinstance(msg.get("response"), dict) else {}
+        spec = json_object(msg, "response")
         instructions = spec.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise ProtocolError(ClientCode.INVALID_VALUE,

@@ -13,6 +13,7 @@ A client frame is taken in two parts, so the state machine stays cheap enough to
 
 from __future__ import annotations
 
+import builtins
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -42,6 +43,7 @@ class EventFields:
     class (`class Done(EventFields, type="response.done")`); `None` fields are left out."""
 
     type: ClassVar[str] = ""
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # each subclass's, from `dataclass` (for `fields`)
 
     def __init_subclass__(cls, type: str = "", **kwargs: Any) -> None:  # `type`: the wire's name
         super().__init_subclass__(**kwargs)
@@ -53,7 +55,7 @@ class EventFields:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     @classmethod
-    def retyped(cls, name: str, event_type: str) -> type[Self]:
+    def retyped(cls, name: str, event_type: str) -> builtins.type[Self]:
         """The same fields under another event type (`response.done` beside `response.created`)."""
         return types.new_class(name, (cls,), {"type": event_type})
 
@@ -145,7 +147,7 @@ class DialectState:
     def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
         raise NotImplementedError
 
-    def on_step_error(self, step: PlannedStep, code: str, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
         """A step the stages refused for the client's input (the session goes on)."""
         return Effects([self.error_event(ProtocolError(code, message, error_type="client_error"))])
 

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -70,9 +71,9 @@ def free_ports() -> TritonPorts:
 def find_triton() -> TritonInstall:
     """Prefer the pytriton wheel in this environment; fall back to `tritonserver` on PATH (NGC)."""
     try:
-        import pytriton  # noqa: F401  (only located, never imported for its API)
+        import pytriton  # only located, never used for its API
 
-        pkg = Path(sys.modules["pytriton"].__file__).parent / "tritonserver"
+        pkg = Path(pytriton.__path__[0]) / "tritonserver"
         binary = pkg / "bin" / "tritonserver"
         if binary.exists():
             version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -180,7 +181,7 @@ class TritonServer:
         self.log_path = log_path
         self.log_verbose = log_verbose
         self.process: subprocess.Popen[bytes] | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
 
     def start(self) -> None:
         install = find_triton()

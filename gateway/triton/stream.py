@@ -96,8 +96,8 @@ class TritonStream:
                 if error is not None:
                     # Triton's stream errors carry no request id: they belong to the oldest open step.
                     if self._pending:
-                        _, q = self._pending.popitem(last=False)
-                        q.put_nowait(TritonStreamError(str(error)))
+                        _, oldest = self._pending.popitem(last=False)
+                        oldest.put_nowait(TritonStreamError(str(error)))
                     continue
                 response = result.get_response()
                 q = self._pending.get(response.id)

@@ -4,7 +4,7 @@ nothing and fails nothing), the rest look it up; one bad row fails alone."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -26,7 +26,7 @@ class StageCall(Generic[Req]):
     end: bool = False
 
 
-def isolated(run_batch: Callable[[list[T]], list[Res]], items: list[T],
+def isolated(run_batch: Callable[[list[T]], Sequence[Res]], items: list[T],
              undo: Callable[[int], None] = lambda row: None) -> list[Res | Exception]:
     """All items in one batch; when that fails, each item again alone (after `undo(row)` puts its state back
     as it was before the batch), so a row that still fails fails alone and every other row gets exactly
@@ -51,7 +51,7 @@ def isolated(run_batch: Callable[[list[T]], list[Res]], items: list[T],
 @dataclass(frozen=True)
 class _RngAt:
     rng: np.random.Generator
-    state: dict[str, Any]  # its bit generator's state (a deep copy of the generator costs 17x more)
+    state: Mapping[str, Any]  # its bit generator's state (a deep copy of the generator costs 17x more)
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,9 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def empty_result(self) -> Token2WavResult:
         return Token2WavResult()
 
-    def _chunks(self, req: Token2WavRequest, sess: Token2WavSession) -> list[tuple[list[int], bool]]:
-        """The chunks this request completes (`take_chunks`), then what is left at the turn's end."""
+    def _chunks(self, req: Token2WavRequest, sess: Token2WavSession) -> tuple[Stream, list[tuple[list[int], bool]]]:
+        """The session's stream, and the chunks this request completes (`take_chunks`), then what is left at
+        the turn's end."""
         voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
         if voice is not None:
             key = audio_key(voice)
@@ -156,14 +157,16 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             chunks.append((list(pending), True))
             pending.clear()
             sess.turn_open = False
-        return chunks
+        return sess.stream, chunks
 
     def compute(self, items: list[tuple[Token2WavRequest, Token2WavSession]]) -> list[Token2WavResult]:
-        work = [self._chunks(req, sess) for req, sess in items]
+        prepared = [self._chunks(req, sess) for req, sess in items]
+        streams = [stream for stream, _ in prepared]
+        work = [chunks for _, chunks in prepared]
         audio: list[list[np.ndarray]] = [[] for _ in items]
         for r in range(max((len(w) for w in work), default=0)):  # round r: every session's r-th chunk, batched
             rows = [(i, w[r]) for i, w in enumerate(work) if r < len(w)]
-            out = self.streamer.chunk([(items[i][1].stream, toks, last) for i, (toks, last) in rows])
+            out = self.streamer.chunk([(streams[i], toks, last) for i, (toks, last) in rows])
             for (i, _), wav in zip(rows, out, strict=True):
                 audio[i].append(wav)
         results = []
