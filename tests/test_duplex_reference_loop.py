@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ SUFFIX = "<|audio_end|><|im_end|>"
 LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
 HIGH, LOW = 400, 300  # the basic window's watermarks, small enough to slide several times in 48 chunks
 LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
+Trace = tuple[list[torch.Tensor], list[dict[str, Any]]]  # the chunks' embeddings, the reference's decisions
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
 
@@ -172,6 +174,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "tokenizer": MiniCPMOTokenizerFast.from_pretrained(str(ref.folder))}
 
 
+@pytest.fixture(scope="module")
+def reference_trace(checkpoint: dict[str, Any]) -> Callable[[str], Trace]:
+    """The reference loop's 48 chunks, run once per window mode: both engines are held to the same trace."""
+    traces: dict[str, Trace] = {}
+
+    def trace(window: str) -> Trace:
+        if window not in traces:
+            embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
+            traces[window] = embeds, run_reference(checkpoint, embeds, window)
+        return traces[window]
+
+    return trace
+
+
 def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(AUDIO_TOKENS, hidden, generator=gen) * 0.5 for _ in range(n)]
@@ -241,9 +257,9 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
 
 @pytest.mark.parametrize("engine", ["onnx", "paged"])
 @pytest.mark.parametrize("window", ["off", "basic"])
-def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
-    embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
-    want = run_reference(checkpoint, embeds, window)
+def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], reference_trace: Callable[[str], Trace],
+                                                   window: str, engine: str) -> None:
+    embeds, want = reference_trace(window)
     got = run_ours(checkpoint, embeds, window, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
