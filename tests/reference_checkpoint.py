@@ -40,8 +40,10 @@ SMALL_CONFIG = {
     "audio_pool_step": 5, "query_num": 64, "image_size": 448, "drop_vision_last_layer": True,
     "audio_config": {"num_mel_bins": 80, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2,
                      "encoder_ffn_dim": 64, "max_source_positions": 1500},
-    # vision_config.image_size is the position table (980 in the real one: 70x70); slices are 448 (top level)
-    "vision_config": {"image_size": 448, "patch_size": 14, "hidden_size": 32, "num_hidden_layers": 2,
+    # vision_config.image_size is the position table (980 in the real one: 70x70); slices are 448 (top level).
+    # Its width differs from the LLM's, as the real one's (1152, 4096): the reference resampler has a
+    # `kv_proj` only then.
+    "vision_config": {"image_size": 448, "patch_size": 14, "hidden_size": 48, "num_hidden_layers": 2,
                       "num_attention_heads": 2, "intermediate_size": 64},
     "tts_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
                    "intermediate_size": 64, "max_position_embeddings": 4096, "num_text_tokens": 152064,
@@ -173,7 +175,7 @@ def build_vision_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module,
     (`drop_vision_last_layer`); `resampler.*` the reference Resampler's (its 2D sin-cos table is a buffer)."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    from .test_vision_reference import RefResampler
+    from .test_vision_reference import reference_resampler
 
     v = config["vision_config"]
     used = v["num_hidden_layers"] - int(config.get("drop_vision_last_layer", True))
@@ -182,7 +184,7 @@ def build_vision_encoder(config: dict, gen: torch.Generator) -> tuple[nn.Module,
         num_attention_heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
         layer_norm_eps=1e-6, vision_use_head=False)).eval()
     h = config["hidden_size"]
-    resampler = RefResampler(config["query_num"], h, max(1, h // 128), v["hidden_size"]).eval()
+    resampler = reference_resampler(config["query_num"], h, v["hidden_size"]).eval()
     with torch.no_grad():
         for name, p in [*siglip.named_parameters(), *resampler.named_parameters()]:
             p.copy_((1.0 if name.endswith("norm.weight") or "layer_norm" in name and name.endswith("weight")

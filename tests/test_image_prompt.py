@@ -1,18 +1,19 @@
 """An image's tokens in the LLM's input, token for token as the reference lays them out.
 
-The reference is copied below ONLY as the reference, from OpenBMB/MiniCPM-o-Demo @28b60cf, MiniCPMO45/:
-- processing_minicpmo.py `MiniCPMVImageProcessor.get_slice_image_placeholder`, `get_grid_placeholder`,
-  `get_image_id_placeholder` (with preprocessor_config.json's `use_image_id` true, `slice_mode` true,
-  `image_feature_size` 64) and `MiniCPMOProcessor._convert_omni_to_inputs` (each `<image>./</image>` of the
-  prompt replaced by its placeholder, numbered from 0 over the prompt), reached from
+The reference is MiniCPM-o 4.5's own code (OpenBMB/MiniCPM-o-Demo @28b60cf, MiniCPMO45/, vendored unchanged
+under tests/reference_code/), run as is where it is a function:
+- processing_minicpmo.py `MiniCPMVImageProcessor`: `get_sliced_grid`, `get_slice_image_placeholder` (with
+  `get_grid_placeholder` and `get_image_id_placeholder`), at preprocessor_config.json's `use_image_id` true,
+  `slice_mode` true, `image_feature_size` 64;
+- where it is a step inside a larger method, that step: `MiniCPMOProcessor._convert_omni_to_inputs` (each
+  `<image>./</image>` of the prompt replaced by its placeholder, numbered from 0 over the prompt), reached from
   modeling_minicpmo_unified.py `MiniCPMO.non_streaming_prefill` (a chat turn: the message's content parts
-  joined by "\\n", `use_image_id=None`, so the config's true);
-- modeling_minicpmo_unified.py `DuplexCapability.streaming_prefill` (a duplex step: `<unit>`, then per image
-  `<image>`[64]`</image>` and `<slice>`[64]`</slice>` per HD slice, fed as tokens and embeddings, then audio).
-`get_sliced_grid` is the copy in test_vision_reference.py. The reference's prompt text is tokenized by the
-preset's tokenizer (transformers' AutoTokenizer over the real special-token ids; tiny's byte tokenizer); the
-pipeline's LLM request is compared with it, the stages around the pipeline faked (the vision stage's own
-code runs, over an engine that returns zeros).
+  joined by "\\n", `use_image_id=None`, so the config's true), and `DuplexCapability.streaming_prefill` (a duplex
+  step: `<unit>`, then per image `<image>`[64]`</image>` and `<slice>`[64]`</slice>` per HD slice, fed as
+  tokens and embeddings, then audio).
+The reference's prompt text is tokenized by the preset's tokenizer (transformers' AutoTokenizer over the real
+special-token ids; tiny's byte tokenizer); the pipeline's LLM request is compared with it, the stages around the
+pipeline faked (the vision stage's own code runs, over an engine that returns zeros).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,65 +35,26 @@ from minicpmo_triton.stages.vision_encoder import VisionEncoderStage
 from minicpmo_triton.tokenizer import TINY_SPECIALS, ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 
 from .reference_checkpoint import write_tokenizer_set
-from .test_vision_reference import _png, ref_get_sliced_grid
+from .reference_demo import demo_module
+from .test_vision_reference import _png
 
-# ---- the reference, copied (processing_minicpmo.py, MiniCPMVImageProcessor; preprocessor_config.json) ----
+# ---- the reference, run as published ----
 
 IMAGE_FEATURE_SIZE = 64
 
 
-class RefImageProcessor:
-    def __init__(self, unk_token: str, max_slice_nums: int = 9) -> None:
-        self.max_slice_nums = max_slice_nums
-        self.use_image_id = True
-        self.image_feature_size = IMAGE_FEATURE_SIZE
-        self.im_start_token, self.im_end_token = "<image>", "</image>"
-        self.slice_start_token, self.slice_end_token = "<slice>", "</slice>"
-        self.unk_token = unk_token
-        self.im_id_start, self.im_id_end = "<image_id>", "</image_id>"
-        self.slice_mode = True
-
-    def get_sliced_grid(self, image_size, max_slice_nums):
-        return ref_get_sliced_grid(image_size, max_slice_nums)
-
-    def get_grid_placeholder(self, grid):
-        if grid is None:
-            return ""
-        slice_image_placeholder = (
-            self.slice_start_token + self.unk_token * self.image_feature_size + self.slice_end_token
-        )
-        cols = grid[0]
-        rows = grid[1]
-        slices = []
-        for i in range(rows):  # noqa: B007 (as the reference)
-            lines = []
-            for j in range(cols):  # noqa: B007 (as the reference)
-                lines.append(slice_image_placeholder)
-            slices.append("".join(lines))
-        slice_placeholder = "\n".join(slices)
-        return slice_placeholder
-
-    def get_image_id_placeholder(self, idx=0):
-        return f"{self.im_id_start}{idx}{self.im_id_end}"
-
-    def get_slice_image_placeholder(self, image_size, image_idx=0, max_slice_nums=None, use_image_id=None):
-        max_slice_nums = self.max_slice_nums if max_slice_nums is None else int(max_slice_nums)
-        assert max_slice_nums > 0
-        grid = self.get_sliced_grid(image_size=image_size, max_slice_nums=max_slice_nums)
-        image_placeholder = self.im_start_token + self.unk_token * self.image_feature_size + self.im_end_token
-        use_image_id = self.use_image_id if use_image_id is None else bool(use_image_id)
-        if use_image_id:
-            final_placeholder = self.get_image_id_placeholder(image_idx) + image_placeholder
-        else:
-            final_placeholder = image_placeholder
-        if self.slice_mode:
-            final_placeholder = final_placeholder + self.get_grid_placeholder(grid=grid)
-        return final_placeholder
+def reference_processor(unk_token: str) -> Any:
+    """`MiniCPMVImageProcessor` (processing_minicpmo.py:125) at preprocessor_config.json's values (`use_image_id`
+    and `slice_mode` true, 64 query tokens an image); `unk` is the preset's embedding-row token."""
+    return demo_module("processing_minicpmo").MiniCPMVImageProcessor(
+        max_slice_nums=9, scale_resolution=448, patch_size=14, use_image_id=True, slice_mode=True,
+        image_feature_size=IMAGE_FEATURE_SIZE, unk=unk_token)
 
 
-def ref_chat_user_turn(processor: RefImageProcessor, image_sizes, text: str, first_idx: int, max_slice_nums: int):
+def ref_chat_user_turn(processor: Any, image_sizes, text: str, first_idx: int, max_slice_nums: int):
     """`non_streaming_prefill`: content parts joined by "\\n" (`omni_mode` false), in the chat template's
-    user turn; then `_convert_omni_to_inputs`' placeholder per `<image>./</image>`, numbered over the prompt."""
+    user turn; then `_convert_omni_to_inputs`' loop (processing_minicpmo.py:1566-1592): the processor's
+    `get_slice_image_placeholder` per `<image>./</image>`, numbered over the prompt."""
     content = "\n".join(["<image>./</image>"] * len(image_sizes) + [text])
     prompt = "<|im_start|>user\n" + content + "<|im_end|>\n<|im_start|>assistant\n"
     chunks = re.split("(<image>./</image>)", prompt)
@@ -108,7 +71,7 @@ def ref_duplex_vision_ids(tokens, image_sizes, max_slice_nums: int) -> list[int]
     """`DuplexCapability.streaming_prefill`'s feed operations for the frames (an embedding row as `<unk>`)."""
     ids: list[int] = []
     for size in image_sizes:
-        grid = ref_get_sliced_grid(size, max_slice_nums)
+        grid = reference_processor("<unk>").get_sliced_grid(size, max_slice_nums)
         num_slices = 1 if grid is None else 1 + grid[0] * grid[1]
         ids += [tokens.image, *[tokens.audio_placeholder] * IMAGE_FEATURE_SIZE, tokens.image_end]
         for _ in range(1, num_slices):
@@ -199,7 +162,8 @@ SIZES = {  # (width, height) -> the reference's grid (cols, rows) at max_slice_n
 
 
 def test_the_sizes_cover_the_layouts() -> None:
-    assert [ref_get_sliced_grid(size, 9) for size in SIZES.values()] == [None, [3, 2], [4, 1], [1, 4]]
+    processor = reference_processor("<unk>")
+    assert [processor.get_sliced_grid(size, 9) for size in SIZES.values()] == [None, [3, 2], [4, 1], [1, 4]]
 
 
 @pytest.mark.parametrize("preset_name", ["tiny", "minicpm-o-4.5"])
@@ -209,7 +173,7 @@ def test_a_chat_image_is_laid_out_as_the_reference(presets, preset_name: str, si
     width, height = SIZES[size]
     message = ChatMessage("user", "What is in the picture?", images=(_png(width, height, 1),), max_slice_nums=9)
     (request,) = run_pipeline(preset, tokenizer, [ChatInput([message], max_new_tokens=1)])
-    expected = ref_encode(ref_chat_user_turn(RefImageProcessor(unk), [(width, height)], message.text, 0, 9))
+    expected = ref_encode(ref_chat_user_turn(reference_processor(unk), [(width, height)], message.text, 0, 9))
     got = request.input_ids.tolist()
     assert got[-len(expected):] == expected
     assert got[-len(expected) - 2:-len(expected)] == [preset.tokens.im_end, *ref_encode("\n")]  # the system turn
@@ -221,7 +185,7 @@ def test_chat_images_are_numbered_over_the_conversation(presets, preset_name: st
     """Two images in one message, then a third in the next turn: ids 0, 1, then 2 (the prompt's third image),
     though only the new message is prefilled."""
     preset, tokenizer, ref_encode, unk = presets[preset_name]
-    ref = RefImageProcessor(unk)
+    ref = reference_processor(unk)
     sizes = [SIZES["2x3 grid"], SIZES["one slice"], SIZES["tall"]]
     pngs = [_png(w, h, i) for i, (w, h) in enumerate(sizes)]
     first = [ChatMessage("user", "Compare them.", images=tuple(pngs[:2]), max_slice_nums=4)]
