@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # torch: imported only where the paged engine is built
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
 EVICTED_METRIC = "minicpmo_evicted_sequences_total"
+KV_FREE_METRIC = "minicpmo_kv_free_blocks"
 
 
 class _ModelContext:
@@ -175,7 +176,18 @@ class LlmModel(_StatefulStageModel):
         if self.stage.paged is not None:
             from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
 
-            self.inflight = InflightLlm(self.stage, period, self.gauge.update)
+            pool = self.stage.paged.pool
+            self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
+                name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
+                kind=pb_utils.MetricFamily.GAUGE)
+            kv_free = self._kv_family.Metric(labels={"model": ctx.name})
+
+            def changed() -> None:  # on the engine thread, after a call's admission or its answer
+                self.gauge.update()
+                kv_free.set(pool.free_blocks)
+
+            changed()
+            self.inflight = InflightLlm(self.stage, period, changed)
 
     def execute(self, requests: list[Any]) -> None:
         calls, senders = [], []
