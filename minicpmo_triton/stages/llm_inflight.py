@@ -183,20 +183,14 @@ class InflightLlm:
         return new
 
     def _enter(self, q: _Queued) -> _Row | None:
-        """`SequenceStage.run`'s per-call part: START creates state, the rest look it up; no-ops and refusals are
-        answered here."""
-        call, store = q.call, self.stage.store
+        """`SequenceStage.enter`: the state found or created, the call checked; no-ops and refusals answered here."""
         try:
-            if call.end and not call.start and self.stage.is_noop(call.request) and call.corr_id not in store:
-                self._answer(q, self.stage.empty_result())  # an END for state already gone frees nothing
-                return None
-            state = store.start(call.corr_id, self.stage.new_state(call)) if call.start else store.get(call.corr_id)
-            if self.stage.is_noop(call.request):
-                self._answer(q, self.stage.empty_result())
-                return None
-            self.stage.check(call.request, state)
+            state = self.stage.enter(q.call)
         except Exception as exc:  # noqa: BLE001 (one bad call must not fail the others)
             self._answer(q, exc)
+            return None
+        if state is None:
+            self._answer(q, self.stage.empty_result())
             return None
         return _Row(q, state, _snapshot(state))
 
