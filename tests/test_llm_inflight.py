@@ -105,3 +105,53 @@ def test_rows_of_one_batch_answer_in_the_order_they_finish(preset, weights) -> N
         assert short.done_iteration < long.done_iteration, (short, long)
     finally:
         loop.close()
+
+
+def test_a_forward_that_fails_runs_each_unfinished_row_alone(preset, weights) -> None:
+    """A forward that raises has no row to blame: the rows still in the loop are undone and run alone, so the
+    clean ones answer what the synchronous batch (which isolates the same way) answers, and the broken one its
+    error; the next step of every session, the broken one's included, is the same on both paths."""
+    tk = preset.tokens
+
+    def breaking_stage() -> Any:
+        eng = paged_engine(preset, weights)
+        forward = eng.forward
+
+        def breaking(seqs: list[int], pasts: list[int], rows: list[Any]) -> Any:
+            if any(tk.audio_start in r.ids for r in rows):
+                raise RuntimeError("the forward failed")
+            return forward(seqs, pasts, rows)
+
+        eng.forward = breaking  # type: ignore[method-assign]
+        return stage(preset, eng)
+
+    def calls(step: int) -> list[StageCall]:
+        out = [StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
+        if step == 1:  # session 2's chunk breaks any forward it is in
+            req = out[1].request
+            req.input_ids = np.concatenate([[tk.audio_start], req.input_ids])
+        return out
+
+    class Counted(InflightLlm):
+        alone = 0  # rows the loop ran alone after a forward failed
+
+        def _run_alone(self, indices: list[int]) -> None:
+            self.alone += len(indices)
+            super()._run_alone(indices)
+
+    sync, live = breaking_stage(), breaking_stage()
+    loop, answers = Counted(live, 5.0), Answers()
+    try:
+        for step in range(3):
+            expected = dict(zip(SESSIONS, sync.run(calls(step)), strict=True))
+            for call in calls(step):
+                loop.submit(call, answers.reply(call.corr_id))
+            got = dict(answers.take(len(SESSIONS)))
+            for corr in SESSIONS:
+                if step == 1 and corr == 2:
+                    assert isinstance(got[corr], RuntimeError) and isinstance(expected[corr], RuntimeError)
+                else:
+                    assert_same(got[corr], expected[corr])
+        assert loop.alone >= 1, "the failed forward's rows were run alone"
+    finally:
+        loop.close()
