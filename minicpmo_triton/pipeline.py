@@ -282,7 +282,8 @@ class DuplexPipeline:
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
             forced_ids=np.asarray(forced or [], np.int64),
             window_mode=WINDOW_MODES.index(opts.sliding_window_mode), window_high=opts.basic_window_high_tokens,
-            window_low=opts.basic_window_low_tokens,
+            window_low=opts.basic_window_low_tokens, window_units=opts.context_max_units,
+            window_previous=opts.context_previous_max_tokens,
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.

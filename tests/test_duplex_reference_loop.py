@@ -11,20 +11,27 @@ stage on that checkpoint's exported ONNX. What is not the reference's own, and w
   stand-ins that hand them over (they need the Whisper weights and the mel processor, not under test here);
 - `transformers.modeling_attn_mask_utils`, gone in transformers 5, is imported by the SigLIP file only: a stub;
 - transformers 5's DynamicCache has no `key_cache` / `value_cache` lists, which StreamDecoder reads and writes
-  (utils.py:1306-1315, 1027-1140), and its `crop` takes tokens to remove where 4's took the length to keep:
-  `LegacyCache` gives StreamDecoder transformers 4's lists and `crop` over the same tensors, and the config
-  its `rope_theta` attribute back (5 moved it into `rope_parameters`);
+  (utils.py:1306-1315, 1027-1140) and assigns whole on caches it builds (`_slice_cache`, `_concat_caches`,
+  1677-1742), and its `crop` takes tokens to remove where 4's took the length to keep: `LegacyCache` gives
+  StreamDecoder transformers 4's lists (readable, writable, assignable) and `crop` over the same tensors, and is
+  the `DynamicCache` its module builds; the config gets its `rope_theta` attribute back (5 moved it into
+  `rope_parameters`);
 - `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here;
   the TTS's own decode is held to `generate_chunk` in tests/test_reference_parity.py.
 
 Greedy, 48 chunks: forced listens (the first three and two overrides, one mid-turn), speaking turns,
 <|turn_eos|>, the 28-character cut; after every chunk the decided tokens, the TTS condition, is_listen,
-end_of_turn and the KV length after the unit is closed must be equal.
+end_of_turn and the KV length after the unit is closed must be equal. The sliding window: `off`, `basic`
+(watermarks small enough to slide several times) and `context` (24 chunks holding at most 6 units and 24 tokens
+of previous text, so units that spoke, units that listened and the previous text's left cut all slide; the
+previous text equal after every chunk too).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import types
 from typing import Any
 
@@ -57,6 +64,8 @@ PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful a
 SUFFIX = "<|audio_end|><|im_end|>"
 LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
 HIGH, LOW = 400, 300  # the basic window's watermarks, small enough to slide several times in 48 chunks
+UNITS, PREVIOUS = 6, 24  # the context window's units held and previous tokens kept, small for the same reason
+CONTEXT_CHUNKS = 24  # enough for the context window (its slides begin at the 7th unit)
 LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
@@ -80,8 +89,19 @@ class _Layers:
     def __setitem__(self, i: int, value: torch.Tensor) -> None:
         setattr(self._cache.layers[i], self._name, value)
 
+    def assign(self, tensors: list[torch.Tensor]) -> None:
+        """`cache.key_cache = [...]` on a cache built empty: its layers made, holding these tensors."""
+        from transformers.cache_utils import DynamicLayer
 
-def legacy_cache() -> Any:
+        while len(self._cache.layers) < len(tensors):
+            self._cache.layers.append(DynamicLayer())
+        for layer, t in zip(self._cache.layers, tensors, strict=False):
+            setattr(layer, self._name, t)
+            layer.device, layer.is_initialized = t.device, True
+
+
+@functools.cache
+def legacy_cache_class() -> type:
     from transformers.cache_utils import DynamicCache
 
     class LegacyCache(DynamicCache):
@@ -89,9 +109,17 @@ def legacy_cache() -> Any:
         def key_cache(self) -> _Layers:
             return _Layers(self, "keys")
 
+        @key_cache.setter
+        def key_cache(self, tensors: list[torch.Tensor]) -> None:
+            _Layers(self, "keys").assign(tensors)
+
         @property
         def value_cache(self) -> _Layers:
             return _Layers(self, "values")
+
+        @value_cache.setter
+        def value_cache(self, tensors: list[torch.Tensor]) -> None:
+            _Layers(self, "values").assign(tensors)
 
         def crop(self, max_length: int) -> None:
             """transformers 4's `crop`: keep the first `max_length` tokens (5's takes how many to remove)."""
@@ -100,7 +128,11 @@ def legacy_cache() -> Any:
             if keep < length:
                 super().crop(keep - length)
 
-    return LegacyCache()
+    return LegacyCache
+
+
+def legacy_cache() -> Any:
+    return legacy_cache_class()()
 
 
 class _Features:
@@ -132,6 +164,7 @@ def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer:
     # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
     # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
     llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
+    sys.modules[unified.StreamDecoder.__module__].DynamicCache = legacy_cache_class()  # type: ignore[attr-defined]
     model = types.SimpleNamespace(
         processor=_Processor(tokenizer, embeds), llm=llm,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
@@ -180,7 +213,7 @@ def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
 def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
     cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), sliding_window_mode=window, basic_window_high_tokens=HIGH,
-                           basic_window_low_tokens=LOW)
+                           basic_window_low_tokens=LOW, context_max_units=UNITS, context_previous_max_tokens=PREVIOUS)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
     out = []
     for i in range(len(embeds)):
@@ -195,7 +228,8 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
         out.append({"decided": cap.total_ids[start:-1], "is_listen": res["is_listen"],
                     "end_of_turn": res["end_of_turn"], "tts_ids": [int(c[0]) for c in condition],
                     "tts_hidden": np.stack([c[1][0, 0].numpy() for c in condition]) if condition else None,
-                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count})
+                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count,
+                    "previous": list(cap.decoder._previous_token_ids)})
     return out
 
 
@@ -216,7 +250,8 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
         ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
         request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
                              force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
-                             window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW, **SETTINGS)
+                             window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW,
+                             window_units=UNITS, window_previous=PREVIOUS, **SETTINGS)
         [res] = stage.run([StageCall(request, 1, start=i == 0)])
         assert not isinstance(res, Exception), res
         session = stage.store.get(1)
@@ -226,8 +261,8 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
         ledger = copy.deepcopy(session.units)
         closed = res.kv_length + len(pending)
         ledger.close(closed)
-        if window == "basic":
-            closed -= ledger.plan_basic(closed, WindowConfig(window, HIGH, LOW))
+        slides = ledger.plan(closed, WindowConfig(window, HIGH, LOW, UNITS, PREVIOUS, stage.marker))
+        closed -= sum(s.drop - len(s.insert) for s in slides)
         decided = [int(t) for t in res.generated]
         if pending[:-1] and pending[-2] in (tk.chunk_eos,) and (not decided or decided[-1] != tk.chunk_eos):
             decided.append(tk.chunk_eos)  # the budget's or the cut's <|chunk_eos|>, deferred as the reference's
@@ -235,25 +270,33 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
             decided.insert(0, tk.turn_eos)  # a forced listen's <|turn_eos|>, fed before the listen
         out.append({"decided": decided, "is_listen": res.is_listen, "end_of_turn": res.end_of_turn,
                     "tts_ids": [int(t) for t in res.text_ids], "tts_hidden": res.tts_hidden if len(res.text_ids)
-                    else None, "kv": closed, "slides": ledger.events})
+                    else None, "kv": closed, "slides": ledger.events, "previous": ledger.previous})
     return out
 
 
 @pytest.mark.parametrize("engine", ["onnx", "paged"])
-@pytest.mark.parametrize("window", ["off", "basic"])
+@pytest.mark.parametrize("window", ["off", "basic", "context"])
 def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
-    embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
+    embeds = chunk_embeds(CONTEXT_CHUNKS if window == "context" else CHUNKS, checkpoint["preset"].llm.hidden)
     want = run_reference(checkpoint, embeds, window)
     got = run_ours(checkpoint, embeds, window, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"])
-        for key in ("decided", "is_listen", "tts_ids", "kv", "slides"):
+        print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"], len(w["previous"]))
+        for key in ("decided", "is_listen", "tts_ids", "kv", "slides", "previous"):
             assert g[key] == w[key], f"chunk {i}: {key} {g[key]} != reference {w[key]}"
         if w["tts_hidden"] is not None:
             np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
         if not w["is_listen"]:
             assert g["end_of_turn"] == w["end_of_turn"], f"chunk {i}"
+    if window == "context":
+        # units that spoke and units that listened have slid out, and the previous text has been cut on the left
+        marker = len(checkpoint["tokenizer"].encode("\n\nprevious: ", add_special_tokens=False))
+        assert want[-1]["slides"] >= CONTEXT_CHUNKS - UNITS - 1 and len(want[-1]["previous"]) == marker + PREVIOUS
+        # what a dropped unit's text leaves out: the reference's own set of special ids (utils.py:1181-1213)
+        ours = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(tk).values())).special_ids()
+        assert ours == checkpoint["unified"].StreamDecoder(None, checkpoint["tokenizer"])._all_special_ids
+        return
     # the script holds what the loop's rules decide on: a <|turn_eos|> the model said with the chunk going on,
     # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), and the 28-character cut
     tok = checkpoint["tokenizer"]
