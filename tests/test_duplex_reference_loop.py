@@ -160,16 +160,16 @@ class _Processor:
 
 
 def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
-                     **kwargs: Any) -> Any:
+                     tts: Any = None, **kwargs: Any) -> Any:
     # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
     # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
     llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
     sys.modules[unified.StreamDecoder.__module__].DynamicCache = legacy_cache_class()  # type: ignore[attr-defined]
     model = types.SimpleNamespace(
-        processor=_Processor(tokenizer, embeds), llm=llm,
+        processor=_Processor(tokenizer, embeds), llm=llm, tts=tts,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
         get_audio_embedding_streaming=lambda features, **_: [[features.embeds]])
-    cap = unified.DuplexCapability(model, generate_audio=False, device="cpu", force_listen_count=3, **kwargs)
+    cap = unified.DuplexCapability(model, generate_audio=tts is not None, device="cpu", force_listen_count=3, **kwargs)
     reset = cap.decoder.reset
 
     def reset_with_legacy_cache() -> None:
@@ -234,7 +234,7 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
 
 
 def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
-             engine: str = "onnx") -> list[dict[str, Any]]:
+             engine: str = "onnx", overrides: set[int] = OVERRIDES) -> list[dict[str, Any]]:
     """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
     sampling on the device)."""
     preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
@@ -249,7 +249,7 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
     for i, e in enumerate(embeds):
         ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
         request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
-                             force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
+                             force_listen=i < 3 or i in overrides, max_new_tokens=40 if i in LONG else 20,
                              window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW,
                              window_units=UNITS, window_previous=PREVIOUS, **SETTINGS)
         [res] = stage.run([StageCall(request, 1, start=i == 0)])
@@ -349,3 +349,91 @@ def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, A
           f"distinct tokens {np.count_nonzero(got)} ({np.count_nonzero(want)}); total variation {tv:.3f}")
     assert np.count_nonzero(want) > 5 and want[tk.chunk_eos] > 0.1 * n
     assert tv < 0.08
+
+
+class _SpeechScript:
+    """The reference's `model.tts` for its duplex loop with audio: `generate_chunk` gives the n-th voiced chunk the
+    n-th of SPEECH's token lists (the TTS's own decode is held to `generate_chunk` in test_reference_parity.py),
+    and its `audio_tokenizer.stream` (token2wav) records the chunks it is given, each with its `last_chunk`."""
+
+    def __init__(self, speech: list[list[int]]) -> None:
+        self.speech = iter(speech)
+        self.config = types.SimpleNamespace(num_audio_tokens=6562)
+        self.emb_text = types.SimpleNamespace(weight=torch.zeros(1))
+        self.audio_bos_token_id = 0
+        self.streamed: list[tuple[list[int], bool]] = []
+        self.audio_tokenizer = types.SimpleNamespace(flow=types.SimpleNamespace(pre_lookahead_len=3),
+                                                     set_stream_cache=lambda path: ({}, {}), stream=self.stream)
+
+    def generate_chunk(self, **_: Any) -> tuple[torch.Tensor, None]:
+        return torch.tensor(next(self.speech))[None, :, None], None
+
+    def stream(self, tokens: list[int], prompt_wav: Any = None, last_chunk: bool = False) -> bytes:
+        self.streamed.append((list(tokens), last_chunk))
+        return bytes(960)
+
+
+VOICE_CHUNKS = 30
+
+
+def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint: dict[str, Any]) -> None:
+    """The demo restarts token2wav when the caller forces a listen while the model speaks (its buffered speech
+    tokens dropped, 3 silence tokens again: modeling_minicpmo_unified.py:5003-5011, 4406-4410) and keeps the
+    TTS's turn. Same LLM, same speech tokens per voiced chunk: token2wav is given the same chunks, chunk for
+    chunk, by the reference's `_generate_waveform_from_tokens` (:5449-5507) and by our stage driven as the
+    pipeline drives it (`VoiceTurn`)."""
+    from export.presets import tiny
+    from minicpmo_triton.stage_io import Token2WavRequest
+    from minicpmo_triton.stages.token2wav import Token2WavStage
+    from minicpmo_triton.voice_turn import VoiceTurn
+
+    from .conftest import MODEL_REPOSITORY, ensure_exported
+
+    embeds = chunk_embeds(VOICE_CHUNKS, checkpoint["preset"].llm.hidden)
+    gen = np.random.default_rng(4)
+    speech = [[int(t) for t in gen.integers(0, 4000, 25)] for _ in range(VOICE_CHUNKS)]
+    tts = _SpeechScript(speech)
+    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+                           list(embeds), tts=tts)
+    cap._convert_results_to_tts_input = lambda hidden: torch.zeros(1, len(hidden) + 1, 1)
+    cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX, prompt_wav_path="voice.wav")
+    want, closed = [], []
+    for i in range(VOICE_CHUNKS):
+        assert cap.streaming_prefill(audio_waveform=np.zeros(16_000, np.float32))["success"]
+        before = len(tts.streamed)
+        if not closed and i >= 8 and not cap.current_turn_ended:  # the caller forces a listen as the model speaks
+            closed.append(i)
+        cap.streaming_generate(decode_mode="greedy", force_listen_override=i in closed,
+                               max_new_speak_tokens_per_chunk=40 if i in LONG else 20,
+                               text_repetition_penalty=1.05, length_penalty=1.1)
+        cap.finalize_unit()
+        want.append(tts.streamed[before:])
+    assert closed and any(want[closed[0] + 1:]), "a forced listen while the model speaks, then speech"
+
+    ensure_exported()
+    stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", tiny(), 600.0)
+    got: list[list[tuple[list[int], bool]]] = []
+    real_chunk = stage.streamer.chunk
+
+    def chunk(rows: list[Any]) -> list[np.ndarray]:
+        got[-1].extend((list(t), last) for _, t, last in rows)
+        return real_chunk(rows)
+
+    stage.streamer.chunk = chunk  # type: ignore[method-assign]
+    turn, voiced = VoiceTurn(), iter(speech)
+    for i, r in enumerate(run_ours(checkpoint, embeds, "off", overrides=set(closed))):
+        got.append([])
+        if r["is_listen"]:
+            turn.listened(i < 3 or i in closed, r["end_of_turn"])
+            continue
+        _, restart = turn.starts()
+        [out] = stage.run([StageCall(Token2WavRequest(speech_tokens=np.asarray(next(voiced), np.int64),
+                                                      turn_start=restart, finalize=r["end_of_turn"]), 1,
+                                     start=stage.store.get_or_none(1) is None)])
+        assert not isinstance(out, Exception), out
+        turn.voiced(r["end_of_turn"])
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"chunk {i}: token2wav given {g}, the reference's {w}"
+    # what the restart changes: after it the first chunk opens with 3 silence tokens, not the tokens left over
+    after = next(w for w in want[closed[0] + 1:] if w)
+    assert after[0][0][:3] == [4218] * 3
