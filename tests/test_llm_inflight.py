@@ -7,10 +7,12 @@ import queue
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from minicpmo_triton.errors import StepError
 from minicpmo_triton.stage_io import LlmResult
+from minicpmo_triton.stages import llm_inflight
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm_inflight import InflightLlm
 
@@ -153,5 +155,30 @@ def test_a_forward_that_fails_runs_each_unfinished_row_alone(preset, weights) ->
                 else:
                     assert_same(got[corr], expected[corr])
         assert loop.alone >= 1, "the failed forward's rows were run alone"
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("rows_per_run", [2, 4096])
+def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights, monkeypatch, rows_per_run) -> None:
+    """Three steps of every session queued at once (a client that does not wait for its answers): each session's
+    next call waits for its row in flight, so every answer is the one the steps give one batch at a time; with a
+    run capped at 2 rows the loop drains and starts again between them, with the same answers."""
+    monkeypatch.setattr(llm_inflight, "ROWS_PER_RUN", rows_per_run)
+    sync, live = stage(preset, paged_engine(preset, weights)), stage(preset, paged_engine(preset, weights))
+    steps = [[StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
+             for step in range(3)]
+    expected = [dict(zip(SESSIONS, sync.run(calls), strict=True)) for calls in steps]
+    loop, answers = InflightLlm(live, 5.0), Answers()
+    try:
+        for calls in steps:
+            for call in calls:
+                loop.submit(call, answers.reply(call.corr_id))
+        got: dict[int, list[Any]] = {}
+        for corr, res in answers.take(3 * len(SESSIONS)):
+            got.setdefault(corr, []).append(res)
+        for corr in SESSIONS:
+            for step in range(3):
+                assert_same(got[corr][step], expected[step][corr])
     finally:
         loop.close()

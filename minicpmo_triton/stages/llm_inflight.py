@@ -34,6 +34,9 @@ from .base import StageCall, _restore, _snapshot, isolated
 from .llm import LlmSession, LlmStage, PagedCache, _DeviceRows
 
 Reply = Callable[[LlmResult | Exception], None]
+# Rows one run of the engine loop numbers before it stops admitting and drains: its per-row lists (the engine's,
+# the driver's) grow with every call while it runs, and under steady traffic it would never end on its own.
+ROWS_PER_RUN = 4096
 
 
 @dataclass
@@ -131,9 +134,14 @@ class InflightLlm:
                     self._cv.wait(self.sweep_period_s)
                 if self._stop:
                     return
-            if self.stage.store.evict_expired():  # here, not on a timer thread: the pool has one user
-                self.on_change()
-            self._run()
+            try:
+                if self.stage.store.evict_expired():  # here, not on a timer thread: the pool has one user
+                    self.on_change()
+                self._run()
+            except Exception as exc:  # noqa: BLE001 (a bug in the loop itself: its callers are told, it serves on)
+                for index in sorted(self._open):
+                    self._open.discard(index)
+                    self._answer(self.rows[index].queued, exc)
 
     def _run(self) -> None:
         self.rows, self.failed, self._open = [], set(), set()
@@ -150,11 +158,17 @@ class InflightLlm:
     def _admit(self) -> list[tuple[int, int, Prefill]]:
         """The queued calls that can join now: their state found or created, checked, prepared, as the engine's
         new rows (session, its length, its prefill). Calls with nothing to decode are answered at once."""
+        if len(self.rows) >= ROWS_PER_RUN:
+            return []  # this run drains (a few dozen iterations) and the next one starts with fresh row lists
         with self._cv:
+            # a session's next call waits for its row in flight, or for the one queued before it (a client may
+            # send it before the answer)
             busy = {self.rows[r].queued.call.corr_id for r in self._open}
-            # a session's next call waits for its row in flight (a client may send it before the answer)
-            ready = [q for q in self._queue if q.call.corr_id not in busy]
-            self._queue = deque(q for q in self._queue if q.call.corr_id in busy)
+            ready, held = [], deque()
+            for q in self._queue:
+                (held if q.call.corr_id in busy else ready).append(q)
+                busy.add(q.call.corr_id)
+            self._queue = held
         rows: list[_Row] = []
         for q in ready:
             row = self._enter(q)
@@ -224,6 +238,7 @@ class InflightLlm:
                                    (now - first) * 1000, row.encode_ms, join_iteration=row.join_iteration,
                                    done_iteration=self.engine.iterations)
         self._open.discard(index)
+        self._release(index)
         self._answer(row.queued, result)
 
     def fail(self, index: int, exc: Exception) -> None:
@@ -232,6 +247,7 @@ class InflightLlm:
             self._open.discard(index)
             self.failed.add(index)
             self._undo(self.rows[index])
+            self._release(index)
             self._answer(self.rows[index].queued, exc)
 
     def _run_alone(self, indices: list[int]) -> None:
@@ -245,6 +261,12 @@ class InflightLlm:
     @staticmethod
     def _undo(row: _Row) -> None:
         _restore(row.sess, row.before)
+
+    def _release(self, index: int) -> None:
+        """A finished row's arrays let go (its number stays, as the engine's lists keep it until the run ends)."""
+        row = self.rows[index]
+        row.prefill, row.before, row.embeds = {}, {}, row.embeds[:0]
+        self._driver.hidden_of[index] = []
 
     def _answer(self, q: _Queued, result: LlmResult | Exception) -> None:
         """The one place a call is answered, and so the one place END releases its session (state, pool blocks)."""
