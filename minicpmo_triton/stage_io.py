@@ -20,6 +20,9 @@ T = TypeVar("T")
 _D = DuplexDefaults()  # what a request that leaves an input out gets
 
 _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
+# The stages whose config says `model_transaction_policy { decoupled: true }`: answered through a response
+# sender, so a caller uses a stream (BLS: `exec(decoupled=True)`; gRPC: `stream_infer`), not a unary call.
+DECOUPLED_STAGES = frozenset({"llm"})
 
 
 def tensor(dtype: type, ndim: int) -> Any:
@@ -116,10 +119,13 @@ class LlmRequest:
     # Teacher forcing: these tokens are decoded in place of sampled ones, under the same rules (a rule that
     # ends the chunk, its token budget, still wins); their hidden states are collected as a sampled text's.
     forced_ids: np.ndarray = tensor(np.int64, 1)
-    # The sliding window (duplex_window.py): an index in WINDOW_MODES (0 off, 1 basic) and its watermarks
+    # The sliding window (duplex_window.py): an index in WINDOW_MODES (0 off, 1 basic, 2 context), basic's
+    # watermarks, context's units held and previous tokens kept
     window_mode: int = 0
     window_high: int = _D.window_high_tokens
     window_low: int = _D.window_low_tokens
+    window_units: int = _D.window_max_units
+    window_previous: int = _D.window_previous_tokens
 
 
 @dataclass
@@ -138,6 +144,10 @@ class LlmResult:
     cached_tokens: int = 0  # context reused from earlier steps / turns (the KV length before this call)
     kv_dropped: int = 0  # tokens the sliding window has dropped from this session so far
     window_events: int = 0  # times it slid
+    # The paged engine's in-flight loop: its iteration count when this row joined the loop, and when it left it
+    # (0 on the ONNX path). A row that joined while another decoded has join_iteration within that one's span.
+    join_iteration: int = 0
+    done_iteration: int = 0
 
 
 # ---- tts ----
