@@ -8,6 +8,7 @@ over every request of an `execute()`, and publish their live sequence count as t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -138,7 +139,7 @@ class _StatefulStageModel:
         self.request_cls = STAGE_IO[self.stage_name][0]
         self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> list[Any] | None:  # None: a decoupled model answers by its senders
         calls: list[StageCall[Any]] = []
         for request in requests:
             rows = _rows(request)
@@ -190,14 +191,15 @@ class LlmModel(_StatefulStageModel):
             self.inflight = InflightLlm(self.stage, period, changed)
 
     def execute(self, requests: list[Any]) -> None:
-        calls, senders = [], []
+        calls: list[StageCall[Any]] = []
+        senders: list[Any] = []
         for request in requests:
             rows = _rows(request)
             calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
             senders.append(request.get_response_sender())
         if self.inflight is not None:
             for call, sender in zip(calls, senders, strict=True):
-                self.inflight.submit(call, lambda result, s=sender, c=call.corr_id: self._send(s, c, result))
+                self.inflight.submit(call, functools.partial(self._send, sender, call.corr_id))
             return None
         for call, sender, result in zip(calls, senders, self.stage.run(calls), strict=True):
             self._send(sender, call.corr_id, result)
@@ -271,7 +273,7 @@ class Token2WavModel(_StatefulStageModel):
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         return stage
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> list[Any] | None:
         responses = super().execute(requests)
         self.voice_counter.update()
         return responses
