@@ -34,7 +34,7 @@ import functools
 import queue
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -348,6 +348,19 @@ def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], 
         assert want[-1]["slides"] >= 2 and max(w["kv"] for w in want) <= HIGH + 60
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test: a draw's ops over one vocabulary row (softmax, multinomial, sort) run
+    about twice as fast on one thread as on two (measured), more so beside other work on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, Any]) -> None:
     """Sampling: the reference draws with torch's generator, the stage with numpy's, so the draws cannot be
     aligned one for one; the distributions must agree. `StreamDecoder.decode` itself (utils.py:2087) draws
