@@ -46,6 +46,9 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "voice prompts (their flow caches) kept for reuse across sessions, in MiB"),
     StageSetting("llm_gather_ms", "10", float, ("duplex",),
                  "steps in flight wait up to this long for each other before the LLM, so they batch"),
+    StageSetting("prefill_chunk_tokens", "128", int, ("duplex",),
+                 "a longer LLM prefill (prompt, history, voice prompt) goes in chunks of at most this many tokens, "
+                 "other sessions' steps between them (0: never split)"),
     StageSetting("llm_batch_target", "8", int, ("duplex",),
                  "mid load, the first step at the LLM holds the door until this many wait ..."),
     StageSetting("llm_batch_window_ms", "250", float, ("duplex",),

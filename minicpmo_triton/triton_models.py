@@ -274,7 +274,8 @@ class DuplexModel:
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
-                                       default_ref_audio=default_ref_audio(ctx.version_dir))
+                                       default_ref_audio=default_ref_audio(ctx.version_dir),
+                                       prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None
