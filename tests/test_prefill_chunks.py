@@ -115,3 +115,39 @@ async def test_a_chunked_chat_history_answers_as_the_unchunked_one(stages: InPro
     chunked, chunked_calls = await _session(stages, 64, turns, 64)
     assert whole_calls[0] > 500 and max(chunked_calls) <= 64
     _same(whole, chunked)
+
+
+class ShapeRecorder:
+    """An engine that records each forward's (rows, new tokens, past length)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.forwards: list[tuple[int, int, int]] = []
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows, new = feeds["input_ids"].shape
+        self.forwards.append((rows, new, feeds["past_key"].shape[3]))
+        return self.engine.run(feeds)
+
+
+def test_a_prefill_chunk_never_lends_its_long_past_to_a_decoding_row(stages: InProcessStages) -> None:
+    """A chunk of a long prompt batched with another session's step: that step's forwards carry only its own past
+    (in one batch it would be padded to the chunk's, through every decode step)."""
+    from minicpmo_triton.stages.base import StageCall
+
+    llm = stages.llm_stage
+    ids = lambda n: np.full(n, ord("a"), np.int64)  # noqa: E731 (plain text tokens)
+    [first] = llm.run([StageCall(LlmRequest(input_ids=ids(300), decode=False), 71, start=True)])
+    assert not isinstance(first, Exception), first
+    recorder = ShapeRecorder(llm.engine)
+    llm.engine = recorder
+    try:
+        results = llm.run([StageCall(LlmRequest(input_ids=ids(100), decode=False), 71),
+                           StageCall(LlmRequest(input_ids=ids(20), max_new_tokens=4, temperature=0.0), 72, start=True)])
+    finally:
+        llm.engine = recorder.engine
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert results[0].kv_length == 400 and results[1].kv_length > 20
+    long_past = [f for f in recorder.forwards if f[2] >= 300]
+    assert long_past == [(1, 100, 300)], recorder.forwards  # the chunk's own forward, alone
+    llm.run([StageCall(LlmRequest(decode=False), 71, end=True), StageCall(LlmRequest(decode=False), 72, end=True)])
