@@ -71,7 +71,8 @@ class Settings:
     voices_dir: str = setting("", "the model server's named voices (<name>.wav), for /v1/voices/check")
     # Health (gateway/stage_health.py)
     health_period_s: float = setting(1.0, "how often every stage is probed")
-    health_timeout_s: float = setting(5.0, "Triton answering nothing this long: not ready, sessions told")
+    health_timeout_s: float = setting(5.0, "Triton answering nothing this long: /health not ready (failover_s "
+                                                "ends its sessions)")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
 
     @classmethod
