@@ -5,7 +5,8 @@ the high watermark plus a unit, the server's memory stays flat, and the last min
 pipeline says given the same hour. The caller holds the floor (`force_listen`) but for one minute in ten and
 the last two, where the model may answer: random `tiny` answers nearly every second it may, and a spoken step
 (TTS + token2wav) costs several listening ones, so a call that spoke all hour took over 46 minutes here.
-Run by hand (`-m slow`); the time it took and the state it printed are in docs/performance.md.
+Run by hand (`-m slow`): the time it took, the state it printed and why it fails today (the TTS's memory over
+one turn that never ends) are in docs/performance.md.
 """
 
 from __future__ import annotations
