@@ -190,3 +190,18 @@ def test_the_tts_engine_choice() -> None:
     assert pick_engine("paged", cuda=False, key="tts_engine") == "paged"
     with pytest.raises(ValueError, match="tts_engine"):
         pick_engine("trt", cuda=True, key="tts_engine")
+
+
+def test_export_prints_the_tts_pool_n_sessions_need() -> None:
+    """The TTS pool: 30% of the sessions speaking one turn that long (its bound), the rest holding their admission
+    room (one spoken second); fp8 halves bf16."""
+    from export.memory import BF16, FP8, pool_bytes, pool_report
+    from export.presets import minicpmo45
+
+    real = minicpmo45()
+    d, dx = real.tts.decoder, real.duplex
+    token = 2 * d.layers * d.kv_heads * d.head_dim * BF16
+    per_s = dx.max_new_speak_tokens_per_chunk + 1 + 25
+    assert pool_bytes(real, 128, 60, BF16, "tts") == 38 * 60 * per_s * token + 90 * per_s * token
+    assert pool_bytes(real, 128, 300, FP8, "tts") * 2 == pool_bytes(real, 128, 300, BF16, "tts")
+    assert "TTS KV pool" in "\n".join(pool_report(real))

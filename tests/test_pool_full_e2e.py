@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import numpy as np
 import pytest
 import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
 import websockets
 
-from gateway.triton import TritonServer, free_ports
-
-from .conftest import MODEL_REPOSITORY, RunningTriton, ensure_exported, start_gateway, stop_gateway
+from .conftest import start_gateway, stop_gateway, triton_with
 from .helpers import append_message, init_message
 
 # the paged engine on the CPU, every new session wanting more room than the pool has
@@ -24,24 +21,8 @@ FULL = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINIC
 
 @pytest.fixture(scope="module")
 def full_triton(tmp_path_factory: pytest.TempPathFactory):
-    ensure_exported()
-    log = tmp_path_factory.mktemp("triton_full") / "tritonserver.log"
-    saved = {k: os.environ.get(k) for k in FULL}
-    os.environ.update(FULL)  # tritonserver's environment is this process's
-    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=log.parent / "work", log_path=log)
-    try:
-        server.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-    try:
-        server.wait_ready(240)
-        yield RunningTriton(server, log.parent)
-    finally:
-        server.stop()
+    with triton_with(FULL, tmp_path_factory.mktemp("triton_full")) as server:
+        yield server
 
 
 async def test_a_full_pool_refuses_a_session_as_retryable(full_triton, tmp_path) -> None:

@@ -25,6 +25,12 @@ MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a c
 TURN_TOKENS = 32_768  # the paged pool's longest turn (about 15 minutes of speech; a turn's cache is its only one)
 
 
+def tts_admit_tokens(preset: PresetConfig) -> int:
+    """The paged pool's room a session is admitted with and keeps between turns: one spoken second (its text,
+    audio_bos and 25 codes)."""
+    return preset.duplex.max_new_speak_tokens_per_chunk + 1 + SPEECH_TOKENS_PER_SECOND
+
+
 @dataclass
 class TtsSession:
     cache: KvCache | PagedCache  # PagedCache: its place in the paged engine's pool
@@ -54,8 +60,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         d = preset.tts.decoder
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.eos = preset.tts.num_audio_tokens - 1
-        # a session is admitted to the pool with room for one spoken second (its text, audio_bos and 25 codes)
-        self.admit_tokens = preset.duplex.max_new_speak_tokens_per_chunk + 1 + SPEECH_TOKENS_PER_SECOND
+        self.admit_tokens = tts_admit_tokens(preset)
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
         rng = seeded_rng(call.request.seed, call.corr_id)
