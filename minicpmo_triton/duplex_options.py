@@ -38,6 +38,8 @@ class DuplexOptions:
     sliding_window_mode: str = "basic"
     basic_window_high_tokens: int = _D.window_high_tokens
     basic_window_low_tokens: int = _D.window_low_tokens
+    context_max_units: int = _D.window_max_units
+    context_previous_max_tokens: int = _D.window_previous_tokens
 
     @classmethod
     def from_config(cls, config: dict[str, Any], defaults: DuplexDefaults | None = None) -> DuplexOptions:
@@ -85,6 +87,10 @@ class DuplexOptions:
         if not 0 < self.basic_window_low_tokens <= self.basic_window_high_tokens < _D.context_tokens:
             problems["basic_window_high_tokens"] = (f"and basic_window_low_tokens: 0 < low <= high < "
                                                     f"{_D.context_tokens} (the context)")
+        if not 1 <= self.context_max_units <= MAX_FORCE_LISTEN:
+            problems["context_max_units"] = f"must be within [1, {MAX_FORCE_LISTEN}]"
+        if not 0 <= self.context_previous_max_tokens <= _D.context_tokens // 2:
+            problems["context_previous_max_tokens"] = f"must be within [0, {_D.context_tokens // 2}]"
         if problems:
             raise InvalidOptions("; ".join(f"config.{name} {why}" for name, why in problems.items()))
 

@@ -166,6 +166,8 @@ class DuplexDefaults:
     context_tokens: int = 8192
     window_high_tokens: int = 8000  # the sliding window's watermarks (DuplexWindowConfig's basic mode)
     window_low_tokens: int = 6000
+    window_max_units: int = 24  # DuplexWindowConfig's context mode: units held, then the oldest go
+    window_previous_tokens: int = 500  # and at most this many tokens of what they said, kept as "previous"
     chunk_ms: int = 1000
 
 

@@ -39,6 +39,7 @@ from .stages.base import StageCall
 from .state_store import SequenceStore
 from .tokenizer import IncrementalDecoder, Tokenizer
 from .voice_prompt import VoiceLibrary
+from .voice_turn import VoiceTurn
 
 STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5
@@ -70,7 +71,7 @@ class DuplexSession:
     decoder: IncrementalDecoder
     started: set[str] = field(default_factory=set)
     chunk_index: int = 0
-    tts_turn_open: bool = False
+    turn: VoiceTurn = field(default_factory=VoiceTurn)  # the spoken turn, for the TTS and token2wav
     chat_history: list[tuple[str, str, bytes]] = field(default_factory=list)  # messages in the LLM's context
     voice: VoiceRefs = field(default_factory=VoiceRefs)
     voice_sent: np.ndarray | None = None  # the reference token2wav has for this session (None: the default)
@@ -253,7 +254,7 @@ class DuplexPipeline:
         n_vision = n_audio = 0
         cancels = state.cancels
         if inp.rollback_to >= 0:
-            state.tts_turn_open = False
+            state.turn.drop()
             replay_ids, replay = await self._replay_units(inp.replay_audio)
             ids += replay_ids
             embeds = np.concatenate([embeds, replay])
@@ -282,7 +283,8 @@ class DuplexPipeline:
             max_new_tokens=opts.max_new_speak_tokens_per_chunk, seed=opts.seed, rollback_to=inp.rollback_to,
             forced_ids=np.asarray(forced or [], np.int64),
             window_mode=WINDOW_MODES.index(opts.sliding_window_mode), window_high=opts.basic_window_high_tokens,
-            window_low=opts.basic_window_low_tokens,
+            window_low=opts.basic_window_low_tokens, window_units=opts.context_max_units,
+            window_previous=opts.context_previous_max_tokens,
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -300,16 +302,17 @@ class DuplexPipeline:
         text = state.decoder.feed([int(i) for i in llm.text_ids])
 
         if state.cancels != cancels:  # cancelled (barge-in): no words, no voice; the usage still counts
-            state.tts_turn_open = False
+            state.turn.drop()
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
         if llm.is_listen:  # the TTS keeps its turn: only a voiced <|turn_eos|> ends it (as MiniCPM-o's loop)
+            state.turn.listened(request.force_listen, llm.end_of_turn)
             metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
             await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
-        turn_start = not state.tts_turn_open
+        turn_start, restart = state.turn.starts()
         t = time.perf_counter()
         tts = await self._stage(state, "tts", corr_id, TtsRequest(
             text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
@@ -318,11 +321,11 @@ class DuplexPipeline:
         metrics.cost_tts_ms = _ms(t)
         t = time.perf_counter()
         wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
+            speech_tokens=tts.speech_tokens, turn_start=restart, finalize=llm.end_of_turn,
             **_voice_to_send(state, state.voice.tts, turn_start),
         ))
         metrics.cost_token2wav_ms = _ms(t)
-        state.tts_turn_open = not llm.end_of_turn
+        state.turn.voiced(llm.end_of_turn)
         usage["output_speech_tokens"] = len(tts.speech_tokens)
         metrics.n_tts_tokens, metrics.wall_clock_ms = len(tts.speech_tokens), _ms(t0)
         # The step's usage rides on its last event, once the speech tokens are counted too.

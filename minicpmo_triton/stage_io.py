@@ -116,10 +116,13 @@ class LlmRequest:
     # Teacher forcing: these tokens are decoded in place of sampled ones, under the same rules (a rule that
     # ends the chunk, its token budget, still wins); their hidden states are collected as a sampled text's.
     forced_ids: np.ndarray = tensor(np.int64, 1)
-    # The sliding window (duplex_window.py): an index in WINDOW_MODES (0 off, 1 basic) and its watermarks
+    # The sliding window (duplex_window.py): an index in WINDOW_MODES (0 off, 1 basic, 2 context), basic's
+    # watermarks, context's units held and previous tokens kept
     window_mode: int = 0
     window_high: int = _D.window_high_tokens
     window_low: int = _D.window_low_tokens
+    window_units: int = _D.window_max_units
+    window_previous: int = _D.window_previous_tokens
 
 
 @dataclass

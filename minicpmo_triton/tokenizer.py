@@ -25,6 +25,11 @@ class Tokenizer(Protocol):
         """Ids the duplex decoder never draws (the checkpoint's `bad_token_ids`)."""
         ...
 
+    def special_ids(self) -> set[int]:
+        """The ids StreamDecoder counts as special (`_all_special_ids`): transformers' `all_special_ids` and the
+        duplex control tokens."""
+        ...
+
     def decoder(self) -> IncrementalDecoder: ...
 
     def decode(self, ids: list[int]) -> str:
@@ -60,6 +65,9 @@ class ByteTokenizer:
     def bad_ids(self, vocab: int) -> list[int]:
         """tiny's `bad_token_ids`: the bytes that are not printable ASCII and the ids past its specials."""
         return [i for i in range(vocab) if i < 256 and not self.is_text(i) or i >= 256 + len(TINY_SPECIALS)]
+
+    def special_ids(self) -> set[int]:
+        return set(tiny_special_ids().values())
 
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()
@@ -102,6 +110,7 @@ class HuggingFaceTokenizer:
         config = Path(folder) / "tokenizer_config.json"
         self._bad: tuple[int, ...] = tuple(json.loads(config.read_text()).get("bad_token_ids", [])) \
             if config.exists() else ()
+        self._special_ids = _named_special_ids(config, self._tok) if config.exists() else set()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -112,11 +121,31 @@ class HuggingFaceTokenizer:
     def bad_ids(self, vocab: int) -> list[int]:
         return list(self._bad)
 
+    def special_ids(self) -> set[int]:
+        return set(self._special_ids)
+
     def decoder(self) -> _HfDecoder:
         return _HfDecoder(self._tok, self._specials)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+# StreamDecoder's `custom_special_tokens` (MiniCPM-o-Demo MiniCPMO45/utils.py:1190-1207)
+DUPLEX_SPECIALS = ("<unit>", "</unit>", "<image>", "</image>", "<slice>", "</slice>", "<|listen|>", "<|speak|>",
+                   "<|tts_bos|>", "<|tts_eos|>", "<|audio_start|>", "<|audio_end|>", "<|chunk_eos|>",
+                   "<|chunk_tts_eos|>", "<|turn_eos|>")
+
+
+def _named_special_ids(config: Path, tok: object) -> set[int]:
+    """StreamDecoder's `_all_special_ids` (utils.py:1181-1213): transformers' `all_special_ids` (the tokens
+    tokenizer_config.json names as bos / eos / unk / pad and its `additional_special_tokens`) and
+    DUPLEX_SPECIALS."""
+    cfg = json.loads(config.read_text())
+    names = [cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    names += [*(cfg.get("additional_special_tokens") or []), *DUPLEX_SPECIALS]
+    names = [n.get("content") if isinstance(n, dict) else n for n in names]
+    return {i for n in names if isinstance(n, str) and (i := tok.token_to_id(n)) is not None}  # type: ignore[attr-defined]
 
 
 def load_tokenizer(preset: PresetConfig, folder: Path) -> Tokenizer:

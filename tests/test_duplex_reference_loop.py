@@ -11,20 +11,27 @@ stage on that checkpoint's exported ONNX. What is not the reference's own, and w
   stand-ins that hand them over (they need the Whisper weights and the mel processor, not under test here);
 - `transformers.modeling_attn_mask_utils`, gone in transformers 5, is imported by the SigLIP file only: a stub;
 - transformers 5's DynamicCache has no `key_cache` / `value_cache` lists, which StreamDecoder reads and writes
-  (utils.py:1306-1315, 1027-1140), and its `crop` takes tokens to remove where 4's took the length to keep:
-  `LegacyCache` gives StreamDecoder transformers 4's lists and `crop` over the same tensors, and the config
-  its `rope_theta` attribute back (5 moved it into `rope_parameters`);
+  (utils.py:1306-1315, 1027-1140) and assigns whole on caches it builds (`_slice_cache`, `_concat_caches`,
+  1677-1742), and its `crop` takes tokens to remove where 4's took the length to keep: `LegacyCache` gives
+  StreamDecoder transformers 4's lists (readable, writable, assignable) and `crop` over the same tensors, and is
+  the `DynamicCache` its module builds; the config gets its `rope_theta` attribute back (5 moved it into
+  `rope_parameters`);
 - `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here;
   the TTS's own decode is held to `generate_chunk` in tests/test_reference_parity.py.
 
 Greedy, 48 chunks: forced listens (the first three and two overrides, one mid-turn), speaking turns,
 <|turn_eos|>, the 28-character cut; after every chunk the decided tokens, the TTS condition, is_listen,
-end_of_turn and the KV length after the unit is closed must be equal.
+end_of_turn and the KV length after the unit is closed must be equal. The sliding window: `off`, `basic`
+(watermarks small enough to slide several times) and `context` (24 chunks holding at most 6 units and 24 tokens
+of previous text, so units that spoke, units that listened and the previous text's left cut all slide; the
+previous text equal after every chunk too).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import types
 from typing import Any
 
@@ -57,6 +64,8 @@ PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful a
 SUFFIX = "<|audio_end|><|im_end|>"
 LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
 HIGH, LOW = 400, 300  # the basic window's watermarks, small enough to slide several times in 48 chunks
+UNITS, PREVIOUS = 6, 24  # the context window's units held and previous tokens kept, small for the same reason
+CONTEXT_CHUNKS = 24  # enough for the context window (its slides begin at the 7th unit)
 LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
@@ -80,8 +89,19 @@ class _Layers:
     def __setitem__(self, i: int, value: torch.Tensor) -> None:
         setattr(self._cache.layers[i], self._name, value)
 
+    def assign(self, tensors: list[torch.Tensor]) -> None:
+        """`cache.key_cache = [...]` on a cache built empty: its layers made, holding these tensors."""
+        from transformers.cache_utils import DynamicLayer
 
-def legacy_cache() -> Any:
+        while len(self._cache.layers) < len(tensors):
+            self._cache.layers.append(DynamicLayer())
+        for layer, t in zip(self._cache.layers, tensors, strict=False):
+            setattr(layer, self._name, t)
+            layer.device, layer.is_initialized = t.device, True
+
+
+@functools.cache
+def legacy_cache_class() -> type:
     from transformers.cache_utils import DynamicCache
 
     class LegacyCache(DynamicCache):
@@ -89,9 +109,17 @@ def legacy_cache() -> Any:
         def key_cache(self) -> _Layers:
             return _Layers(self, "keys")
 
+        @key_cache.setter
+        def key_cache(self, tensors: list[torch.Tensor]) -> None:
+            _Layers(self, "keys").assign(tensors)
+
         @property
         def value_cache(self) -> _Layers:
             return _Layers(self, "values")
+
+        @value_cache.setter
+        def value_cache(self, tensors: list[torch.Tensor]) -> None:
+            _Layers(self, "values").assign(tensors)
 
         def crop(self, max_length: int) -> None:
             """transformers 4's `crop`: keep the first `max_length` tokens (5's takes how many to remove)."""
@@ -100,7 +128,11 @@ def legacy_cache() -> Any:
             if keep < length:
                 super().crop(keep - length)
 
-    return LegacyCache()
+    return LegacyCache
+
+
+def legacy_cache() -> Any:
+    return legacy_cache_class()()
 
 
 class _Features:
@@ -128,15 +160,16 @@ class _Processor:
 
 
 def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
-                     **kwargs: Any) -> Any:
+                     tts: Any = None, **kwargs: Any) -> Any:
     # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
     # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
     llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
+    sys.modules[unified.StreamDecoder.__module__].DynamicCache = legacy_cache_class()  # type: ignore[attr-defined]
     model = types.SimpleNamespace(
-        processor=_Processor(tokenizer, embeds), llm=llm,
+        processor=_Processor(tokenizer, embeds), llm=llm, tts=tts,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
         get_audio_embedding_streaming=lambda features, **_: [[features.embeds]])
-    cap = unified.DuplexCapability(model, generate_audio=False, device="cpu", force_listen_count=3, **kwargs)
+    cap = unified.DuplexCapability(model, generate_audio=tts is not None, device="cpu", force_listen_count=3, **kwargs)
     reset = cap.decoder.reset
 
     def reset_with_legacy_cache() -> None:
@@ -180,7 +213,7 @@ def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
 def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
     cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), sliding_window_mode=window, basic_window_high_tokens=HIGH,
-                           basic_window_low_tokens=LOW)
+                           basic_window_low_tokens=LOW, context_max_units=UNITS, context_previous_max_tokens=PREVIOUS)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
     out = []
     for i in range(len(embeds)):
@@ -195,12 +228,13 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
         out.append({"decided": cap.total_ids[start:-1], "is_listen": res["is_listen"],
                     "end_of_turn": res["end_of_turn"], "tts_ids": [int(c[0]) for c in condition],
                     "tts_hidden": np.stack([c[1][0, 0].numpy() for c in condition]) if condition else None,
-                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count})
+                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count,
+                    "previous": list(cap.decoder._previous_token_ids)})
     return out
 
 
 def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
-             engine: str = "onnx") -> list[dict[str, Any]]:
+             engine: str = "onnx", overrides: set[int] = OVERRIDES) -> list[dict[str, Any]]:
     """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
     sampling on the device)."""
     preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
@@ -215,8 +249,9 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
     for i, e in enumerate(embeds):
         ids = ([*system] if i == 0 else []) + [tk.unit] + [tk.audio_placeholder] * AUDIO_TOKENS
         request = LlmRequest(input_ids=np.asarray(ids, np.int64), embeds=e.numpy().astype(np.float32),
-                             force_listen=i < 3 or i in OVERRIDES, max_new_tokens=40 if i in LONG else 20,
-                             window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW, **SETTINGS)
+                             force_listen=i < 3 or i in overrides, max_new_tokens=40 if i in LONG else 20,
+                             window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW,
+                             window_units=UNITS, window_previous=PREVIOUS, **SETTINGS)
         [res] = stage.run([StageCall(request, 1, start=i == 0)])
         assert not isinstance(res, Exception), res
         session = stage.store.get(1)
@@ -226,8 +261,8 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
         ledger = copy.deepcopy(session.units)
         closed = res.kv_length + len(pending)
         ledger.close(closed)
-        if window == "basic":
-            closed -= ledger.plan_basic(closed, WindowConfig(window, HIGH, LOW))
+        slides = ledger.plan(closed, WindowConfig(window, HIGH, LOW, UNITS, PREVIOUS, stage.marker))
+        closed -= sum(s.drop - len(s.insert) for s in slides)
         decided = [int(t) for t in res.generated]
         if pending[:-1] and pending[-2] in (tk.chunk_eos,) and (not decided or decided[-1] != tk.chunk_eos):
             decided.append(tk.chunk_eos)  # the budget's or the cut's <|chunk_eos|>, deferred as the reference's
@@ -235,25 +270,33 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
             decided.insert(0, tk.turn_eos)  # a forced listen's <|turn_eos|>, fed before the listen
         out.append({"decided": decided, "is_listen": res.is_listen, "end_of_turn": res.end_of_turn,
                     "tts_ids": [int(t) for t in res.text_ids], "tts_hidden": res.tts_hidden if len(res.text_ids)
-                    else None, "kv": closed, "slides": ledger.events})
+                    else None, "kv": closed, "slides": ledger.events, "previous": ledger.previous})
     return out
 
 
 @pytest.mark.parametrize("engine", ["onnx", "paged"])
-@pytest.mark.parametrize("window", ["off", "basic"])
+@pytest.mark.parametrize("window", ["off", "basic", "context"])
 def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
-    embeds = chunk_embeds(CHUNKS, checkpoint["preset"].llm.hidden)
+    embeds = chunk_embeds(CONTEXT_CHUNKS if window == "context" else CHUNKS, checkpoint["preset"].llm.hidden)
     want = run_reference(checkpoint, embeds, window)
     got = run_ours(checkpoint, embeds, window, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"])
-        for key in ("decided", "is_listen", "tts_ids", "kv", "slides"):
+        print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"], len(w["previous"]))
+        for key in ("decided", "is_listen", "tts_ids", "kv", "slides", "previous"):
             assert g[key] == w[key], f"chunk {i}: {key} {g[key]} != reference {w[key]}"
         if w["tts_hidden"] is not None:
             np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
         if not w["is_listen"]:
             assert g["end_of_turn"] == w["end_of_turn"], f"chunk {i}"
+    if window == "context":
+        # units that spoke and units that listened have slid out, and the previous text has been cut on the left
+        marker = len(checkpoint["tokenizer"].encode("\n\nprevious: ", add_special_tokens=False))
+        assert want[-1]["slides"] >= CONTEXT_CHUNKS - UNITS - 1 and len(want[-1]["previous"]) == marker + PREVIOUS
+        # what a dropped unit's text leaves out: the reference's own set of special ids (utils.py:1181-1213)
+        ours = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(tk).values())).special_ids()
+        assert ours == checkpoint["unified"].StreamDecoder(None, checkpoint["tokenizer"])._all_special_ids
+        return
     # the script holds what the loop's rules decide on: a <|turn_eos|> the model said with the chunk going on,
     # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), and the 28-character cut
     tok = checkpoint["tokenizer"]
@@ -306,3 +349,91 @@ def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, A
           f"distinct tokens {np.count_nonzero(got)} ({np.count_nonzero(want)}); total variation {tv:.3f}")
     assert np.count_nonzero(want) > 5 and want[tk.chunk_eos] > 0.1 * n
     assert tv < 0.08
+
+
+class _SpeechScript:
+    """The reference's `model.tts` for its duplex loop with audio: `generate_chunk` gives the n-th voiced chunk the
+    n-th of SPEECH's token lists (the TTS's own decode is held to `generate_chunk` in test_reference_parity.py),
+    and its `audio_tokenizer.stream` (token2wav) records the chunks it is given, each with its `last_chunk`."""
+
+    def __init__(self, speech: list[list[int]]) -> None:
+        self.speech = iter(speech)
+        self.config = types.SimpleNamespace(num_audio_tokens=6562)
+        self.emb_text = types.SimpleNamespace(weight=torch.zeros(1))
+        self.audio_bos_token_id = 0
+        self.streamed: list[tuple[list[int], bool]] = []
+        self.audio_tokenizer = types.SimpleNamespace(flow=types.SimpleNamespace(pre_lookahead_len=3),
+                                                     set_stream_cache=lambda path: ({}, {}), stream=self.stream)
+
+    def generate_chunk(self, **_: Any) -> tuple[torch.Tensor, None]:
+        return torch.tensor(next(self.speech))[None, :, None], None
+
+    def stream(self, tokens: list[int], prompt_wav: Any = None, last_chunk: bool = False) -> bytes:
+        self.streamed.append((list(tokens), last_chunk))
+        return bytes(960)
+
+
+VOICE_CHUNKS = 30
+
+
+def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint: dict[str, Any]) -> None:
+    """The demo restarts token2wav when the caller forces a listen while the model speaks (its buffered speech
+    tokens dropped, 3 silence tokens again: modeling_minicpmo_unified.py:5003-5011, 4406-4410) and keeps the
+    TTS's turn. Same LLM, same speech tokens per voiced chunk: token2wav is given the same chunks, chunk for
+    chunk, by the reference's `_generate_waveform_from_tokens` (:5449-5507) and by our stage driven as the
+    pipeline drives it (`VoiceTurn`)."""
+    from export.presets import tiny
+    from minicpmo_triton.stage_io import Token2WavRequest
+    from minicpmo_triton.stages.token2wav import Token2WavStage
+    from minicpmo_triton.voice_turn import VoiceTurn
+
+    from .conftest import MODEL_REPOSITORY, ensure_exported
+
+    embeds = chunk_embeds(VOICE_CHUNKS, checkpoint["preset"].llm.hidden)
+    gen = np.random.default_rng(4)
+    speech = [[int(t) for t in gen.integers(0, 4000, 25)] for _ in range(VOICE_CHUNKS)]
+    tts = _SpeechScript(speech)
+    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+                           list(embeds), tts=tts)
+    cap._convert_results_to_tts_input = lambda hidden: torch.zeros(1, len(hidden) + 1, 1)
+    cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX, prompt_wav_path="voice.wav")
+    want, closed = [], []
+    for i in range(VOICE_CHUNKS):
+        assert cap.streaming_prefill(audio_waveform=np.zeros(16_000, np.float32))["success"]
+        before = len(tts.streamed)
+        if not closed and i >= 8 and not cap.current_turn_ended:  # the caller forces a listen as the model speaks
+            closed.append(i)
+        cap.streaming_generate(decode_mode="greedy", force_listen_override=i in closed,
+                               max_new_speak_tokens_per_chunk=40 if i in LONG else 20,
+                               text_repetition_penalty=1.05, length_penalty=1.1)
+        cap.finalize_unit()
+        want.append(tts.streamed[before:])
+    assert closed and any(want[closed[0] + 1:]), "a forced listen while the model speaks, then speech"
+
+    ensure_exported()
+    stage = Token2WavStage.load(MODEL_REPOSITORY / "token2wav" / "1", tiny(), 600.0)
+    got: list[list[tuple[list[int], bool]]] = []
+    real_chunk = stage.streamer.chunk
+
+    def chunk(rows: list[Any]) -> list[np.ndarray]:
+        got[-1].extend((list(t), last) for _, t, last in rows)
+        return real_chunk(rows)
+
+    stage.streamer.chunk = chunk  # type: ignore[method-assign]
+    turn, voiced = VoiceTurn(), iter(speech)
+    for i, r in enumerate(run_ours(checkpoint, embeds, "off", overrides=set(closed))):
+        got.append([])
+        if r["is_listen"]:
+            turn.listened(i < 3 or i in closed, r["end_of_turn"])
+            continue
+        _, restart = turn.starts()
+        [out] = stage.run([StageCall(Token2WavRequest(speech_tokens=np.asarray(next(voiced), np.int64),
+                                                      turn_start=restart, finalize=r["end_of_turn"]), 1,
+                                     start=stage.store.get_or_none(1) is None)])
+        assert not isinstance(out, Exception), out
+        turn.voiced(r["end_of_turn"])
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"chunk {i}: token2wav given {g}, the reference's {w}"
+    # what the restart changes: after it the first chunk opens with 3 silence tokens, not the tokens left over
+    after = next(w for w in want[closed[0] + 1:] if w)
+    assert after[0][0][:3] == [4218] * 3

@@ -154,22 +154,24 @@ class KvPool:
         self.key[layer].view(-1, self.shape.kv_heads, self.shape.head_dim)[slots] = key.to(self.dtype)
         self.value[layer].view(-1, self.shape.kv_heads, self.shape.head_dim)[slots] = value.to(self.dtype)
 
-    def slid_copy(self, seq: int, preserve: int, count: int, length: int, theta: float) -> int:
+    def slid_copy(self, seq: int, preserve: int, count: int, length: int, theta: float, gap: int = 0) -> int:
         """A new session id holding `seq`'s first `length` tokens less [preserve, preserve + count): the prefix as
-        it is, the suffix moved up to `preserve` with its keys re-rotated to their new positions (the sliding
-        window, `duplex_window.drop_tokens`). A copy, not a move, so a step that fails after it can be undone:
-        `seq` is untouched (the stage frees whichever of the two its session no longer holds)."""
+        it is, the suffix moved up to `preserve + gap` with its keys re-rotated to their new positions (the sliding
+        window, `duplex_window.drop_tokens`; the `gap` tokens between are left for the caller to feed). A copy,
+        not a move, so a step that fails after it can be undone: `seq` is untouched (the stage frees whichever of
+        the two its session no longer holds)."""
         new = self.open(0)
-        self.reserve(new, length - count)
+        self.reserve(new, length - count + gap)
         kept = length - count - preserve
         up = self.traffic.upload
         src = torch.cat([self.slots(seq, 0, preserve), self.slots(seq, preserve + count, kept)])
         src = up("state", src, self.device)
-        dst = up("state", self.slots(new, 0, length - count), self.device)
+        dst = up("state", torch.cat([self.slots(new, 0, preserve), self.slots(new, preserve + gap, kept)]),
+                 self.device)
         shape = (-1, self.shape.kv_heads, self.shape.head_dim)
         for layer in range(self.shape.layers):
             keys = self.key[layer].view(shape)[src].to(torch.float32)
-            keys[preserve:] = realign_rope(keys[preserve:], preserve + count, preserve, theta)
+            keys[preserve:] = realign_rope(keys[preserve:], preserve + count, preserve + gap, theta)
             self.key[layer].view(shape)[dst] = keys.to(self.dtype)
             self.value[layer].view(shape)[dst] = self.value[layer].view(shape)[src]
         return new

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
-from ..duplex_window import WINDOW_MODES, UnitLedger, WindowConfig, drop_tokens
+from ..duplex_window import PREVIOUS_MARKER, WINDOW_MODES, Slide, UnitLedger, WindowConfig, drop_tokens
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
@@ -86,6 +86,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
         self.forcible = np.ones(d.vocab, bool)
         self.forcible[sorted(set(vars(preset.tokens).values()))] = False
+        # `context` window: the tokens a dropped unit's text leaves out (StreamDecoder's `_all_special_ids`)
+        self.unsaid = tokenizer.special_ids()
+        self.marker = tuple(tokenizer.encode(PREVIOUS_MARKER))
         if self.paged is not None:
             self.paged.use_rules(np.stack([self.forbidden, ~self.chat_allowed]), preset.tokens)  # DUPLEX, CHAT
 
@@ -141,11 +144,13 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if request.decode:
             check_sampling("llm", temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                            repetition_penalty=request.repetition_penalty, length_penalty=request.length_penalty)
-        if not 0 <= request.window_mode < len(WINDOW_MODES) or not 0 < request.window_low <= request.window_high:
-            raise StepError(Code.INVALID_CONFIG, "llm: the sliding window needs a known mode and 0 < low <= high")
+        if not 0 <= request.window_mode < len(WINDOW_MODES) or not 0 < request.window_low <= request.window_high \
+                or request.window_units < 1 or request.window_previous < 0:
+            raise StepError(Code.INVALID_CONFIG, "llm: the sliding window needs a known mode, 0 < low <= high, "
+                                                 "units > 0 and previous >= 0")
         need = len(state.pending) + max(len(request.input_ids), 1) + (request.max_new_tokens if request.decode else 0)
         used = state.cache.length
-        if request.window_mode and state.units.preserve is not None:
+        if WINDOW_MODES[request.window_mode] == "basic" and state.units.preserve is not None:
             used = min(used, request.window_high)  # past the high watermark, this step's close slides the window
         if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
@@ -250,6 +255,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                     sess.turn_ended = dec.turn_ended
             else:
                 sess.pending = []
+            # what the open unit said (its `total_ids_in_unit`; nothing when it ends listening), for `context`
+            sess.units.speaking = [] if dec.is_listen or not isinstance(dec, ChunkDecoder) else \
+                [t for t in dec.text_ids if t not in self.unsaid]
             text = np.asarray(dec.text_ids, np.int64)
             results.append(LlmResult(
                 generated=np.asarray(dec.generated, np.int64),
@@ -280,40 +288,52 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         closed_at = sess.cache.length + len(sess.pending)
         if sess.pending:
             sess.units.close(closed_at)
-        mode = WINDOW_MODES[req.window_mode]
-        if mode == "basic" and (n := sess.units.plan_basic(closed_at, WindowConfig(mode, req.window_high,
-                                                                                   req.window_low))):
-            assert sess.units.preserve is not None
+        config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
+                              req.window_previous, self.marker)
+        if slides := sess.units.plan(closed_at, config):
             # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
             # window slides (one more forward for this row, once per slide)
-            self._feed(sess, sess.pending)
+            sess.cache = self._fed(sess.cache, sess.pending)
             sess.pending = []
-            sess.cache = self._drop(sess.cache, sess.units.preserve, n)
+            for slide in slides:
+                sess.cache = self._rewrite(sess.cache, slide)
         units = np.flatnonzero(req.input_ids == self.preset.tokens.unit)
         if len(units):
-            sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]))
+            # `context` mode feeds the system prompt's closing `<|audio_end|><|im_end|>` (and whatever follows it
+            # before the first unit) again after the previous text (core/processors/unified.py:881-882)
+            head = req.input_ids[:units[0]]
+            ends = np.flatnonzero(head == self.preset.tokens.audio_end)
+            sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]),
+                             [int(t) for t in head[ends[-1]:]] if len(ends) else [])
 
-    def _drop(self, cache: KvCache | PagedCache, preserve: int, n: int) -> KvCache | PagedCache:
-        theta = self.preset.llm.rope_theta
+    def _rewrite(self, cache: KvCache | PagedCache, slide: Slide) -> KvCache | PagedCache:
+        """One window slide: [keep, keep + drop) cut, `insert` fed at `keep` over the kept head, the rest moved
+        after it, re-rotated (`drop_tokens_from_cache` / `_rebuild_cache_with_previous`)."""
+        theta, gap = self.preset.llm.rope_theta, len(slide.insert)
+        length = cache.length - slide.drop + gap
         if isinstance(cache, PagedCache) and self.paged is not None:  # into a new pool entry: undoable
-            return PagedCache(self.paged.pool.slid_copy(cache.seq, preserve, n, cache.length, theta), cache.length - n)
-        return drop_tokens(cache, preserve, n, theta)  # type: ignore[arg-type]
+            seq = self.paged.pool.slid_copy(cache.seq, slide.keep, slide.drop, cache.length, theta, gap)
+            if gap:
+                self._fed(PagedCache(seq, slide.keep), list(slide.insert))
+            return PagedCache(seq, length)
+        head, tail = drop_tokens(cache, slide.keep, slide.drop, theta, gap)  # type: ignore[arg-type]
+        if gap:
+            head = self._fed(head, list(slide.insert))  # type: ignore[assignment]
+        return KvCache(np.concatenate([head.key, tail.key], axis=2), np.concatenate([head.value, tail.value], axis=2))
 
-    def _feed(self, sess: LlmSession, ids: list[int]) -> None:
+    def _fed(self, cache: KvCache | PagedCache, ids: list[int]) -> KvCache | PagedCache:
         """Tokens into one session's cache, alone (no decode)."""
-        if isinstance(sess.cache, PagedCache) and self.paged is not None:
-            c = sess.cache
-            self.paged.forward([c.seq], [c.length], [Prefill(np.asarray(ids, np.int64),
-                                                             np.zeros((0, self.preset.llm.hidden), np.float32),
-                                                             np.zeros(len(ids), bool))])
-            sess.cache = PagedCache(c.seq, c.length + len(ids))
-            return
-        batch, n = KvBatch([sess.cache]), np.array([len(ids)], np.int64)
+        if isinstance(cache, PagedCache) and self.paged is not None:
+            self.paged.forward([cache.seq], [cache.length], [Prefill(np.asarray(ids, np.int64),
+                                                                     np.zeros((0, self.preset.llm.hidden), np.float32),
+                                                                     np.zeros(len(ids), bool))])
+            return PagedCache(cache.seq, cache.length + len(ids))
+        batch, n = KvBatch([cache]), np.array([len(ids)], np.int64)  # type: ignore[list-item]
         out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
                                "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
                                "use_embeds": np.zeros((1, len(ids)), bool), **batch.feeds(n)})
         batch.advance(out["present_key"], out["present_value"], n)
-        sess.cache = batch.extract(0)
+        return batch.extract(0)
 
     def _roll_back(self, sess: LlmSession, length: int) -> None:
         """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the
