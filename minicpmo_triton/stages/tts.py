@@ -72,10 +72,12 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.free(state.cache.seq)
 
-    def _reset(self, cache: KvCache | PagedCache) -> KvCache | PagedCache:
-        """A turn's start or end: the pool keeps the session's admission room, the rest goes back."""
+    def _reset(self, cache: KvCache | PagedCache, release: bool) -> KvCache | PagedCache:
+        """A turn's start or end: an empty cache. `release` (a turn's end): the pool keeps the session's admission
+        room, the rest goes back (at a turn's start the blocks its check reserved are kept for the chunk)."""
         if isinstance(cache, PagedCache) and self.paged is not None:
-            self.paged.pool.truncate(cache.seq, 0)
+            if release:
+                self.paged.pool.truncate(cache.seq, 0)
             return cache.truncated(0)
         return self._empty()
 
@@ -112,7 +114,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         dx = self.preset.duplex
         for req, sess in items:
             if req.turn_start:
-                sess.cache = self._reset(sess.cache)
+                sess.cache = self._reset(sess.cache, release=False)
         prefill = [self._prefill(req) for req, _ in items]
         codes: list[list[int]] = [[] for _ in items]
 
@@ -147,7 +149,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
                                          lambda row, out: choose(row, out["logits"]), ("logits",))[0])
         results = []
         for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
-            sess.cache = self._reset(cache) if req.turn_end else cache
+            sess.cache = self._reset(cache, release=True) if req.turn_end else cache
             results.append(TtsResult(speech_tokens=np.asarray(row_codes, np.int64), kv_length=cache.length))
         return results
 
