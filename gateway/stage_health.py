@@ -31,6 +31,7 @@ from tritonclient.grpc import aio as grpcaio
 
 from minicpmo_triton.duplex_contract import StepInput
 from minicpmo_triton.stage_io import (
+    DECOUPLED_STAGES,
     AudioEncoderRequest,
     LlmRequest,
     Token2WavRequest,
@@ -39,6 +40,7 @@ from minicpmo_triton.stage_io import (
     encode,
 )
 
+from .triton.decoupled import infer_decoupled
 from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 
 log = logging.getLogger("gateway.health")
@@ -124,8 +126,11 @@ async def _probe(client: grpcaio.InferenceServerClient, url: str, model: str) ->
         finally:
             await session.close()  # its own START+END step ended the sequence
     elif model in STATEFUL_PROBES:
-        await client.infer(model, _inputs(STATEFUL_PROBES[model]), sequence_id=next_correlation_id(),
-                           sequence_start=True, sequence_end=True)
+        sequence = {"sequence_id": next_correlation_id(), "sequence_start": True, "sequence_end": True}
+        if model in DECOUPLED_STAGES:
+            await infer_decoupled(client, model, _inputs(STATEFUL_PROBES[model]), **sequence)
+        else:
+            await client.infer(model, _inputs(STATEFUL_PROBES[model]), **sequence)
     else:
         await client.infer(model, _inputs(STATELESS_PROBES[model]))
 

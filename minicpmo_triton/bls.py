@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 from . import stage_io as io
-from .errors import from_wire
+from .errors import Code, StepError, from_wire
 from .pipeline import Ready
 from .stages.base import StageCall
+
+
+async def _answer(infer: Any, decoupled: bool) -> Any:
+    """The stage's one response. A decoupled stage's comes through an iterator that blocks until the stage
+    answers: it is read on an executor thread, as `async_exec` waits for a plain stage's."""
+    if not decoupled:
+        return await infer.async_exec()
+
+    def first() -> Any:
+        responses = infer.exec(decoupled=True)
+        answer = None
+        for response in responses:  # the final flag ends the iteration; the answer rides with it
+            if answer is None or response.has_error():
+                answer = response
+        return answer
+
+    answer = await asyncio.get_running_loop().run_in_executor(None, first)
+    if answer is None:
+        raise StepError(Code.STAGE_ERROR, "llm: no response")
+    return answer
 
 
 def _flags(call: StageCall[Any]) -> int:
@@ -33,7 +54,7 @@ class TritonBlsStages:
         if ready is not None:
             # Built first: steps released from the door together reach the batcher together.
             await ready()
-        response = await infer.async_exec()
+        response = await _answer(infer, decoupled=model in io.DECOUPLED_STAGES)
         if response.has_error():
             raise from_wire(response.error().message(), model)  # the stage's code, or stage_error
 

@@ -20,6 +20,9 @@ T = TypeVar("T")
 _D = DuplexDefaults()  # what a request that leaves an input out gets
 
 _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
+# The stages whose config says `model_transaction_policy { decoupled: true }`: answered through a response
+# sender, so a caller uses a stream (BLS: `exec(decoupled=True)`; gRPC: `stream_infer`), not a unary call.
+DECOUPLED_STAGES = frozenset({"llm"})
 
 
 def tensor(dtype: type, ndim: int) -> Any:
@@ -141,6 +144,10 @@ class LlmResult:
     cached_tokens: int = 0  # context reused from earlier steps / turns (the KV length before this call)
     kv_dropped: int = 0  # tokens the sliding window has dropped from this session so far
     window_events: int = 0  # times it slid
+    # The paged engine's in-flight loop: its iteration count when this row joined the loop, and when it left it
+    # (0 on the ONNX path). A row that joined while another decoded has join_iteration within that one's span.
+    join_iteration: int = 0
+    done_iteration: int = 0
 
 
 # ---- tts ----

@@ -41,10 +41,12 @@ from .voice_prompt import VoiceLibrary, default_ref_audio
 if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.engine import PagedLlmEngine
     from .paged.tts import PagedTtsEngine
+    from .stages.llm_inflight import InflightLlm
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
 EVICTED_METRIC = "minicpmo_evicted_sequences_total"
+KV_FREE_METRIC = "minicpmo_kv_free_blocks"
 
 
 class _ModelContext:
@@ -67,7 +69,7 @@ class _ModelContext:
 class _LiveGauge:
     """Publishes a store's size (and evictions) and sweeps idle state on a timer thread."""
 
-    def __init__(self, model: str, store: SequenceStore[Any], period_s: float) -> None:
+    def __init__(self, model: str, store: SequenceStore[Any], period_s: float, evicts: bool = True) -> None:
         self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
             name=LIVE_METRIC, description="Live per-session state entries", kind=pb_utils.MetricFamily.GAUGE)
         self._evicted_family = pb_utils.MetricFamily(
@@ -80,7 +82,8 @@ class _LiveGauge:
         self._reported_live = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sweep, args=(period_s,), daemon=True)
-        self._thread.start()
+        if evicts:  # else the stage's own engine thread evicts (and calls `update`)
+            self._thread.start()
 
     def update(self) -> None:
         # Each set is a round trip to the server process: only a changed count is sent.
@@ -158,7 +161,60 @@ def _threads(ctx: _ModelContext) -> int:
 
 
 class LlmModel(_StatefulStageModel):
+    """Decoupled (config.pbtxt): each request is answered through its response sender with the final flag. On the
+    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`InflightLlm`), which
+    answers each when its row is done; on ONNX it answers its batch before it returns, as a plain model would."""
+
     stage_name = "llm"
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.stage = self.make_stage(ctx)
+        self.request_cls = STAGE_IO[self.stage_name][0]
+        period = ctx.setting("sweep_period_s")
+        self.inflight: InflightLlm | None = None
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=self.stage.paged is None)
+        if self.stage.paged is not None:
+            from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
+
+            pool = self.stage.paged.pool
+            self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
+                name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
+                kind=pb_utils.MetricFamily.GAUGE)
+            kv_free = self._kv_family.Metric(labels={"model": ctx.name})
+
+            def changed() -> None:  # on the engine thread, after a call's admission or its answer
+                self.gauge.update()
+                kv_free.set(pool.free_blocks)
+
+            changed()
+            self.inflight = InflightLlm(self.stage, period, changed)
+
+    def execute(self, requests: list[Any]) -> None:
+        calls, senders = [], []
+        for request in requests:
+            rows = _rows(request)
+            calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
+            senders.append(request.get_response_sender())
+        if self.inflight is not None:
+            for call, sender in zip(calls, senders, strict=True):
+                self.inflight.submit(call, lambda result, s=sender, c=call.corr_id: self._send(s, c, result))
+            return None
+        for call, sender, result in zip(calls, senders, self.stage.run(calls), strict=True):
+            self._send(sender, call.corr_id, result)
+        self.gauge.update()
+        return None
+
+    def _send(self, sender: Any, corr_id: int, result: Any) -> None:
+        try:
+            sender.send(_response(result, self.stage_name), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001 (a caller gone must not stop the engine thread)
+            pb_utils.Logger.log_warn(f"llm: sequence {corr_id}: response not delivered: {describe(exc)}")
+
+    def finalize(self) -> None:
+        if self.inflight is not None:
+            self.inflight.close()
+        super().finalize()
 
     def make_stage(self, ctx: _ModelContext) -> LlmStage:
         models = ctx.version_dir.parent.parent

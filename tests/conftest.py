@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import importlib
 import os
@@ -126,29 +125,6 @@ class RunningTriton:
         return live
 
 
-@contextlib.contextmanager
-def triton_with(env: dict[str, str], folder: Path) -> Iterator[RunningTriton]:
-    """A tritonserver of its own with `env` (MINICPMO_* settings) in its environment, logging under `folder`."""
-    ensure_exported()
-    log = folder / "tritonserver.log"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # tritonserver's environment is this process's
-    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=folder / "work", log_path=log)
-    try:
-        server.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-    try:
-        server.wait_ready(240)
-        yield RunningTriton(server, folder)
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     ensure_exported()
@@ -167,6 +143,28 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     try:
         server.wait_ready(240)
         yield RunningTriton(server, voices)
+    finally:
+        server.stop()
+
+
+def triton_with(env: dict[str, str], folder: Path) -> Iterator[RunningTriton]:
+    """A tritonserver of its own, started with these MINICPMO_<KEY> settings in its environment (for a fixture)."""
+    ensure_exported()
+    log = folder / "tritonserver.log"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # tritonserver's environment is this process's
+    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=folder / "work", log_path=log)
+    try:
+        server.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    try:
+        server.wait_ready(240)
+        yield RunningTriton(server, folder)
     finally:
         server.stop()
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import queue
 import sys
 import types
 from typing import Any
@@ -52,6 +53,7 @@ from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
+from minicpmo_triton.stages.llm_inflight import InflightLlm
 from minicpmo_triton.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import write_checkpoint
@@ -236,13 +238,33 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
 def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
              engine: str = "onnx", overrides: set[int] = OVERRIDES) -> list[dict[str, Any]]:
     """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
-    sampling on the device)."""
-    preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
+    sampling on the device), called as a batch (`paged`) or through the in-flight loop the Triton model runs
+    (`inflight`: each call queued, answered when its row is done)."""
+    preset = checkpoint["preset"]
     tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(preset.tokens).values()))
     llm = OnnxEngine(checkpoint["onnx"], threads=1) if engine == "onnx" else \
         PagedLlmEngine.build(checkpoint["llm_weights"], preset.llm, pool_tokens=4096, attention="gather",
                              max_tokens=preset.duplex.context_tokens)
     stage = LlmStage(llm, preset, tokenizer, 600.0)
+    loop = InflightLlm(stage, 600.0) if engine == "inflight" else None
+    try:
+        return _drive(checkpoint, stage, loop, embeds, window, overrides)
+    finally:
+        if loop is not None:
+            loop.close()
+
+
+def _ask(stage: LlmStage, loop: InflightLlm | None, call: StageCall[LlmRequest]) -> Any:
+    if loop is None:
+        return stage.run([call])[0]
+    answer: queue.Queue[Any] = queue.Queue()
+    loop.submit(call, answer.put)
+    return answer.get(timeout=120)
+
+
+def _drive(checkpoint: dict[str, Any], stage: LlmStage, loop: InflightLlm | None, embeds: list[torch.Tensor],
+           window: str, overrides: set[int]) -> list[dict[str, Any]]:
+    preset, tok = checkpoint["preset"], checkpoint["tokenizer"]
     tk = preset.tokens
     system = tok.encode(PREFIX, add_special_tokens=False) + tok.encode(SUFFIX, add_special_tokens=False)
     out = []
@@ -252,7 +274,7 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
                              force_listen=i < 3 or i in overrides, max_new_tokens=40 if i in LONG else 20,
                              window_mode=WINDOW_MODES.index(window), window_high=HIGH, window_low=LOW,
                              window_units=UNITS, window_previous=PREVIOUS, **SETTINGS)
-        [res] = stage.run([StageCall(request, 1, start=i == 0)])
+        res = _ask(stage, loop, StageCall(request, 1, start=i == 0))
         assert not isinstance(res, Exception), res
         session = stage.store.get(1)
         pending = session.pending
@@ -274,7 +296,7 @@ def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
     return out
 
 
-@pytest.mark.parametrize("engine", ["onnx", "paged"])
+@pytest.mark.parametrize("engine", ["onnx", "paged", "inflight"])
 @pytest.mark.parametrize("window", ["off", "basic", "context"])
 def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], window: str, engine: str) -> None:
     embeds = chunk_embeds(CONTEXT_CHUNKS if window == "context" else CHUNKS, checkpoint["preset"].llm.hidden)

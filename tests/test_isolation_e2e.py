@@ -14,6 +14,7 @@ import websockets
 from tritonclient.utils import InferenceServerException
 
 from gateway.audio import encode_f32_base64
+from gateway.triton.decoupled import infer_decoupled
 from minicpmo_triton.errors import from_wire
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import LlmRequest, LlmResult, decode, encode
@@ -42,8 +43,8 @@ def _inputs(request: LlmRequest) -> list[grpcclient.InferInput]:
 async def llm_call(client: grpcclient.InferenceServerClient, request: LlmRequest, corr: int,
                    start: bool = False, end: bool = False) -> LlmResult | Exception:
     try:
-        result = await client.infer("llm", _inputs(request), sequence_id=corr, sequence_start=start,
-                                    sequence_end=end)
+        result = await infer_decoupled(client, "llm", _inputs(request), sequence_id=corr, sequence_start=start,
+                                       sequence_end=end)
     except InferenceServerException as exc:
         return exc
     return decode(LlmResult, lambda name: None if (v := result.as_numpy(name)) is None else v[0])

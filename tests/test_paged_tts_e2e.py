@@ -3,6 +3,8 @@ it from the export's weights and a spoken reply comes as one-second audio deltas
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch  # noqa: F401 (the tts model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
@@ -10,16 +12,15 @@ import torch  # noqa: F401 (the tts model serves the paged engine, torch, in tri
 from gateway.audio import decode_f32_base64
 from minicpmo_client.backend import converse
 
-from .conftest import start_gateway, stop_gateway, triton_with
+from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
 from .helpers import GREEDY, SPEAKING_TEXT, deltas
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
 
 @pytest.fixture(scope="module")
-def paged_tts_triton(tmp_path_factory: pytest.TempPathFactory):
-    with triton_with({"MINICPMO_TTS_ENGINE": "paged"}, tmp_path_factory.mktemp("triton_paged_tts")) as server:
-        yield server
+def paged_tts_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    yield from triton_with({"MINICPMO_TTS_ENGINE": "paged"}, tmp_path_factory.mktemp("triton_paged_tts"))
 
 
 async def test_the_paged_tts_speaks_over_triton(paged_tts_triton, speech, tmp_path) -> None:

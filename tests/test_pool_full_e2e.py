@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
 import websockets
 
-from .conftest import start_gateway, stop_gateway, triton_with
+from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
 from .helpers import append_message, init_message
 
 # the paged engine on the CPU, every new session wanting more room than the pool has
@@ -20,9 +21,8 @@ FULL = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINIC
 
 
 @pytest.fixture(scope="module")
-def full_triton(tmp_path_factory: pytest.TempPathFactory):
-    with triton_with(FULL, tmp_path_factory.mktemp("triton_full")) as server:
-        yield server
+def full_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    yield from triton_with(FULL, tmp_path_factory.mktemp("triton_full"))
 
 
 async def test_a_full_pool_refuses_a_session_as_retryable(full_triton, tmp_path) -> None:

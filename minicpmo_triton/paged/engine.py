@@ -37,6 +37,7 @@ class RowDriver(Protocol):
 
 
 Admit = Callable[[], list[tuple[int, int, Prefill]]]  # -> new rows: (session id, its length, its prefill)
+Done = Callable[[int, int], None]  # (row, its new length): the row left the loop after this iteration
 
 
 @dataclass
@@ -62,6 +63,7 @@ class PagedLlmEngine:
         self.traffic = traffic
         self.device = model.device
         self.sampler: DeviceSampler | None = None
+        self.iterations = 0  # forwards run by `run` since the engine was built: the in-flight loop's clock
 
     def use_rules(self, forbidden: np.ndarray, tokens: SpecialTokens) -> None:
         """The rule sets' forbidden tokens [DUPLEX / CHAT, vocab], uploaded once: the stage's decode rules own them."""
@@ -95,13 +97,14 @@ class PagedLlmEngine:
         return self.traffic.download("outputs", out.hidden[index].to(torch.float32))
 
     def run(self, seqs: list[int], pasts: list[int], prefill: list[Prefill], driver: RowDriver,
-            admit: Admit | None = None) -> tuple[list[int], LoopTiming]:
+            admit: Admit | None = None, done: Done | None = None) -> tuple[list[int], LoopTiming]:
         """Prefill every row, then decode until every row is done. Returns each row's new length.
 
         `admit`, called before each decode iteration, may bring new rows (their session, its length, their
         prefill): they join that iteration's forward, their prefill packed beside the others' one-token steps (no
         padding, nobody waits for them), and are decided from then on like the rest; they are numbered on from
-        the rows given (the driver must know them) and their lengths are returned after them."""
+        the rows given (the driver must know them) and their lengths are returned after them. `done`, when given,
+        is told of each row in the iteration it finishes, so its caller can be answered before the others are."""
         t0 = time.perf_counter()
         seqs, lengths = list(seqs), list(pasts)
         feed: dict[int, Prefill] = dict(enumerate(prefill))  # row -> what it feeds in the next forward
@@ -114,7 +117,12 @@ class PagedLlmEngine:
             if not steps:
                 prefill_ms = (time.perf_counter() - t0) * 1000
             steps += 1
+            self.iterations += 1
             feed = self._decide(out, rows, driver)
+            if done is not None:
+                for r in rows:
+                    if r not in feed:
+                        done(r, lengths[r])
             for seq, past, pre in admit() if admit is not None else []:
                 feed[len(seqs)] = pre
                 seqs.append(seq)

@@ -120,22 +120,28 @@ class SequenceStage(Generic[Req, Res, State]):
     def empty_result(self) -> Res:
         raise NotImplementedError
 
+    def enter(self, call: StageCall[Req]) -> State | None:
+        """One call before its batch: START creates the state, the rest look it up, `check` refuses a bad call
+        (it raises). None: the call has no work (its answer is `empty_result`)."""
+        if call.end and not call.start and self.is_noop(call.request) and call.corr_id not in self.store:
+            return None  # an END for state that is gone (refused at its START, or idled out): nothing to free
+        state = self.store.start(call.corr_id, self.new_state(call)) if call.start else self.store.get(call.corr_id)
+        if self.is_noop(call.request):
+            return None
+        self.check(call.request, state)
+        return state
+
     def run(self, calls: list[StageCall[Req]]) -> list[Res | Exception]:
         results: list[Res | Exception] = [self.empty_result() for _ in calls]
         work: list[tuple[int, Req, State]] = []
         for i, call in enumerate(calls):
             try:
-                if call.end and not call.start and self.is_noop(call.request) and call.corr_id not in self.store:
-                    continue  # an END for state that is gone (refused at its START, or idled out): nothing to free
-                state = self.store.start(call.corr_id, self.new_state(call)) if call.start \
-                    else self.store.get(call.corr_id)
-                if self.is_noop(call.request):
-                    continue
-                self.check(call.request, state)
+                state = self.enter(call)
             except Exception as exc:  # noqa: BLE001 (one bad call must not fail the batch)
                 results[i] = exc
                 continue
-            work.append((i, call.request, state))
+            if state is not None:
+                work.append((i, call.request, state))
         if work:
             items = [(req, st) for _, req, st in work]
             before = [_snapshot(st) for _, st in items]

@@ -104,11 +104,16 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
 
     def run(self, calls: list[StageCall[LlmRequest]]) -> list[LlmResult | Exception]:
         results = super().run(calls)
-        if self.paged is not None:  # a slide copies a session into a new pool entry: the one it left, or one an
-            held = {s.cache.seq for s in self.store.values() if isinstance(s.cache, PagedCache)}  # undo dropped
+        self.sweep_pool()
+        return results
+
+    def sweep_pool(self) -> None:
+        """With no call in flight: a slide copies a session into a new pool entry, and the one it left (or the
+        one an undo dropped) is held by no session any more: it is given back."""
+        if self.paged is not None:
+            held = {s.cache.seq for s in self.store.values() if isinstance(s.cache, PagedCache)}
             for seq in [q for q in self.paged.pool.tables if q not in held]:
                 self.paged.pool.free(seq)
-        return results
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
@@ -157,7 +162,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
 
-    def _encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
+    def encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
         """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
         audio stream (its Whisper KV cache), all rows' chunks in one encoder batch."""
         rows = [i for i, (req, _) in enumerate(items) if len(req.audio)]
@@ -170,24 +175,32 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             embeds[i] = np.concatenate([embeds[i], out])
         return embeds, (time.perf_counter() - t0) * 1000
 
-    def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
+    def prepare(self, req: LlmRequest, sess: LlmSession, req_embeds: np.ndarray
+                ) -> tuple[dict[str, np.ndarray], ChunkDecoder | ChatDecoder, SamplingParams]:
+        """One row before its prefill: a rollback, the window's slide, what it feeds, its decode rules."""
         tk, h = self.preset.tokens, self.preset.llm.hidden
+        if req.rollback_to >= 0:
+            self._roll_back(sess, req.rollback_to - sess.units.dropped)
+        self._slide(req, sess)
+        ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
+        use = ids == tk.audio_placeholder
+        if len(ids) == 0:
+            ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
+        embeds = np.zeros((len(ids), h), np.float32)
+        embeds[use] = req_embeds
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
+                                self.preset.duplex.repetition_window)
+        return {"input_ids": ids, "embeds": embeds, "use_embeds": use}, self._decoder(req, sess), params
+
+    def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
+        h = self.preset.llm.hidden
         prefill, decoders, params = [], [], []
-        row_embeds, encode_ms = self._encode(items)
+        row_embeds, encode_ms = self.encode(items)
         for (req, sess), req_embeds in zip(items, row_embeds, strict=True):
-            if req.rollback_to >= 0:
-                self._roll_back(sess, req.rollback_to - sess.units.dropped)
-            self._slide(req, sess)
-            ids = np.concatenate([np.asarray(sess.pending, np.int64), req.input_ids.astype(np.int64)])
-            use = ids == tk.audio_placeholder
-            if len(ids) == 0:
-                ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
-            embeds = np.zeros((len(ids), h), np.float32)
-            embeds[use] = req_embeds
-            prefill.append({"input_ids": ids, "embeds": embeds, "use_embeds": use})
-            decoders.append(self._decoder(req, sess))
-            params.append(SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
-                                         self.preset.duplex.repetition_window))
+            pre, dec, par = self.prepare(req, sess, req_embeds)
+            prefill.append(pre)
+            decoders.append(dec)
+            params.append(par)
         hidden_of: list[list[np.ndarray]] = [[] for _ in items]
 
         if self.paged is not None:
@@ -200,6 +213,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             for q, n in zip(seqs, lengths, strict=True):
                 self.paged.pool.truncate(q, n)
             return self._results(items, decoders, caches, hidden_of, prefill, timing, encode_ms)
+
+        tk = self.preset.tokens
 
         def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
             dec, sess = decoders[row], items[row][1]
@@ -244,38 +259,42 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                  caches: Sequence[KvCache | PagedCache], hidden_of: list[list[np.ndarray]],
                  prefill: list[dict[str, np.ndarray]], timing: DecodeTiming | LoopTiming,
                  encode_ms: float) -> list[LlmResult]:
-        h = self.preset.llm.hidden
-        results = []
-        for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True):
-            cached = sess.cache.length
-            sess.cache = cache
-            if req.decode:
-                sess.pending = dec.pending
-                if isinstance(dec, ChunkDecoder):
-                    sess.turn_ended = dec.turn_ended
-            else:
-                sess.pending = []
-            # what the open unit said (its `total_ids_in_unit`; nothing when it ends listening), for `context`
-            sess.units.speaking = [] if dec.is_listen or not isinstance(dec, ChunkDecoder) else \
-                [t for t in dec.text_ids if t not in self.unsaid]
-            text = np.asarray(dec.text_ids, np.int64)
-            results.append(LlmResult(
-                generated=np.asarray(dec.generated, np.int64),
-                text_ids=text,
-                tts_hidden=np.stack(hid).astype(np.float32) if hid else np.zeros((0, h), np.float32),
-                is_listen=dec.is_listen or not req.decode,
-                end_of_turn=dec.end_of_turn,
-                turn_start=dec.turn_start,
-                kv_length=cache.length,
-                n_prefill=len(pre["input_ids"]),
-                prefill_ms=timing.prefill_ms,
-                decode_ms=timing.decode_ms,
-                encode_ms=encode_ms,
-                cached_tokens=cached,
-                kv_dropped=sess.units.dropped,
-                window_events=sess.units.events,
-            ))
-        return results
+        return [self.result(req, sess, dec, cache, hid, len(pre["input_ids"]), timing.prefill_ms, timing.decode_ms,
+                            encode_ms)
+                for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True)]
+
+    def result(self, req: LlmRequest, sess: LlmSession, dec: ChunkDecoder | ChatDecoder, cache: KvCache | PagedCache,
+               hid: list[np.ndarray], n_prefill: int, prefill_ms: float, decode_ms: float, encode_ms: float,
+               **loop: int) -> LlmResult:
+        """One row's answer, the session moved on to its new cache. `loop`: the in-flight loop's counters."""
+        cached = sess.cache.length
+        sess.cache = cache
+        if req.decode:
+            sess.pending = dec.pending
+            if isinstance(dec, ChunkDecoder):
+                sess.turn_ended = dec.turn_ended
+        else:
+            sess.pending = []
+        # what the open unit said (its `total_ids_in_unit`; nothing when it ends listening), for `context`
+        sess.units.speaking = [] if dec.is_listen or not isinstance(dec, ChunkDecoder) else \
+            [t for t in dec.text_ids if t not in self.unsaid]
+        return LlmResult(
+            generated=np.asarray(dec.generated, np.int64),
+            text_ids=np.asarray(dec.text_ids, np.int64),
+            tts_hidden=np.stack(hid).astype(np.float32) if hid else np.zeros((0, self.preset.llm.hidden), np.float32),
+            is_listen=dec.is_listen or not req.decode,
+            end_of_turn=dec.end_of_turn,
+            turn_start=dec.turn_start,
+            kv_length=cache.length,
+            n_prefill=n_prefill,
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            encode_ms=encode_ms,
+            cached_tokens=cached,
+            kv_dropped=sess.units.dropped,
+            window_events=sess.units.events,
+            **loop,
+        )
 
     def _may_force(self, logits: np.ndarray, token: int) -> bool:
         """The chunk's rules allow `token` now, or it is plain text and the rules leave a choice (they do not
