@@ -49,6 +49,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
       then top-k 20 / top-p 0.7;
     - the cache is dropped at the turn's end.
+
+    Departure: a turn whose next chunk would run past the TTS's position table (`max_positions`, 4096: about
+    90 s of speech) starts its cache over, as a new turn would. The reference keeps `tts_past_key_values` until a
+    voiced `<|turn_eos|>` (modeling_minicpmo_unified.py:5218-5227) and forced listens leave the turn open, so a
+    caller who keeps cutting the model off would grow the cache, and the positions, for the whole call.
     """
 
     def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float) -> None:
@@ -96,6 +101,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
                 "llm_hidden": hidden, "has_hidden": np.arange(n + 1) < n,
                 "code_ids": np.zeros(n + 1, np.int64), "is_code": np.zeros(n + 1, bool)}
 
+    def opens_turn(self, request: TtsRequest, state: TtsSession) -> bool:
+        """The chunk starts from an empty cache: a turn's start, or the turn's positions would run out."""
+        need = len(request.text_ids) + 1 + request.n_tokens
+        return request.turn_start or state.cache.length + need > self.preset.tts.max_positions
+
     def check(self, request: TtsRequest, state: TtsSession) -> None:
         if len(request.tts_hidden) != len(request.text_ids):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
@@ -107,13 +117,14 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             raise StepError(Code.INVALID_INPUT, f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
         check_sampling("tts", temperature=request.temperature)
         if isinstance(state.cache, PagedCache) and self.paged is not None:  # refused now (pool_full), never mid-step
-            past = 0 if request.turn_start else state.cache.length
+            past = 0 if self.opens_turn(request, state) else state.cache.length
             self.paged.pool.reserve(state.cache.seq, past + len(request.text_ids) + 1 + request.n_tokens)
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
         dx = self.preset.duplex
-        for req, sess in items:
-            if req.turn_start:
+        opens = [self.opens_turn(req, sess) for req, sess in items]
+        for (_, sess), opened in zip(items, opens, strict=True):
+            if opened:
                 sess.cache = self._reset(sess.cache, release=False)
         prefill = [self._prefill(req) for req, _ in items]
         codes: list[list[int]] = [[] for _ in items]
@@ -125,7 +136,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
                 logits /= req.temperature
             apply_repetition_penalty(logits, codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
                                      per_occurrence=True)
-            if not (req.turn_start or req.turn_end):
+            if not (opens[row] or req.turn_end):
                 logits[self.eos] = -np.inf  # min_new_tokens = n_tokens + 1 mid-turn: a chunk is a full second
             token = sample(logits, SamplingParams(1.0 if req.temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p),
                            sess.rng)
