@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from minicpmo_triton.model_config import SPEECH_TOKENS_PER_SECOND, DecoderDims, PresetConfig
+from minicpmo_triton.stages.tts import tts_admit_tokens
 
 SECONDS = (1, 60, 300)
 FP32, BF16, FP8 = 4, 2, 1
@@ -73,19 +74,25 @@ def memory_report(preset: PresetConfig) -> str:
     return "\n".join(lines)
 
 
-def pool_bytes(preset: PresetConfig, sessions: int, seconds: float, dtype_bytes: int) -> int:
-    """The LLM's KV pool for `sessions` sessions `seconds` in, SPEAKING of them speaking the whole time."""
+def pool_bytes(preset: PresetConfig, sessions: int, seconds: float, dtype_bytes: int, stage: str = "llm") -> int:
+    """The `stage`'s (llm, tts) KV pool for `sessions` sessions `seconds` in, SPEAKING of them speaking the whole
+    time (for the TTS: one turn that long, its bound; a listening session holds its admission room)."""
     speaking = round(sessions * SPEAKING)
-    return (speaking * kv_bytes(preset, seconds, True, dtype_bytes)["llm"]
-            + (sessions - speaking) * kv_bytes(preset, seconds, False, dtype_bytes)["llm"])
+    if stage == "tts":
+        listening = tts_admit_tokens(preset) * _kv_per_token(preset.tts.decoder, dtype_bytes)
+    else:
+        listening = kv_bytes(preset, seconds, False, dtype_bytes)[stage]
+    return speaking * kv_bytes(preset, seconds, True, dtype_bytes)[stage] + (sessions - speaking) * listening
 
 
 def pool_report(preset: PresetConfig) -> list[str]:
-    """The pool the paged LLM engine needs (its `pool_size` parameter), bf16 and fp8 KV."""
-    lines = [f"  LLM KV pool for N sessions ({SPEAKING:.0%} speaking), GiB bf16 / fp8:",
-             f"  {'sessions':16s} " + " ".join(f"{f'{s} s':>17s}" for s in POOL_SECONDS)]
-    for n in POOL_SESSIONS:
-        cells = [f"{pool_bytes(preset, n, s, BF16) / 2**30:,.1f} / {pool_bytes(preset, n, s, FP8) / 2**30:,.1f}"
-                 for s in POOL_SECONDS]
-        lines.append(f"  {n:<16d} " + " ".join(f"{c:>17s}" for c in cells))
+    """The pools the paged engines need (`kv_pool_size`, `tts_pool_size`), bf16 and fp8 KV."""
+    lines = []
+    for stage, name in (("llm", "LLM"), ("tts", "TTS")):
+        lines += [f"  {name} KV pool for N sessions ({SPEAKING:.0%} speaking), GiB bf16 / fp8:",
+                  f"  {'sessions':16s} " + " ".join(f"{f'{s} s':>17s}" for s in POOL_SECONDS)]
+        for n in POOL_SESSIONS:
+            cells = [f"{pool_bytes(preset, n, s, BF16, stage) / 2**30:,.2f} / "
+                     f"{pool_bytes(preset, n, s, FP8, stage) / 2**30:,.2f}" for s in POOL_SECONDS]
+            lines.append(f"  {n:<16d} " + " ".join(f"{c:>17s}" for c in cells))
     return lines

@@ -1,10 +1,22 @@
-"""Compile exported ONNX stages to TensorRT engines with optimisation profiles (needs an NVIDIA GPU)."""
+"""Compile exported ONNX stages to TensorRT engines with optimisation profiles (needs an NVIDIA GPU).
+
+Precision: bf16 (`trt.BuilderFlag.BF16`: TensorRT may run layers in bf16, keeping fp32 where it must), never
+fp16: Qwen3's activations overflow fp16, and bf16 keeps fp32's range. The ONNX graphs stay fp32 (they are what
+the CPU runs and what the parity tests check), so the network is not strongly typed: the flag lets the builder
+choose bf16 kernels.
+
+Profiles cover what is served: per stage a list, the runner (`minicpmo_triton/engines.py`) picks the first
+whose ranges hold a call's shapes. A decoder's (llm, tts) batched steps at any batch and a prefill of up to
+PREFILL_TOKENS (a system prompt is ~300) at a few rows; the audio encoders' 1 s steps at any batch and up to
+30 s (Whisper's window) at a few rows.
+"""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from minicpmo_triton.model_config import PresetConfig
 
@@ -26,33 +38,66 @@ def require_gpu() -> None:
         raise NoGpuError("TensorRT is not installed: pip install 'minicpmo-triton[gpu]'") from exc
 
 
-def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """min / opt / max shapes per input: one 1-second step, up to the 8192-token context."""
-    ctx = preset.duplex.context_tokens
+Shapes = dict[str, tuple[tuple[int, ...], ...]]  # input -> (min, opt, max)
+
+PRECISIONS = ("bf16", "fp32")
+PREFILL_TOKENS = 2048  # a decoder prefill's longest (a system prompt, a turn-based question), at PREFILL_ROWS rows
+PREFILL_ROWS = 4
+STEP_TOKENS = 64  # a duplex step's new tokens (a unit's 11 + up to a chunk's text; a TTS chunk's condition)
+LONG_AUDIO_S = 30  # the audio encoders' longest input (Whisper's window: 1500 positions), at PREFILL_ROWS rows
+SAMPLE_RATE = 16_000
+
+
+def builder_flags(trt: Any, precision: str) -> list[Any]:
+    """The builder flags for `precision`: bf16 (the default) or fp32; fp16 is refused (Qwen3 overflows it)."""
+    if precision == "bf16":
+        return [trt.BuilderFlag.BF16]
+    if precision == "fp32":
+        return []
+    raise ValueError(f"precision must be one of {PRECISIONS} (fp16 overflows Qwen3's activations), not {precision!r}")
+
+
+def profiles(stage: str, preset: PresetConfig, max_batch: int) -> list[Shapes]:
+    """Optimisation profiles, each min / opt / max shapes per input: the batched 1-second step first, then a
+    few rows of long input (prefill over 256 tokens, audio over 4 s), up to the 8192-token context."""
     if stage == "audio_encoder":
-        return {"audio": ((1, 1600), (max_batch // 2, 16_000), (max_batch, 16_000 * 4))}
-    if stage == "audio_encoder_stream":  # 1 to 4 s chunks against 0 to 1500 cached positions
-        a = preset.audio
-        frames = tuple((b, 4 + 10 * n) for b, n in ((1, 1), (max_batch // 2, 10), (max_batch, 40)))
-        pasts = ((1, 0), (max_batch // 2, a.max_positions // 2), (max_batch, a.max_positions))
-        kv = tuple((a.layers, b, a.heads, p, a.d_model // a.heads) for b, p in pasts)
-        return {"mel": tuple((b, a.n_mels, f) for b, f in frames), "mel_mask": frames,
-                "position_ids": tuple((b, (f - 4) // 2) for b, f in frames), "past_mask": pasts,
-                "past_key": kv, "past_value": kv}
+        return [{"audio": ((1, 1600), (max_batch // 2, SAMPLE_RATE), (max_batch, SAMPLE_RATE * 4))},
+                {"audio": ((1, 1600), (1, SAMPLE_RATE * 10), (PREFILL_ROWS, SAMPLE_RATE * LONG_AUDIO_S))}]
+    if stage == "audio_encoder_stream":  # 1 to 4 s chunks at any batch, up to 30 s at a few rows
+        return [_stream_profile(preset, ((1, 1), (max_batch // 2, 10), (max_batch, 40))),
+                _stream_profile(preset, ((1, 1), (1, 100), (PREFILL_ROWS, 10 * LONG_AUDIO_S)))]
     if stage.startswith("token2wav_"):
-        return token2wav_profiles(stage, preset, max_batch)
+        return [token2wav_profiles(stage, preset, max_batch)]
     if stage == "vision_encoder":
         v = preset.vision
         n, opt, most = v.batch_slices, (v.scale_resolution // v.patch) ** 2, v.max_patches
-        return {"pixels": ((1, 3, v.patch, v.patch), (n, 3, v.patch, opt * v.patch), (n, 3, v.patch, most * v.patch)),
-                "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}
+        return [{"pixels": ((1, 3, v.patch, v.patch), (n, 3, v.patch, opt * v.patch), (n, 3, v.patch, most * v.patch)),
+                 "position_ids": ((1, 1), (n, opt), (n, most)), "tgt_sizes": ((1, 2), (n, 2), (n, 2))}]
+    return [_decoder_profile(stage, preset, ((1, 1), (max_batch // 2, 1), (max_batch, STEP_TOKENS))),
+            _decoder_profile(stage, preset, ((1, 1), (1, 300), (PREFILL_ROWS, PREFILL_TOKENS)))]
+
+
+def _stream_profile(preset: PresetConfig, chunks: tuple[tuple[int, int], ...]) -> Shapes:
+    """The streaming Whisper: (rows, tenths of a second of audio) min / opt / max, against 0 to 1500 cached
+    positions."""
+    a = preset.audio
+    frames = tuple((b, 4 + 10 * n) for b, n in chunks)
+    pasts = tuple((b, p) for (b, _), p in zip(chunks, (0, a.max_positions // 2, a.max_positions), strict=True))
+    kv = tuple((a.layers, b, a.heads, p, a.d_model // a.heads) for b, p in pasts)
+    return {"mel": tuple((b, a.n_mels, f) for b, f in frames), "mel_mask": frames,
+            "position_ids": tuple((b, (f - 4) // 2) for b, f in frames), "past_mask": pasts,
+            "past_key": kv, "past_value": kv}
+
+
+def _decoder_profile(stage: str, preset: PresetConfig, seq: tuple[tuple[int, int], ...]) -> Shapes:
+    """llm / tts: (rows, new tokens) min / opt / max against 0 to the whole context of past."""
+    ctx = preset.duplex.context_tokens
     d = preset.llm if stage == "llm" else preset.tts.decoder
 
     def kv_shape(p: tuple[int, int]) -> tuple[int, ...]:
         return d.layers, p[0], d.kv_heads, p[1], d.head_dim
 
-    seq = ((1, 1), (max_batch // 2, 1), (max_batch, 256))
-    past = ((1, 0), (max_batch // 2, ctx // 2), (max_batch, ctx))
+    past = tuple((b, p) for (b, _), p in zip(seq, (0, ctx // 2, ctx), strict=True))
     names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "has_hidden", "code_ids", "is_code"]
     hidden_in = "embeds" if stage == "llm" else "llm_hidden"
     shapes: dict[str, tuple[tuple[int, ...], ...]] = {n: seq for n in names + ["position_ids"]}
@@ -63,7 +108,7 @@ def profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tupl
     return shapes
 
 
-def token2wav_profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+def token2wav_profiles(stage: str, preset: PresetConfig, max_batch: int) -> Shapes:
     """One chunk (25 + 3 tokens, 50 mel frames); caches up to a 30 s prompt + 100 frames."""
     d = preset.token2wav
     b = ((1,), (max_batch // 2,), (max_batch,))
@@ -89,7 +134,7 @@ def token2wav_profiles(stage: str, preset: PresetConfig, max_batch: int) -> dict
             "sine_noise": tuple((x[0], f * 480, 9) for x, f in zip(b, frames, strict=True))}
 
 
-def build_engine(onnx_path: Path, plan_path: Path, shapes: dict, fp16: bool = True) -> None:
+def build_engine(onnx_path: Path, plan_path: Path, shapes: list[Shapes], precision: str = "bf16") -> None:
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -101,12 +146,13 @@ def build_engine(onnx_path: Path, plan_path: Path, shapes: dict, fp16: bool = Tr
         raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 8 << 30)
-    if fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
-    profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in shapes.items():
-        profile.set_shape(name, lo, opt, hi)
-    config.add_optimization_profile(profile)
+    for flag in builder_flags(trt, precision):
+        config.set_flag(flag)
+    for ranges in shapes:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in ranges.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError(f"TensorRT failed to build {plan_path}")

@@ -64,7 +64,8 @@ class Edge:
     def of(cls, settings: Settings) -> Edge:
         return cls(Gateway(settings), settings, Limits.of(settings),
                    Quotas(settings.max_sessions_per_key, settings.max_sessions_per_address),
-                   ResumeFailures(settings.resume_attempts, settings.resume_window_s),
+                   ResumeFailures(settings.resume_attempts, settings.resume_window_s,
+                                  settings.resume_failure_delay_s),
                    VoiceBudget(settings.voice_budget_s, settings.voice_window_s))
 
 
@@ -220,8 +221,10 @@ async def realtime_socket(ws: WebSocket) -> None:
             with e.quotas.held(who, address(ws)):
                 msg = await (_openai_session(e, ws, who, ext) if mode is None else _minicpm_session(e, ws, mode, who))
         if msg is not None:  # the first event resumed another session: this socket goes on with it
-            async with e.resumes.counted(who, address(ws)):  # only a failed resume counts against the caller
-                await resume(e.gateway, ws, msg, who)
+            # a resuming socket counts as a session of its address (bogus ones in parallel are bounded too)
+            with e.quotas.held(who, address(ws)):
+                async with e.resumes.counted(who, address(ws)):  # only a failed resume counts against the caller
+                    await resume(e.gateway, ws, msg, who)
     except ProtocolError as err:
         refusal = realtime_error(err).encode()
         if ext.events:  # a refusal before any session: seq 0

@@ -10,7 +10,10 @@
   costs the shared token2wav stage a voice prompt (about 3 s of compute for 30 s of reference on 2 CPU cores,
   every session's audio waiting behind it); a reference the caller sent within the window is free (cached).
 - `ResumeFailures`: only a resume that fails counts against the caller's resume rate, so bogus attempts by one
-  caller never refuse another caller's real resume from the same address.
+  caller never refuse another caller's real resume from the same address; and a failed one is answered late, so
+  a caller's loop of bogus resumes makes a few connections a second, not hundreds.
+- `EventRate`: client events per connection, a token bucket: a flood of small events (create/cancel pairs) costs
+  the gateway's one event loop; past the rate each event is refused `rate_limited`, unread.
 """
 
 from __future__ import annotations
@@ -125,8 +128,9 @@ class ResumeFailures:
 
     RESUME_FAILURES = ("session_resume_expired", "invalid_resume_token", "invalid_value")
 
-    def __init__(self, attempts: int, window_s: float) -> None:
+    def __init__(self, attempts: int, window_s: float, delay_s: float = 0.0) -> None:
         self.rate = RateLimit(attempts, window_s)
+        self.delay_s = delay_s
 
     @contextlib.asynccontextmanager
     async def counted(self, who: str, address: str) -> Any:
@@ -134,8 +138,36 @@ class ResumeFailures:
             yield
         except ProtocolError as err:
             if err.code in self.RESUME_FAILURES:
+                # a real client's resume rarely fails, and it may wait a second; a loop of bogus ones is slowed
+                # to one attempt per delay per socket (and the sockets per address are bounded)
+                await asyncio.sleep(self.delay_s)
                 self.rate.check(f"{who}@{address}")  # raises rate_limited past the limit
             raise
+
+
+class EventRate:
+    """Client events on one connection: `per_s` a second on average, `burst` at once; past that, refused."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def refusal(self) -> ProtocolError | None:
+        """None when this event may go on (it is counted); else the refusal to answer it with. per_s <= 0: no limit."""
+        if self.per_s <= 0:
+            return None
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return None
+        return ProtocolError(ClientCode.RATE_LIMITED, f"at most {self.per_s:g} events per second per connection "
+                             f"(bursts of {self.burst}); this one was dropped", error_type="server_error",
+                             retryable=True)
 
 
 async def paced(events: AsyncIterator[T], gap_s: float) -> AsyncIterator[T]:

@@ -53,6 +53,9 @@ class Settings:
     max_sessions_per_address: int = setting(16, "live sessions per client address, loopback not counted (0: none)")
     resume_attempts: int = setting(10, "failed session.resume attempts per caller (principal and address) ...")
     resume_window_s: float = setting(60.0, "... per this window")
+    resume_failure_delay_s: float = setting(1.0, "a failed session.resume is answered after this long")
+    max_events_per_s: float = setting(100.0, "client events per connection per second, on average (0: no limit) ...")
+    max_event_burst: int = setting(200, "... and at once; past either, an event is refused rate_limited")
     # The cost model per caller (gateway/limits.py: Limits.of(settings); docs/security.md)
     # 4 KiB: voice-agent frameworks' instructions run to a few KB (a prompt is prefilled once per session); at
     # the bound a prompt still fits the context with `tiny`'s byte tokenizer (a token a byte)
@@ -68,7 +71,8 @@ class Settings:
     voices_dir: str = setting("", "the model server's named voices (<name>.wav), for /v1/voices/check")
     # Health (gateway/stage_health.py)
     health_period_s: float = setting(1.0, "how often every stage is probed")
-    health_timeout_s: float = setting(5.0, "Triton answering nothing this long: not ready, sessions told")
+    health_timeout_s: float = setting(5.0, "Triton answering nothing this long: /health not ready (failover_s "
+                                                "ends its sessions)")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
 
     @classmethod

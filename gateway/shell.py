@@ -38,7 +38,7 @@ from .auth import ANONYMOUS
 from .codes import ClientCode
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
-from .fairness import Activity, paced
+from .fairness import Activity, EventRate, paced
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
@@ -160,6 +160,7 @@ class Session:
         # fences off what came during it) and the frame is decided on the state it was read for.
         self._inputs = asyncio.Lock()
         self.offloaded = 0  # client frames read in a worker thread
+        self.events = EventRate(settings.max_events_per_s, settings.max_event_burst)
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -295,6 +296,9 @@ class Session:
     # ---- in ----
     async def handle(self, text: str) -> None:
         """One client frame: answered, applied, or refused with a coded error."""
+        if (over := self.events.refusal()) is not None:  # a flood: refused unread, the session goes on
+            await self.apply(Effects([self.state.error_event(over)]))
+            return
         fx, err = await self._decide_frame(text)
         await self.apply(fx)
         if err is not None and err.close_code is not None:

@@ -11,9 +11,11 @@ Every `health_period_s`:
 Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet); `unresponsive` (no liveness answer for
 `health_timeout_s`); `broken` (a probe answered an error two rounds in a row, or none answered for
 `step_timeout_s`; probes merely slow behind real work change nothing before that). Unless ready,
-/health says not ready; on unresponsive or broken every live session is told `backend_unavailable` (retryable)
-and ended, once; on broken the gateway heals when it owns Triton (`heal`: gateway.serve kills Triton's process
-group, and its supervisor starts a new one), once until the backend is ready again.
+/health says not ready; on broken every live session is told `backend_unavailable` (retryable) and ended, once,
+and the gateway heals when it owns Triton (`heal`: gateway.serve kills Triton's process group, and its supervisor
+starts a new one), once until the backend is ready again. A silent server (unresponsive) is only reported here:
+its sessions are ended by the one silence detector, the endpoint pool's failover (gateway/triton/pool.py,
+`failover_s`), not told a second time by this watch.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class StageHealth:
         if state == "ready":
             self._told = self._healed = False
             return
-        if state in ("unresponsive", "broken") and not self._told:
+        if state == "broken" and not self._told:  # silence (unresponsive) is the pool's failover's to tell
             self._told = True
             self.tell_sessions()
         if state == "broken" and self.heal is not None and not self._healed:

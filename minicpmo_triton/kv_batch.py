@@ -69,9 +69,12 @@ class KvBatch:
         self.positions = self.positions + new_len
 
     def select(self, rows: list[int]) -> None:
-        self.key = self.key[:, rows]
-        self.value = self.value[:, rows]
-        self.mask = self.mask[rows]
+        mask = self.mask[rows]
+        # the past's leading columns that none of the kept rows uses (a longer row's, gone) are dropped with it
+        start = int(mask.any(axis=0).argmax()) if mask.any() else mask.shape[1]
+        self.key = self.key[:, rows, :, start:]
+        self.value = self.value[:, rows, :, start:]
+        self.mask = mask[:, start:]
         self.positions = self.positions[rows]
 
     def extract(self, row: int) -> KvCache:

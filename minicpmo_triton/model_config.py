@@ -84,6 +84,9 @@ class TtsDims:
     audio_bos_token_id: int = 0  # emb_text(audio_bos) ends every chunk's condition
     text_eos_token_id: int = 0  # read for completeness; the duplex path never feeds it
     normalize_projected_hidden: bool = True  # L2-normalise projector_semantic(h)
+    # the Llama's position table (MiniCPMTTSConfig's default, configuration_minicpmo.py:85): a turn's cache
+    # never runs past it (TtsStage starts the turn's cache over)
+    max_positions: int = 4096
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from .duplex_window import WINDOW_MODES
 from .errors import Code, StepError
 from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
 from .model_config import PresetConfig
+from .prefill_chunks import split_prefill
 from .rendezvous import BatchWindow, Member, Rendezvous
 from .stage_io import (
     AudioEncoderRequest,
@@ -35,6 +36,7 @@ from .stage_io import (
     VisionEncoderRequest,
     VisionEncoderResult,
 )
+from .stage_settings import STAGE_SETTINGS
 from .stages.base import StageCall
 from .state_store import SequenceStore
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -46,6 +48,7 @@ MAX_CHUNK_SECONDS = 5
 CHAT_CHUNK_TOKENS = 16  # a turn-based reply streams in chunks of this many tokens
 CHARS_PER_SECOND = 14  # how much speech (25 tokens/s) the TTS makes for a chunk of turn-based text
 VISION_BATCH_IMAGES = 4  # images per vision_encoder request (a duplex step's most)
+PREFILL_CHUNK_TOKENS = int(STAGE_SETTINGS["prefill_chunk_tokens"].default)  # the most one LLM call prefills
 
 
 Ready = Callable[[], Awaitable[None]]
@@ -85,8 +88,10 @@ Emit = Callable[[StepEvent], Awaitable[None]]
 class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
-                 voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None) -> None:
+                 voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
         self.stages = stages
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
         # session sends none (encoded once, on first use)
         self.default_ref_audio = default_ref_audio
@@ -115,10 +120,14 @@ class DuplexPipeline:
             return await getattr(self.stages, stage)(call)
         except StepError:
             if call.start:
-                state.started.discard(stage)
-                with contextlib.suppress(Exception):  # the refusal is what the caller is told
-                    await self._end_stage(stage, corr_id)
+                await self._unstart(state, stage, corr_id)
             raise
+
+    async def _unstart(self, state: DuplexSession, stage: str, corr_id: int) -> None:
+        """A refused start: the state it made is ENDed now, and the next call starts the stage again."""
+        state.started.discard(stage)
+        with contextlib.suppress(Exception):  # the refusal is what the caller is told
+            await self._end_stage(stage, corr_id)
 
     async def _end_stage(self, stage: str, corr_id: int) -> None:
         ends: dict[str, tuple[Callable[[StageCall[Any]], Awaitable[object]], object]] = {
@@ -129,9 +138,30 @@ class DuplexPipeline:
             await self.llm_meet.pass_through()  # an END rides in a batch that is going anyway
         await fn(StageCall(request, corr_id, end=True))
 
-    async def _llm(self, state: DuplexSession, corr_id: int, request: LlmRequest, ready: Ready | None = None
+    async def _llm(self, state: DuplexSession, corr_id: int, request: LlmRequest, member: Member | None = None
                    ) -> LlmResult:
-        return await self._stage(state, "llm", corr_id, request, ready)
+        """The LLM call, a long prefill split (prefill_chunks.py): its leading chunks go aside from the step's
+        place at the door, each riding with the steps going anyway; the last call waits at the door, built.
+        A refusal of any chunk of a first call frees the state the first one started, as `_stage` does."""
+        *leading, last = split_prefill(request, self.prefill_chunk_tokens, self.preset.tokens.audio_placeholder)
+        starting = "llm" not in state.started
+        try:
+            done: list[LlmResult] = []
+            if leading:
+                async with member.aside() if member is not None else contextlib.nullcontext():
+                    for chunk in leading:
+                        done.append(await self._stage(state, "llm", corr_id, chunk, self.llm_meet.pass_through))
+            result = await self._stage(state, "llm", corr_id, last, member.arrive if member is not None else None)
+            if not done:
+                return result
+            # the call's prefill as one: all of its tokens, what was cached before its first chunk
+            return replace(result, n_prefill=result.n_prefill + sum(r.n_prefill for r in done),
+                           prefill_ms=result.prefill_ms + sum(r.prefill_ms for r in done),
+                           cached_tokens=done[0].cached_tokens)
+        except StepError:
+            if starting and "llm" in state.started:
+                await self._unstart(state, "llm", corr_id)
+            raise
 
     def _named(self, voice: VoiceRefs) -> VoiceRefs:
         """A named voice is the TTS reference unless the session sent its own."""
@@ -245,7 +275,8 @@ class DuplexPipeline:
         ids: list[int] = []
         prefix = np.zeros((0, self.preset.llm.hidden), np.float32)
         if "llm" not in state.started:
-            ids, prefix = await self.system_prefix(state, opts.system_prompt)
+            async with member.aside():  # a voice prompt's encoding: the others at the door go on meanwhile
+                ids, prefix = await self.system_prefix(state, opts.system_prompt)
         embeds = prefix
         n_text_in = len(ids) - len(prefix)
         if inp.context_text:
@@ -289,7 +320,7 @@ class DuplexPipeline:
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
-        llm = await self._llm(state, corr_id, request, ready=member.arrive)
+        llm = await self._llm(state, corr_id, request, member)
         metrics.llm_wait_ms = wait_ms = round(member.waited_s * 1000, 2)
         if len(inp.audio):
             state.chunk_index += 1

@@ -95,6 +95,19 @@ class Member:
             await self._meet._arrive()
             self.waited_s = clock() - t0
 
+    @contextlib.asynccontextmanager
+    async def aside(self) -> AsyncIterator[None]:
+        """Work of this step's that the others at the door must not wait for (a long prefill's leading chunks, a
+        voice prompt's encoding): meanwhile the step does not count as in flight."""
+        meet = self._meet
+        meet._expected -= 1
+        if meet._expected == 0 and not meet._held:
+            meet._release()
+        try:
+            yield
+        finally:
+            meet._expected += 1
+
 
 class Rendezvous:
     def __init__(self, max_wait_s: float, window: BatchWindow | None = None,

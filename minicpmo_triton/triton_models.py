@@ -24,7 +24,7 @@ from .duplex_contract import StepEvent
 from .engines import Engine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
-from .paged.protocol import pick_llm_engine
+from .paged.protocol import pick_engine, pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
@@ -41,6 +41,7 @@ from .voice_prompt import VoiceLibrary, default_ref_audio
 
 if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.engine import PagedLlmEngine
+    from .paged.tts import PagedTtsEngine
     from .stages.llm_inflight import InflightLlm
 
 LIVE_METRIC = "minicpmo_live_sequences"
@@ -226,10 +227,15 @@ class LlmModel(_StatefulStageModel):
         return LlmStage(_llm_engine(ctx), ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
 
 
+def _device(ctx: _ModelContext) -> str:
+    """The instance's GPU for a KIND_GPU instance where CUDA is, else the CPU."""
+    return f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
+
+
 def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
     """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
     device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
-    device = f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
+    device = _device(ctx)
     if pick_llm_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
         return load_engine(ctx.version_dir, _threads(ctx))
     from .paged.engine import load_paged_engine  # torch
@@ -242,7 +248,19 @@ class TtsModel(_StatefulStageModel):
     stage_name = "tts"
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset, _ttl(ctx))
+        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))
+
+
+def _tts_engine(ctx: _ModelContext) -> Engine | PagedTtsEngine:
+    """ONNX, or the paged TTS (its own KV pool on the instance's device), as `tts_engine` says."""
+    device = _device(ctx)
+    if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
+        return load_engine(ctx.version_dir, _threads(ctx))
+    from .paged.tts import load_paged_tts  # torch
+    from .stages.tts import TURN_TOKENS
+
+    return load_paged_tts(ctx.version_dir, ctx.preset.tts, device, pool_size=ctx.setting("tts_pool_size"),
+                          max_tokens=TURN_TOKENS)
 
 
 class _VoicePromptCounter:
@@ -332,7 +350,8 @@ class DuplexModel:
         self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
-                                       default_ref_audio=default_ref_audio(ctx.version_dir))
+                                       default_ref_audio=default_ref_audio(ctx.version_dir),
+                                       prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None

@@ -21,7 +21,7 @@ from gateway.auth import ANONYMOUS, redact
 from gateway.dialects import backend, minicpm
 from gateway.dialects.openai import OpenAIRealtimeState
 from gateway.dialects.openai_extensions import ALL
-from gateway.fairness import Activity, Quotas, ResumeFailures, paced
+from gateway.fairness import Activity, EventRate, Quotas, ResumeFailures, paced
 from gateway.inputs import image_bytes
 from gateway.limits import Limits
 from gateway.settings import Settings
@@ -259,6 +259,34 @@ async def test_only_failed_resumes_count_and_a_valid_one_always_passes() -> None
 
     assert [await attempt(False) for _ in range(3)] == ["session_resume_expired"] * 2 + ["rate_limited"]
     assert await attempt(True) == "resumed"  # another caller's real resume from the same address
+
+
+
+async def test_a_failed_resume_is_answered_late_and_a_valid_one_at_once() -> None:
+    failures = ResumeFailures(attempts=10, window_s=60, delay_s=0.3)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ProtocolError):
+        async with failures.counted(ANONYMOUS, "10.0.0.1"):
+            raise ProtocolError("session_resume_expired", "no such session")
+    assert loop.time() - t0 >= 0.3
+    t0 = loop.time()
+    async with failures.counted(ANONYMOUS, "10.0.0.1"):
+        pass
+    assert loop.time() - t0 < 0.1
+
+
+def test_events_past_the_rate_are_refused_and_the_rate_refills() -> None:
+    now = [0.0]
+    rate = EventRate(per_s=10, burst=5, clock=lambda: now[0])
+    answers = [rate.refusal() for _ in range(8)]
+    assert answers[:5] == [None] * 5
+    assert all(err is not None and err.code == "rate_limited" and err.retryable for err in answers[5:])
+    now[0] = 0.25  # 2.5 events' worth
+    assert [rate.refusal() is None for _ in range(3)] == [True, True, False]
+    now[0] = 100.0  # never more than the burst saved up
+    assert sum(rate.refusal() is None for _ in range(20)) == 5
+    assert EventRate(per_s=0, burst=0).refusal() is None  # 0: no limit
 
 
 # ---- logs ----

@@ -40,8 +40,11 @@ async def leave(*sockets: websockets.ClientConnection) -> None:
         await closed(ws, 10)
 
 
-async def refusal(url: str, address: str = "10.0.0.9", **connect) -> tuple[str, int]:
+async def refusal(url: str, address: str = "10.0.0.9", first: dict | None = None, **connect) -> tuple[str, int]:
+    """The error a socket gets (after sending `first`, if given), and its close code."""
     async with websockets.connect(url, additional_headers=at(address), **connect) as ws:
+        if first is not None:
+            await ws.send(json.dumps(first))
         err = json.loads(await asyncio.wait_for(ws.recv(), 10))
         with pytest.raises(websockets.ConnectionClosed) as info:
             await asyncio.wait_for(ws.recv(), 10)
@@ -133,6 +136,43 @@ async def test_bogus_resumes_never_refuse_another_callers_real_resume(gateway_fa
                                     "last_received_server_event_seq": created["server_event_seq"]}))
         assert json.loads(await asyncio.wait_for(real.recv(), 10))["type"] == "session.resumed"
         await real.send(json.dumps({"type": "session.close"}))
+
+
+async def test_bogus_resumes_are_answered_late_and_bounded_per_address(gateway_factory) -> None:
+    """A loop of bogus resumes makes one attempt per delay per socket, and its sockets count per address."""
+    gw = gateway_factory(resume_failure_delay_s="0.5", max_sessions_per_address="2")
+    t0 = time.monotonic()
+    for _ in range(3):
+        code, _ = await refusal(gw.realtime + "?resume=1", "10.0.7.1", first={
+            "type": "session.resume", "session_id": "sess_nope", "resume_token": "x"})
+        assert code == "session_resume_expired"
+    assert time.monotonic() - t0 >= 1.5
+    held = [await websockets.connect(gw.realtime + "?resume=1", additional_headers=at("10.0.7.2")) for _ in range(2)]
+    for ws in held:  # two resumes in flight (answered late) hold the address's two places
+        await ws.send(json.dumps({"type": "session.resume", "session_id": "sess_nope", "resume_token": "x"}))
+    await asyncio.sleep(0.1)
+    code, _ = await refusal(gw.realtime + "?resume=1", "10.0.7.2", first={
+        "type": "session.resume", "session_id": "sess_nope", "resume_token": "x"})
+    assert code == "address_session_limit"
+    for ws in held:
+        await ws.close()
+
+
+async def test_a_flood_of_events_is_refused_past_the_rate_and_the_session_goes_on(gateway_factory) -> None:
+    gw = gateway_factory(max_events_per_s="5", max_event_burst="10")
+    ws = await opened(gw.realtime, "10.0.8.1")
+    for _ in range(40):
+        await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+    got: list[str] = []
+    with contextlib.suppress(TimeoutError):
+        while len(got) < 40:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), 3))
+            got.append(ev["error"]["code"] if ev["type"] == "error" else ev["type"])
+    assert got.count("input_audio_buffer.cleared") <= 12 and got.count("rate_limited") >= 28, got
+    await asyncio.sleep(1.0)  # the rate refills: the session goes on
+    await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+    assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "input_audio_buffer.cleared"
+    await leave(ws)
 
 
 async def raw_post(port: int, path: str, headers: dict[str, str], body: bytes) -> bytes:

@@ -2,8 +2,11 @@
 
 With the sliding window on (the serving default) the call never ends `context_full`, the LLM holds at most
 the high watermark plus a unit, the server's memory stays flat, and the last minute says what the in-process
-pipeline says given the same hour. Run by hand (`-m slow`): over 46 minutes on a loaded 2-core machine, past
-what CI can give it, so it is no step of .ci/run.
+pipeline says given the same hour. The caller holds the floor (`force_listen`) but for one minute in ten and
+the last two, where the model may answer: random `tiny` answers nearly every second it may, and a spoken step
+(TTS + token2wav) costs several listening ones, so a call that spoke all hour took over 46 minutes here.
+Run by hand (`-m slow`): the time it took, the state it printed and why it fails today (the TTS's memory over
+one turn that never ends) are in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY
-from .helpers import GREEDY, SPEAKING_TEXT, open_session, transcript
+from .helpers import GREEDY, SPEAKING_TEXT, deltas, open_session, transcript
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="function"), pytest.mark.timeout(3600)]
 STEPS = 3600
@@ -36,6 +39,13 @@ def hour_of_calls(speech: np.ndarray) -> list[np.ndarray]:
     pattern[: len(speech)] = speech
     chunks = [pattern[i * 16_000:(i + 1) * 16_000] for i in range(2 * seconds)]
     return [chunks[i % len(chunks)] for i in range(STEPS)]
+
+
+def floor_held(step: int) -> bool:
+    """The caller forces a listen, but for one minute in ten and the last two (the model may answer then; it
+    is made to listen again mid-turn as each such minute ends)."""
+    minute = step // 60
+    return not (minute % 10 == 9 or minute >= STEPS // 60 - 2)
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -67,21 +77,26 @@ async def served_hour(url: str, chunks: list[np.ndarray], server_pid: int) -> tu
     rss: list[float] = []
 
     async def receive() -> None:
-        async for raw in ws:
-            ev = json.loads(raw)
-            events.append(ev)
-            assert ev.get("type") not in ("session.closed", "error"), ev
-            if "input_id" in ev:
-                async with progress:
-                    answered.add(ev["input_id"])
-                    progress.notify_all()
+        try:
+            async for raw in ws:
+                ev = json.loads(raw)
+                events.append(ev)
+                assert ev.get("type") not in ("session.closed", "error"), ev
+                if "input_id" in ev:
+                    async with progress:
+                        answered.add(ev["input_id"])
+                        progress.notify_all()
+        finally:  # a closed session wakes the sender, which then fails on it (rather than waiting forever)
+            async with progress:
+                progress.notify_all()
 
     reader = asyncio.create_task(receive())
     for i, chunk in enumerate(chunks):
         async with progress:
             await progress.wait_for(lambda i=i: i < IN_FLIGHT or f"in_{i - IN_FLIGHT}" in answered or reader.done())
         assert not reader.done(), reader.exception()
-        message = {"type": "input.append", "input": {"input_id": f"in_{i}", "audio": encode_f32(chunk)}}
+        message = {"type": "input.append",
+                   "input": {"input_id": f"in_{i}", "audio": encode_f32(chunk), "force_listen": floor_held(i)}}
         await ws.send(json.dumps(message))
         if i % 600 == 300:
             rss.append(tree_rss_mb(server_pid))
@@ -99,12 +114,15 @@ async def test_an_hour_long_call_slides_its_window_and_stays_bounded(gateway, tr
     metrics = [e["metrics"] for e in events if "kv_window_tokens" in e.get("metrics", {})]
     held = [m["kv_window_tokens"] for m in metrics]
     said = [m["kv_cache_length"] for m in metrics]
-    print(f"\n{len(chunks)} steps: context {said[-1]} tokens from the call's start; the LLM held at most "
-          f"{max(held)} (high watermark {HIGH}); tritonserver tree RSS (MB) every 10 min: "
+    spoken = len(deltas(events, "audio"))
+    print(f"\n{len(chunks)} steps ({spoken} with audio): context {said[-1]} tokens from the call's start; the LLM "
+          f"held at most {max(held)} (high watermark {HIGH}); tritonserver tree RSS (MB) every 10 min: "
           + ", ".join(f"{r:.0f}" for r in rss))
     assert said[-1] > 3 * HIGH, "the hour should have slid the window several times"
     assert max(held) <= HIGH + 256
-    assert rss[-1] - rss[1] < 100, f"the server's memory grew over the hour: {rss}"
+    # by half an hour the LLM's window is full and the TTS's turn has reached its position table and started
+    # over: from then on the server's memory is flat
+    assert max(rss[3:]) - rss[3] < 100, f"the server's memory grew over the hour: {rss}"
 
     # the same hour in process: the last minute says the same
     pipeline = InProcessStages(MODEL_REPOSITORY).pipeline()
@@ -113,7 +131,8 @@ async def test_an_hour_long_call_slides_its_window_and_stays_bounded(gateway, tr
     for i, chunk in enumerate(chunks):
         async def emit(ev: StepEvent, i: int = i) -> None:
             direct.append((i, ev))
-        await pipeline.step(1, i == 0, i == len(chunks) - 1, StepInput(audio=chunk, options=options), emit)
+        await pipeline.step(1, i == 0, i == len(chunks) - 1,
+                            StepInput(audio=chunk, force_listen=floor_held(i), options=options), emit)
     last = len(chunks) - 60
     want = [(f"in_{i}", e.kind, e.text) for i, e in direct if i >= last]
     got = [t for t in transcript(events) if int(t[0][3:]) >= last]

@@ -95,7 +95,11 @@ def test_context_via_input_append_is_a_context() -> None:
 def test_options_validate_types_and_ranges() -> None:
     assert DuplexOptions.from_config({"do_sample": False}).temperature == 0.0
     assert DuplexOptions.from_config({"length_penalty": 1, "unknown_key": 3}).length_penalty == 1.0
-    for bad in ({"temperature": "hot"}, {"top_p": 0}, {"max_new_speak_tokens_per_chunk": 0}, {"top_k": True}):
+    context = DuplexOptions.from_config({"sliding_window_mode": "context", "context_max_units": 8})
+    assert (context.sliding_window_mode, context.context_max_units, context.context_previous_max_tokens) == \
+        ("context", 8, 500)
+    for bad in ({"temperature": "hot"}, {"top_p": 0}, {"max_new_speak_tokens_per_chunk": 0}, {"top_k": True},
+                {"sliding_window_mode": "sliding"}, {"context_max_units": 0}, {"context_previous_max_tokens": -1}):
         with pytest.raises(InvalidOptions):
             DuplexOptions.from_config(bad)
 

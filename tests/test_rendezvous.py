@@ -181,3 +181,27 @@ async def test_sessions_winding_down_still_count_as_the_load_they_were_part_of()
     assert peak.see(20) == 20, "a bucket later the wave is forgotten"
     now[0] = 30.0
     assert peak.see(3) == 3, "after an idle stretch nothing is remembered"
+
+
+@virtual_time
+async def test_a_step_working_aside_does_not_hold_the_others() -> None:
+    """A long prefill's leading chunks (or a voice prompt's encoding) go aside: the step at the door goes on
+    without waiting for it, and the step, back, arrives as any other."""
+    meet = Rendezvous(max_wait_s=0.5)
+
+    async def long_prefill() -> float:
+        async with meet.member() as m:
+            async with m.aside():
+                await asyncio.sleep(2.0)
+            await m.arrive()
+            return now()
+
+    async def quick() -> float:
+        async with meet.member() as m:
+            await asyncio.sleep(0.01)
+            await m.arrive()
+            return now()
+
+    long_done, quick_done = await asyncio.gather(long_prefill(), quick())
+    assert quick_done == pytest.approx(0.01), "not held for the step that is aside"
+    assert long_done == pytest.approx(2.0)

@@ -83,3 +83,19 @@ def test_every_gateway_setting_has_an_environment_override() -> None:
 def test_docs_settings_holds_the_tables_printed_from_the_code(module: typing.Any) -> None:
     docs = (ROOT / "docs" / "settings.md").read_text()
     assert module.markdown_table() in docs, f"docs/settings.md: paste `python -m {module.__name__}`'s table"
+
+
+INSTANCE_KIND = re.compile(r"instance_group \[ \{ count: \d+ kind: (KIND_\w+) \} \]")
+MAX_BATCH = re.compile(r"^max_batch_size: (\d+)$", re.M)
+
+
+def test_engine_models_take_a_gpu_where_there_is_one_and_decoders_batch_128() -> None:
+    """KIND_AUTO: Triton makes it KIND_GPU (an instance per GPU) where its build sees GPUs, else KIND_CPU (the
+    CPU binary here); the models then run the paged engines / TensorRT plans on that GPU. The entry model (BLS,
+    no compute) stays on the CPU. The decoders batch at least 128 sessions a step."""
+    configs = {p.parent.name: p.read_text() for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
+    kinds = {m: INSTANCE_KIND.findall(text) for m, text in configs.items()}
+    assert kinds.pop("duplex") == ["KIND_CPU"]
+    assert all(k == ["KIND_AUTO"] for k in kinds.values()), kinds
+    for model in ("llm", "tts"):
+        assert int(MAX_BATCH.findall(configs[model])[0]) >= 128

@@ -46,3 +46,15 @@ def test_sessions_are_told_once_and_triton_healed_once_per_episode() -> None:
                  (9, DEAD)]:
         health.apply(r, t)
     assert seen[-1] == "broken" and len(told) == 2 and len(healed) == 2
+
+
+def test_a_silent_triton_is_reported_but_its_sessions_are_the_failovers_to_tell() -> None:
+    """One silence detector: the endpoint pool's failover ends the sessions of a server that answers nothing; the
+    stage watch reports it unresponsive (/health) and tells nobody a second time."""
+    seen: list[str] = []
+    told: list[int] = []
+    health = StageHealth("x", 1, 5, 60, lambda state, why: seen.append(state), lambda: told.append(1))
+    health.verdict = Verdict(5, 60, _last_live=0.0, _last_probed=0.0)
+    for t, r in [(1, READY), (3, SILENT), (7, SILENT), (9, SILENT)]:
+        health.apply(r, t)
+    assert seen[-1] == "unresponsive" and told == []

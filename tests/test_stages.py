@@ -167,6 +167,22 @@ def test_tts_gives_25_tokens_per_chunk_and_batches(preset) -> None:
         assert (a.speech_tokens < preset.tts.num_audio_tokens - 1).all()  # no EOS mid-turn
 
 
+def test_a_tts_turn_never_runs_past_the_position_table(preset) -> None:
+    """A turn the caller keeps open (forced listens never end it) starts its cache over before the TTS's
+    positions run out, the chunk then decided as a turn's first: the same codes as a fresh turn."""
+    engine = load_engine(MODEL_REPOSITORY / "tts" / "1")
+    h = preset.llm.hidden
+    small = dataclasses.replace(preset, tts=dataclasses.replace(preset.tts, max_positions=100))
+    stage, fresh = TtsStage(engine, small, 600), TtsStage(engine, small, 600)
+    rng = np.random.default_rng(3)
+    chunks = [TtsRequest(text_ids=np.arange(40, 44), tts_hidden=rng.standard_normal((4, h)).astype(np.float32),
+                         turn_start=i == 0, temperature=0.0) for i in range(4)]
+    got = [stage.run([StageCall(c, 1, start=i == 0)])[0] for i, c in enumerate(chunks)]
+    assert [r.kv_length for r in got] == [30, 60, 90, 30]  # 4 text + audio_bos + 25 codes; 90 + 30 > 100: over
+    again = fresh.run([StageCall(dataclasses.replace(chunks[3], turn_start=True), 1, start=True)])[0]
+    assert got[3].speech_tokens.tolist() == again.speech_tokens.tolist()
+
+
 @pytest.mark.parametrize("model", ["llm", "tts", "token2wav", "audio_encoder", "vision_encoder"])
 def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     """config.pbtxt and the dataclasses the code exchanges must not drift apart."""

@@ -49,6 +49,7 @@ def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
         audio_bos_token_id=t.get("audio_bos_token_id", d.audio_bos_token_id),
         text_eos_token_id=t.get("text_eos_token_id", d.text_eos_token_id),
         normalize_projected_hidden=bool(t.get("normalize_projected_hidden", d.normalize_projected_hidden)),
+        max_positions=t.get("max_position_embeddings", d.max_positions),
     )
     if t.get("num_vq", 1) != 1 or t.get("projector_type", "mlp") != "mlp":
         raise CheckpointError("tts_config: only num_vq 1 and projector_type 'mlp' (MiniCPM-o 4.5) are supported")

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from ..model_config import DecoderDims, SpecialTokens
-from .attention import PagedAttention, Rows, pick_attention
+from .attention import Rows
+from .build import build_decoder, load_weights
 from .model import PagedDecoder
-from .pool import KvPool, PoolShape, blocks_in_budget, budget_bytes
 from .protocol import Prefill, RowPick
 from .sampler import DeviceSampler
-from .traffic import Traffic, Work
+from .traffic import Traffic
 
 
 class RowDriver(Protocol):
@@ -54,12 +54,6 @@ class LoopTiming:
     steps: int
 
 
-def device_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on the GPU (Qwen3 overflows fp16), fp32 on the CPU (where bf16 matmuls are slow and the parity
-    tests hold the path to 1e-4)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 class PagedLlmEngine:
     name = "paged"
 
@@ -76,30 +70,10 @@ class PagedLlmEngine:
         self.sampler = DeviceSampler(forbidden, tokens, self.device, self.traffic)
 
     @classmethod
-    def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
-              pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
-              max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
-              dtype: torch.dtype | None = None, compile_layers: bool | None = None) -> PagedLlmEngine:
-        """`pool_size`: GB (> 1) or a fraction of the device's free memory, unless `pool_tokens` says how many
-        tokens it holds; `kv_dtype`: auto (the weights'), fp8; `dtype`: the weights' (default: `device_dtype`);
-        `compile_layers`: None = on CUDA (model.py)."""
-        dev = torch.device(device)
-        dtype = dtype or device_dtype(dev)
-        kv = torch.float8_e4m3fn if kv_dtype == "fp8" else dtype
-        backend: PagedAttention = pick_attention(dev, "gather" if kv_dtype == "fp8" else attention)
-        if backend.name == "flex":
-            block_size = max(block_size, 128)  # flex's KV tile: one pool block per tile
-        traffic = Traffic()
-        shape = PoolShape(dims.layers, dims.kv_heads, dims.head_dim, block_size)
-        budget = budget_bytes(pool_size, dev)
-        if pool_size <= 1 and dev.type == "cuda":
-            budget -= sum(t.numel() for t in weights.values()) * torch.empty(0, dtype=dtype).element_size()
-        blocks = shape.blocks_for(pool_tokens) if pool_tokens else blocks_in_budget(shape, kv, budget)
-        # flex masks scores, not values: a never-written block must hold no NaN, so its pool is zeroed
-        pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, traffic,
-                      zeroed=backend.name == "flex" or dev.type != "cpu")
-        model = PagedDecoder(weights, dims, pool, backend, dtype, Work(), compile_layers)
-        return cls(model, traffic)
+    def build(cls, weights: dict[str, torch.Tensor], dims: DecoderDims, **build: Any) -> PagedLlmEngine:
+        """`build`: `build.build_decoder`'s settings (the pool's size, dtypes, attention backend)."""
+        model = build_decoder(weights, dims, **build)
+        return cls(model, model.pool.traffic)
 
     def forward(self, seqs: list[int], pasts: list[int], rows_in: list[Prefill]) -> Forward:
         counts = [len(p.ids) for p in rows_in]
@@ -177,16 +151,8 @@ class PagedLlmEngine:
         return feed
 
 
-WEIGHTS_FILE = "weights.safetensors"  # written by the export beside the LLM's model.onnx
-
-
 def load_paged_engine(folder: Path, dims: DecoderDims, device: str, context_tokens: int, **build: Any
                       ) -> PagedLlmEngine:
     """The paged engine over the exported LLM weights (`folder`/weights.safetensors) on `device`."""
-    from safetensors.torch import load_file
-
-    path = Path(folder) / WEIGHTS_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `python -m export` first")
-    weights = load_file(str(path), device=device)
-    return PagedLlmEngine.build(weights, dims, device=device, max_tokens=context_tokens, **build)
+    return PagedLlmEngine.build(load_weights(folder, device), dims, device=device, max_tokens=context_tokens,
+                                **build)

@@ -40,9 +40,13 @@ class Picked:
     drew_second: np.ndarray  # [B] bool: a duplex row went past its first draw (the token joins the history)
 
 
-def pick_llm_engine(choice: str, cuda: bool) -> str:
+def pick_engine(choice: str, cuda: bool, key: str = "llm_engine") -> str:
     """`auto`: the paged engine on CUDA (the state stays on the GPU); on the CPU, ONNX (it measured faster on tiny:
-    docs/performance.md); `paged` / `onnx` to choose."""
+    docs/performance.md); `paged` / `onnx` to choose. `key`: the setting's name (llm_engine, tts_engine)."""
     if choice not in ("auto", "paged", "onnx"):
-        raise ValueError(f"llm_engine must be auto, paged or onnx, not {choice!r}")
+        raise ValueError(f"{key} must be auto, paged or onnx, not {choice!r}")
     return ("paged" if cuda else "onnx") if choice == "auto" else choice
+
+
+def pick_llm_engine(choice: str, cuda: bool) -> str:
+    return pick_engine(choice, cuda, "llm_engine")

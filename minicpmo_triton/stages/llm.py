@@ -193,6 +193,17 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return {"input_ids": ids, "embeds": embeds, "use_embeds": use}, self._decoder(req, sess), params
 
     def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
+        fill = [i for i, (r, _) in enumerate(items) if not r.decode]
+        if self.paged is None and 0 < len(fill) < len(items):
+            # Prefill-only rows (a long prompt's chunks) go as a forward of their own: in one batch each decoding
+            # row would carry their long past, padded, through every step of its decode.
+            rest = [i for i, (r, _) in enumerate(items) if r.decode]
+            out = dict(zip(rest, self._compute([items[i] for i in rest]), strict=True))
+            out.update(zip(fill, self._compute([items[i] for i in fill]), strict=True))
+            return [out[i] for i in range(len(items))]
+        return self._compute(items)
+
+    def _compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
         h = self.preset.llm.hidden
         prefill, decoders, params = [], [], []
         row_embeds, encode_ms = self.encode(items)

@@ -13,6 +13,13 @@ original HiFT's 8-frame mel / 3840-sample source caches with a Hamming cross-fad
 
 Rows of many sessions run as one forward per graph: caches of different lengths are padded and masked;
 chunks of different lengths go in separate forwards.
+
+The voice prompt's frames of the attention caches are held once, by the prompt, and shared by every session with
+that voice: a session's `Stream.flow` holds only its own frames, and a batch's cache input is built from the
+prompt's frames and the session's in one copy (`_stack_joined`). The conformer's caches are `cat(cache, new)`:
+the prompt's frames lead and the session's follow (`_own` drops the prompt's again). The estimator's are
+`cat(new, cache)`, the newest chunk first: the session's frames lead and the prompt's frames that the trim has
+kept end it (`FlowCache.est_prompt`: which, by index; all of them until the cache passes the prompt + 100 frames).
 """
 
 from __future__ import annotations
@@ -35,13 +42,16 @@ SAMPLES_PER_FRAME = 480  # 24 kHz / 50 Hz mel
 
 @dataclass(eq=False)
 class FlowCache:
-    """One stream's flow caches (a session's, or a voice prompt's after setup)."""
+    """One stream's flow caches: a voice prompt's after setup, or a session's own (its attention caches hold only
+    the frames after its prompt's, which it shares by reference: `Stream.prompt.cache`)."""
 
     cnn: np.ndarray  # [C, 6]: pre-lookahead conv (2) + upsample conv (4)
     token_att: np.ndarray  # [L1, H, T1, 2*dk]: token-rate conformer layers
     mel_att: np.ndarray  # [L2, H, 2*T1, 2*dk]: mel-rate conformer layers
     est_cnn: np.ndarray  # [n_timesteps, depth, 2 (cond, uncond), 2*hidden, 2]
     est_att: np.ndarray  # [n_timesteps, depth, 2, H, Te, 2*head_dim], the newest chunk first
+    # a session's: its est_att goes on with these frames of its prompt's est_att (indices on Te; read, not held)
+    est_prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def nbytes(self) -> int:
@@ -83,15 +93,47 @@ def draw_noise(stream: Stream, samples: int, harmonics: int) -> tuple[np.ndarray
     return rand_ini, stream.rng.standard_normal((samples, harmonics), dtype=np.float32)
 
 
-def _pad_axis(arrays: list[np.ndarray], axis: int, left: bool) -> np.ndarray:
-    """Stack arrays of different lengths on `axis`, zero-padded (left or right) to the longest."""
-    n = max(a.shape[axis] for a in arrays)
-    out = []
-    for a in arrays:
-        pad = [(0, 0)] * a.ndim
-        pad[axis] = (n - a.shape[axis], 0) if left else (0, n - a.shape[axis])
-        out.append(np.pad(a, pad))
-    return np.stack(out)
+def _stack_joined(rows: list[tuple[np.ndarray, ...]], axis: int, left: bool) -> np.ndarray:
+    """Each row's parts (its own frames and its prompt's shared ones) joined on `axis`, stacked, zero-padded (left
+    or right) to the longest: one copy, straight into the batch."""
+    totals = [sum(p.shape[axis] for p in parts) for parts in rows]
+    shape = list(rows[0][0].shape)
+    shape[axis] = max(totals)
+    out = np.zeros((len(rows), *shape), np.float32)
+    for r, (parts, total) in enumerate(zip(rows, totals, strict=True)):
+        at = shape[axis] - total if left else 0
+        for part in parts:
+            index: list[slice] = [slice(None)] * len(shape)
+            index[axis] = slice(at, at + part.shape[axis])
+            out[r][tuple(index)] = part
+            at += part.shape[axis]
+    return out
+
+
+def _own(full: np.ndarray, axis: int, prefix: int, head: int, tail: int) -> np.ndarray:
+    """A stream's own frames of a cache the graph gave back (`prefix` frames of it its prompt's): past the prefix,
+    trimmed as `_trim(full, axis, head, tail)` trims the whole, in arrays of its own (no view keeps the batch's
+    output, prompt frames and all, alive)."""
+    own = np.take(full, np.arange(prefix, full.shape[axis]), axis=axis)
+    return _trim(own, axis, head - prefix, tail)
+
+
+def _est_own(own: np.ndarray, prompt: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """A session's estimator cache, [.., own frames then its prompt's frames `prompt`, D], trimmed as `_trim(whole,
+    4, head, tail)` trims the whole: the own frames it keeps (a copy) and the prompt's frames that still end it."""
+    n = own.shape[4]
+    total = n + len(prompt)
+    if total <= head + tail:
+        return own, prompt
+    keep = np.r_[0:head, total - tail:total]
+    return np.take(own, keep[keep < n], axis=4), prompt[keep[keep >= n] - n]
+
+
+def _frames(a: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
+    """`a`'s frames `index` on `axis`: `a` itself when that is all of them in order (read in place)."""
+    if len(index) == a.shape[axis] and (index == np.arange(len(index))).all():
+        return a
+    return np.take(a, index, axis=axis)
 
 
 def _trim(a: np.ndarray, axis: int, head: int, tail: int) -> np.ndarray:
@@ -137,7 +179,7 @@ class Token2WavStreamer:
                              f"{(len(tokens) - d.lookahead) * UP_RATE} mel frames, got {len(mel)}")
         empty = self._empty_cache()
         spk = self.project_speaker(embedding)
-        prompt = VoicePrompt(spk, len(mel), empty)
+        prompt = VoicePrompt(spk, len(mel), empty)  # no prefix: the prompt's frames are its stream's own
         stream = Stream(prompt, empty)
         mu = self._conformer([(stream, tokens, len(tokens))])[0]
         self._cfm([(stream, mu, mel.T.astype(np.float32))])
@@ -153,13 +195,21 @@ class Token2WavStreamer:
             est_cnn=np.zeros((d.n_timesteps, d.dit_depth, 2, 2 * d.dit_hidden, 2), np.float32),
             est_att=np.zeros((d.n_timesteps, d.dit_depth, 2, d.dit_heads, 0, hd), np.float32))
 
+    @staticmethod
+    def _fresh(prompt: VoicePrompt) -> FlowCache:
+        """A session's own flow caches at a turn's start: the prompt's conv caches (replaced, never written, so
+        shared), no attention frames of its own."""
+        c = prompt.cache
+        return FlowCache(cnn=c.cnn, token_att=c.token_att[:, :, :0], mel_att=c.mel_att[:, :, :0], est_cnn=c.est_cnn,
+                         est_att=c.est_att[:, :, :, :, :0], est_prompt=np.arange(c.est_att.shape[4]))
+
     def new_stream(self, prompt: VoicePrompt, seed: int = 0) -> Stream:
-        return Stream(prompt, prompt.cache, rng=np.random.default_rng(seed))
+        return Stream(prompt, self._fresh(prompt), rng=np.random.default_rng(seed))
 
     def restart(self, stream: Stream) -> None:
         """A turn starts from the prompt's caches, its vocoder empty, after 3 silence tokens."""
         d = self.d
-        stream.flow = stream.prompt.cache
+        stream.flow = self._fresh(stream.prompt)
         stream.pending = [d.silence_token] * d.turn_lead_silence
         stream.mel = np.zeros((d.n_mels, 0), np.float32)
         stream.source = np.zeros(0, np.float32)
@@ -199,13 +249,16 @@ class Token2WavStreamer:
             groups[len(tokens)].append(i)
         for idx in groups.values():
             streams = [items[i][0] for i in idx]
-            lens = np.asarray([s.flow.token_att.shape[2] for s in streams], np.int64)
+            lens = np.asarray([s.prompt.cache.token_att.shape[2] + s.flow.token_att.shape[2] for s in streams],
+                              np.int64)
             out = self.enc.run({
                 "tokens": np.stack([items[i][1] for i in idx]),
                 "n_real": np.asarray([items[i][2] for i in idx], np.int64),
                 "cnn_cache": np.stack([s.flow.cnn for s in streams]),
-                "token_cache": _pad_axis([s.flow.token_att for s in streams], 2, left=True).swapaxes(0, 1),
-                "mel_cache": _pad_axis([s.flow.mel_att for s in streams], 2, left=True).swapaxes(0, 1),
+                "token_cache": _stack_joined([(s.prompt.cache.token_att, s.flow.token_att) for s in streams], 2,
+                                             left=True).swapaxes(0, 1),
+                "mel_cache": _stack_joined([(s.prompt.cache.mel_att, s.flow.mel_att) for s in streams], 2,
+                                           left=True).swapaxes(0, 1),
                 "cache_len": lens,
             })
             n_new = out["mu"].shape[1] // UP_RATE
@@ -214,10 +267,12 @@ class Token2WavStreamer:
                 tok = out["new_token_cache"][:, row, :, -t1:]
                 mel = out["new_mel_cache"][:, row, :, -UP_RATE * t1:]
                 p, tail = s.prompt.frames, self.d.cache_tail_frames
-                if mel.shape[2] > p + tail:  # the prompt + the last 100 frames (50 tokens)
-                    tok = _trim(tok, 2, p // UP_RATE, tail // UP_RATE)
-                    mel = _trim(mel, 2, p, tail)
-                s.flow = replace(s.flow, cnn=out["new_cnn_cache"][row], token_att=tok, mel_att=mel)
+                shared = s.prompt.cache.mel_att.shape[2]
+                if mel.shape[2] <= p + tail:  # no trim yet: the prompt + the last 100 frames (50 tokens) are kept
+                    p, tail = mel.shape[2], 0
+                s.flow = replace(s.flow, cnn=out["new_cnn_cache"][row].copy(),
+                                 token_att=_own(tok, 2, shared // UP_RATE, p // UP_RATE, tail // UP_RATE),
+                                 mel_att=_own(mel, 2, shared, p, tail))
                 results[i] = out["mu"][row].T
         return results
 
@@ -230,7 +285,7 @@ class Token2WavStreamer:
         for n, idx in groups.items():
             streams = [items[i][0] for i in idx]
             b = len(idx)
-            lens = np.asarray([s.flow.est_att.shape[4] for s in streams], np.int64)
+            lens = np.asarray([len(s.flow.est_prompt) + s.flow.est_att.shape[4] for s in streams], np.int64)
             x = np.stack([self.rand_noise[:, o:o + n] for o in lens])
             mu = np.stack([items[i][1] for i in idx]).astype(np.float32)
             cond = np.stack([items[i][2] for i in idx]).astype(np.float32)
@@ -241,7 +296,8 @@ class Token2WavStreamer:
             for step in range(1, len(ts)):
                 k = step - 1
                 cnn = np.concatenate([np.stack([s.flow.est_cnn[k, :, j] for s in streams], 1) for j in (0, 1)], 1)
-                att = _pad_axis([s.flow.est_att[k] for s in streams], 3, left=False)  # [B, depth, 2, H, Te, D]
+                att = _stack_joined([(s.flow.est_att[k], _frames(s.prompt.cache.est_att[k], 3, s.flow.est_prompt))
+                                     for s in streams], 3, left=False)  # [B, depth, 2, H, Te, D]
                 att = np.concatenate([att[:, :, 0], att[:, :, 1]], 0).swapaxes(0, 1)  # [depth, 2B, H, Te, D]
                 out = self.est.run({"x": x, "mu": mu, "t": np.full(b, t, np.float32), "spk": spk, "cond": cond,
                                     "cnn_cache": cnn, "att_cache": att, "cache_len": lens})
@@ -254,9 +310,10 @@ class Token2WavStreamer:
             for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
                 keep = n + lens[row]
                 est_cnn = np.stack([np.stack([c[:, row], c[:, b + row]], 1) for c in new_cnn])
-                est_att = np.stack([np.stack([a[:, row, :, :keep], a[:, b + row, :, :keep]], 1) for a in new_att])
-                est_att = _trim(est_att, 4, s.prompt.frames, self.d.cache_tail_frames)
-                s.flow = replace(s.flow, est_cnn=est_cnn, est_att=est_att)
+                own = keep - len(s.flow.est_prompt)  # the new chunk, then the session's frames; the prompt's end it
+                est_att = np.stack([np.stack([a[:, row, :, :own], a[:, b + row, :, :own]], 1) for a in new_att])
+                est_att, est_prompt = _est_own(est_att, s.flow.est_prompt, s.prompt.frames, self.d.cache_tail_frames)
+                s.flow = replace(s.flow, est_cnn=est_cnn, est_att=est_att, est_prompt=est_prompt)
                 results[i] = x[row]
         return results
 

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
-from ..model_config import PresetConfig
+from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
+from .llm import PagedCache
+
+if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
+    from ..paged.tts import PagedTtsEngine
 
 MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a chat chunk's share
+TURN_TOKENS = 32_768  # the paged pool's longest turn (about 15 minutes of speech; a turn's cache is its only one)
+
+
+def tts_admit_tokens(preset: PresetConfig) -> int:
+    """The paged pool's room a session is admitted with and keeps between turns: one spoken second (its text,
+    audio_bos and 25 codes)."""
+    return preset.duplex.max_new_speak_tokens_per_chunk + 1 + SPEECH_TOKENS_PER_SECOND
 
 
 @dataclass
 class TtsSession:
-    cache: KvCache
+    cache: KvCache | PagedCache  # PagedCache: its place in the paged engine's pool
     rng: np.random.Generator
 
 
@@ -36,18 +49,42 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
       then top-k 20 / top-p 0.7;
     - the cache is dropped at the turn's end.
+
+    Departure: a turn whose next chunk would run past the TTS's position table (`max_positions`, 4096: about
+    90 s of speech) starts its cache over, as a new turn would. The reference keeps `tts_past_key_values` until a
+    voiced `<|turn_eos|>` (modeling_minicpmo_unified.py:5218-5227) and forced listens leave the turn open, so a
+    caller who keeps cutting the model off would grow the cache, and the positions, for the whole call.
     """
 
-    def __init__(self, engine: Engine, preset: PresetConfig, ttl_s: float) -> None:
+    def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.engine = engine
+        # the paged engine keeps every session's turn cache in its pool; ONNX takes it in each call
+        self.paged: PagedTtsEngine | None = engine if getattr(engine, "name", "") == "paged" else None  # type: ignore[assignment]
         self.preset = preset
         d = preset.tts.decoder
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.eos = preset.tts.num_audio_tokens - 1
+        self.admit_tokens = tts_admit_tokens(preset)
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
-        return TtsSession(self._empty(), seeded_rng(call.request.seed, call.corr_id))
+        rng = seeded_rng(call.request.seed, call.corr_id)
+        if self.paged is not None:
+            return TtsSession(PagedCache(self.paged.pool.open(self.admit_tokens), 0), rng)
+        return TtsSession(self._empty(), rng)
+
+    def drop_state(self, state: TtsSession) -> None:
+        if isinstance(state.cache, PagedCache) and self.paged is not None:
+            self.paged.pool.free(state.cache.seq)
+
+    def _reset(self, cache: KvCache | PagedCache, release: bool) -> KvCache | PagedCache:
+        """A turn's start or end: an empty cache. `release` (a turn's end): the pool keeps the session's admission
+        room, the rest goes back (at a turn's start the blocks its check reserved are kept for the chunk)."""
+        if isinstance(cache, PagedCache) and self.paged is not None:
+            if release:
+                self.paged.pool.truncate(cache.seq, 0)
+            return cache.truncated(0)
+        return self._empty()
 
     def is_noop(self, request: TtsRequest) -> bool:
         return request.n_tokens == 0
@@ -64,6 +101,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
                 "llm_hidden": hidden, "has_hidden": np.arange(n + 1) < n,
                 "code_ids": np.zeros(n + 1, np.int64), "is_code": np.zeros(n + 1, bool)}
 
+    def opens_turn(self, request: TtsRequest, state: TtsSession) -> bool:
+        """The chunk starts from an empty cache: a turn's start, or the turn's positions would run out."""
+        need = len(request.text_ids) + 1 + request.n_tokens
+        return request.turn_start or state.cache.length + need > self.preset.tts.max_positions
+
     def check(self, request: TtsRequest, state: TtsSession) -> None:
         if len(request.tts_hidden) != len(request.text_ids):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
@@ -74,23 +116,27 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
             raise StepError(Code.INVALID_INPUT, f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
         check_sampling("tts", temperature=request.temperature)
+        if isinstance(state.cache, PagedCache) and self.paged is not None:  # refused now (pool_full), never mid-step
+            past = 0 if self.opens_turn(request, state) else state.cache.length
+            self.paged.pool.reserve(state.cache.seq, past + len(request.text_ids) + 1 + request.n_tokens)
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
         dx = self.preset.duplex
-        for req, sess in items:
-            if req.turn_start:
-                sess.cache = self._empty()
+        opens = [self.opens_turn(req, sess) for req, sess in items]
+        for (_, sess), opened in zip(items, opens, strict=True):
+            if opened:
+                sess.cache = self._reset(sess.cache, release=False)
         prefill = [self._prefill(req) for req, _ in items]
         codes: list[list[int]] = [[] for _ in items]
 
-        def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
+        def choose(row: int, row_logits: np.ndarray) -> int | None:
             req, sess = items[row]
-            logits = out["logits"].astype(np.float32)
+            logits = row_logits.astype(np.float32)
             if req.temperature > 0:
                 logits /= req.temperature
             apply_repetition_penalty(logits, codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
                                      per_occurrence=True)
-            if not (req.turn_start or req.turn_end):
+            if not (opens[row] or req.turn_end):
                 logits[self.eos] = -np.inf  # min_new_tokens = n_tokens + 1 mid-turn: a chunk is a full second
             token = sample(logits, SamplingParams(1.0 if req.temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p),
                            sess.rng)
@@ -106,10 +152,32 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
                     "has_hidden": np.zeros((n, 1), bool),
                     "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool)}
 
-        caches, _ = batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds, choose,
-                                   ("logits",))
+        caches: list[KvCache | PagedCache]
+        if self.paged is not None:
+            caches = self._paged_decode(items, prefill, choose)
+        else:
+            caches = list(batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds,  # type: ignore[arg-type]
+                                         lambda row, out: choose(row, out["logits"]), ("logits",))[0])
         results = []
         for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
-            sess.cache = self._empty() if req.turn_end else cache
+            sess.cache = self._reset(cache, release=True) if req.turn_end else cache
             results.append(TtsResult(speech_tokens=np.asarray(row_codes, np.int64), kv_length=cache.length))
         return results
+
+    def _paged_decode(self, items: list[tuple[TtsRequest, TtsSession]], prefill: list[dict[str, np.ndarray]],
+                      choose: Callable[[int, np.ndarray], int | None]) -> list[KvCache | PagedCache]:
+        """The same decode on the paged engine: the caches stay in its pool, each session's blocks past its new
+        length go back after the chunk."""
+        from ..paged.tts import TtsFeed
+
+        assert self.paged is not None
+        pool = self.paged.pool
+        feeds = [TtsFeed(p["text_ids"], p["llm_hidden"][p["has_hidden"]], p["has_hidden"], p["code_ids"],
+                         p["is_code"]) for p in prefill]
+        cached = [s.cache for _, s in items]
+        assert all(isinstance(c, PagedCache) for c in cached)
+        seqs = [c.seq for c in cached]  # type: ignore[union-attr]
+        lengths = self.paged.run(seqs, [c.length for c in cached], feeds, choose)
+        for seq, n in zip(seqs, lengths, strict=True):
+            pool.truncate(seq, n)
+        return [PagedCache(seq, n) for seq, n in zip(seqs, lengths, strict=True)]
