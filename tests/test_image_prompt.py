@@ -140,7 +140,9 @@ class RecordingStages:
 
 def run_pipeline(preset: PresetConfig, tokenizer: Tokenizer, inputs: list[StepInput | ChatInput]) -> list[LlmRequest]:
     stages = RecordingStages(preset)
-    pipeline = DuplexPipeline(stages, preset, tokenizer, ttl_s=60)  # type: ignore[arg-type]
+    # one LLM call a step (0: prefill never split): the layout is the whole prefill's; chunking it is held to the
+    # unchunked path elsewhere
+    pipeline = DuplexPipeline(stages, preset, tokenizer, ttl_s=60, prefill_chunk_tokens=0)  # type: ignore[arg-type]
 
     async def emit(event: StepEvent) -> None:
         pass
