@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -13,7 +14,39 @@ from .pipeline import Ready
 from .stages.base import StageCall
 
 
-async def _answer(infer: Any, decoupled: bool) -> Any:
+class FinishedStreams:
+    """The response iterators of finished decoupled calls, held until the stub has forgotten them.
+
+    The stub keeps each iterator in a map until its stub-to-parent thread sends the iterator's cleanup; if that
+    map holds the last reference, the iterator and its responses' numpy arrays are freed on that C++ thread
+    without the GIL (python_backend `Stub::SendCleanupId`): Python 3.12's allocator crashes the stub there. So
+    whoever reads a stream hands it here, and it is dropped only after a later round trip through the same
+    FIFO thread (a request's `is_cancelled()`) shows the cleanup sent before it is done.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[Any] = []
+
+    def hold(self, stream: Any) -> None:
+        self._held.append(stream)
+
+    async def release(self, round_trip: Callable[[], bool]) -> None:
+        """Drop what was held before `round_trip` (a request's `is_cancelled`) went through the FIFO. A
+        cancelled request answers from its cache without the round trip: then everything is kept for the next."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        try:
+            cached = await asyncio.get_running_loop().run_in_executor(None, round_trip)
+        except Exception:  # noqa: BLE001 (no round trip made: keep them; a step's end must not fail here)
+            cached = True
+        if cached:
+            self._held.extend(held)
+        else:
+            held.clear()  # the last references: freed here, on a Python thread with the GIL
+
+
+async def _answer(infer: Any, decoupled: bool, finished: FinishedStreams) -> Any:
     """The stage's one response. A decoupled stage's comes through an iterator that blocks until the stage
     answers: it is read on an executor thread, as `async_exec` waits for a plain stage's."""
     if not decoupled:
@@ -22,9 +55,12 @@ async def _answer(infer: Any, decoupled: bool) -> Any:
     def first() -> Any:
         responses = infer.exec(decoupled=True)
         answer = None
-        for response in responses:  # the final flag ends the iteration; the answer rides with it
-            if answer is None or response.has_error():
-                answer = response
+        try:
+            for response in responses:  # the final flag ends the iteration; the answer rides with it
+                if answer is None or response.has_error():
+                    answer = response
+        finally:
+            finished.hold(responses)
         return answer
 
     answer = await asyncio.get_running_loop().run_in_executor(None, first)
@@ -43,6 +79,9 @@ def _flags(call: StageCall[Any]) -> int:
 
 
 class TritonBlsStages:
+    def __init__(self) -> None:
+        self.finished = FinishedStreams()
+
     async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None,
                     ready: Ready | None = None) -> Any:
         tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
@@ -54,7 +93,7 @@ class TritonBlsStages:
         if ready is not None:
             # Built first: steps released from the door together reach the batcher together.
             await ready()
-        response = await _answer(infer, decoupled=model in io.DECOUPLED_STAGES)
+        response = await _answer(infer, model in io.DECOUPLED_STAGES, self.finished)
         if response.has_error():
             raise from_wire(response.error().message(), model)  # the stage's code, or stage_error
 

@@ -347,7 +347,8 @@ class DuplexModel:
                              max_sessions=ctx.setting("llm_batch_max_sessions"),
                              budget_s=ctx.setting("llm_batch_budget_ms") / 1000)
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
-        self.pipeline = DuplexPipeline(TritonBlsStages(), ctx.preset, tokenizer, _ttl(ctx),
+        self.stages = TritonBlsStages()
+        self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
@@ -399,6 +400,7 @@ class DuplexModel:
             send(_event_response(StepEvent.error(StepError(Code.INTERNAL_ERROR, f"{type(exc).__name__}"))))
         finally:
             self.gauge.update()
+            await self.stages.finished.release(request.is_cancelled)  # before the final flag frees the request
             send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
