@@ -65,7 +65,7 @@ async def _answer(infer: Any, decoupled: bool, finished: FinishedStreams) -> Any
 
     answer = await asyncio.get_running_loop().run_in_executor(None, first)
     if answer is None:
-        raise StepError(Code.STAGE_ERROR, "llm: no response")
+        raise StepError(Code.STAGE_ERROR, "a decoupled stage gave no response")
     return answer
 
 

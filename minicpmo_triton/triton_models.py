@@ -35,6 +35,7 @@ from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
+from .stages.voice_prep import VoicePreparer
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
@@ -141,13 +142,23 @@ class _StatefulStageModel:
         self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
 
     def execute(self, requests: list[Any]) -> list[Any] | None:  # None: a decoupled model answers by its senders
+        results = self.stage.run(self._calls(requests))
+        self.gauge.update()
+        return [_response(r, self.stage_name) for r in results]
+
+    def _calls(self, requests: list[Any]) -> list[StageCall[Any]]:
         calls: list[StageCall[Any]] = []
         for request in requests:
             rows = _rows(request)
             calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
-        results = self.stage.run(calls)
-        self.gauge.update()
-        return [_response(r, self.stage_name) for r in results]
+        return calls
+
+    def _send(self, sender: Any, corr_id: int, result: Any) -> None:
+        """A decoupled model's one answer to a call, with the final flag."""
+        try:
+            sender.send(_response(result, self.stage_name), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001 (a caller gone must not stop the thread that answers)
+            pb_utils.Logger.log_warn(f"{self.stage_name}: sequence {corr_id}: response not delivered: {describe(exc)}")
 
     def finalize(self) -> None:
         self.gauge.close()
@@ -192,12 +203,8 @@ class LlmModel(_StatefulStageModel):
             self.inflight = InflightLlm(self.stage, period, changed)
 
     def execute(self, requests: list[Any]) -> None:
-        calls: list[StageCall[Any]] = []
-        senders: list[Any] = []
-        for request in requests:
-            rows = _rows(request)
-            calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
-            senders.append(request.get_response_sender())
+        calls = self._calls(requests)
+        senders = [request.get_response_sender() for request in requests]
         if self.inflight is not None:
             for call, sender in zip(calls, senders, strict=True):
                 self.inflight.submit(call, functools.partial(self._send, sender, call.corr_id))
@@ -206,12 +213,6 @@ class LlmModel(_StatefulStageModel):
             self._send(sender, call.corr_id, result)
         self.gauge.update()
         return None
-
-    def _send(self, sender: Any, corr_id: int, result: Any) -> None:
-        try:
-            sender.send(_response(result, self.stage_name), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # noqa: BLE001 (a caller gone must not stop the engine thread)
-            pb_utils.Logger.log_warn(f"llm: sequence {corr_id}: response not delivered: {describe(exc)}")
 
     def finalize(self) -> None:
         if self.inflight is not None:
@@ -283,18 +284,32 @@ class _VoicePromptCounter:
 
 
 class Token2WavModel(_StatefulStageModel):
+    """Decoupled (config.pbtxt): a call with a new voice reference is answered once its prompt is prepared on a
+    worker of its own (`VoicePreparer`), after execute() has answered the other calls of its batch."""
+
     stage_name = "token2wav"
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
                                     ctx.setting("voice_prompt_cache_mb"))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
+        self.voices = VoicePreparer(stage)
         return stage
 
-    def execute(self, requests: list[Any]) -> list[Any] | None:
-        responses = super().execute(requests)
+    def execute(self, requests: list[Any]) -> None:
+        calls = self._calls(requests)
+        answers = [functools.partial(self._send, request.get_response_sender(), call.corr_id)
+                   for request, call in zip(requests, calls, strict=True)]
+        self.voices.serve(calls, answers, after=self._counted)
+        return None
+
+    def _counted(self) -> None:
+        self.gauge.update()
         self.voice_counter.update()
-        return responses
+
+    def finalize(self) -> None:
+        self.voices.close()
+        super().finalize()
 
 
 class _StatelessStageModel:

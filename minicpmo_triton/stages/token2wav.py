@@ -70,10 +70,15 @@ class VoicePrompts:
         self.default = default
         self.budget_bytes = budget_bytes
         self._prompts: OrderedDict[bytes, VoicePrompt] = OrderedDict()
+        self._unclaimed: set[bytes] = set()  # prepared ahead (`prepare`), not yet taken by a session
         self._lock = threading.Lock()
         self.computed = 0  # prompts computed
         self.reused = 0  # sessions given a prompt already computed
         self.nbytes = 0  # held by the prompts kept
+
+    def has(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._prompts
 
     def get(self, key: bytes, audio: np.ndarray | None) -> VoicePrompt:
         """The prompt of a reference by its key (`audio_key`; audio None: the default voice, DEFAULT_KEY)."""
@@ -81,16 +86,31 @@ class VoicePrompts:
             prompt = self._prompts.get(key)
             if prompt is not None:
                 self._prompts.move_to_end(key)
-                self.reused += 1
+                if key in self._unclaimed:  # prepared for this session ahead of its step: not a reuse
+                    self._unclaimed.discard(key)
+                else:
+                    self.reused += 1
                 return prompt
+        return self._compute(key, audio)
+
+    def prepare(self, key: bytes, audio: np.ndarray) -> None:
+        """Compute a reference's prompt ahead of the step that uses it (off the batch: `VoicePreparer`); the first
+        session to `get` it takes it as computed for it, not reused."""
+        self._compute(key, audio, unclaimed=True)
+
+    def _compute(self, key: bytes, audio: np.ndarray | None, unclaimed: bool = False) -> VoicePrompt:
         f = self.default if audio is None else self.featurize(audio)
         prompt = self.streamer.setup(f.tokens, f.mel, f.embedding)
         with self._lock:
             self._prompts[key] = prompt
+            if unclaimed:
+                self._unclaimed.add(key)
             self.computed += 1
             self.nbytes += prompt.cache.nbytes
             while self.nbytes > self.budget_bytes and len(self._prompts) > 1:  # the newest always stays
-                self.nbytes -= self._prompts.popitem(last=False)[1].cache.nbytes
+                old, dropped = self._prompts.popitem(last=False)
+                self._unclaimed.discard(old)
+                self.nbytes -= dropped.cache.nbytes
         return prompt
 
 
@@ -129,6 +149,15 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         if not np.isfinite(request.voice).all():
             raise StepError(Code.INVALID_VOICE,
                             "token2wav: the voice reference holds NaN or infinite samples")
+
+    def new_voice(self, request: Token2WavRequest) -> tuple[bytes, np.ndarray] | None:
+        """A usable reference whose prompt is not computed yet (its key and audio): `VoicePreparer` computes it
+        before the call runs. None: the call runs now (no reference, a known one, or one `check` refuses)."""
+        if len(request.voice) < MIN_VOICE_SAMPLES or not np.isfinite(request.voice).all():
+            return None
+        voice = np.asarray(request.voice, np.float32)
+        key = audio_key(voice)
+        return None if self.prompts.has(key) else (key, voice)
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start

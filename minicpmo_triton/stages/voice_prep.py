@@ -1,0 +1,82 @@
+"""New voices off the batch: a call that brings a voice reference token2wav has no prompt for waits for that
+prompt (S3 tokens, CAM++, the flow's prompt pass: about a second for 30 s of reference) on a worker thread of its
+own, while the other calls of its batch are answered at once; it runs, alone, when its prompt is ready.
+
+The budget: one worker, so one preparation at a time, the others queued in arrival order; a session has at most
+one in flight (its next step waits for this one's answer). Two calls with the same new reference share one
+preparation. The stage's state is touched by one batch at a time (`lock`): the batches of the model's execute
+and the calls answered after their preparation. ONNX Runtime and numpy's BLAS release the GIL, so a preparation
+runs beside the batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..stage_io import Token2WavRequest, Token2WavResult
+from .base import StageCall
+from .token2wav import Token2WavStage
+
+Answer = Callable[[Token2WavResult | Exception], None]
+
+
+class VoicePreparer:
+    def __init__(self, stage: Token2WavStage) -> None:
+        self.stage = stage
+        self.lock = threading.Lock()  # the stage's state: one batch at a time
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="voice-prep")
+        self._pending: dict[bytes, Future[None]] = {}  # preparations queued or running, by the reference's key
+        self._pending_lock = threading.RLock()  # a preparation done at once runs `_forget` under it
+
+    def serve(self, calls: list[StageCall[Token2WavRequest]], answers: list[Answer],
+              after: Callable[[], None] = lambda: None) -> None:
+        """Answer each call through its `answers` entry: those whose voice prompt is at hand now, as one batch;
+        one with a new reference once its prompt is prepared. `after`: once a batch's answers are sent."""
+        now: list[int] = []
+        for i, call in enumerate(calls):
+            new = self.stage.new_voice(call.request)
+            if new is None:
+                now.append(i)
+            else:
+                self._prepare(*new).add_done_callback(
+                    lambda done, call=call, answer=answers[i]: self._run_after(done, call, answer, after))
+        if now:
+            with self.lock:
+                results = self.stage.run([calls[i] for i in now])
+            for i, result in zip(now, results, strict=True):
+                answers[i](result)
+            after()
+
+    def _prepare(self, key: bytes, audio: np.ndarray) -> Future[None]:
+        with self._pending_lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = self._worker.submit(self.stage.prompts.prepare, key, audio)
+                pending.add_done_callback(lambda _: self._forget(key))
+            return pending
+
+    def _forget(self, key: bytes) -> None:
+        with self._pending_lock:
+            self._pending.pop(key, None)
+
+    def _run_after(self, prepared: Future[None], call: StageCall[Token2WavRequest], answer: Answer,
+                   after: Callable[[], None]) -> None:
+        """The call, once its prompt is prepared; if that failed, the call fails with it (its END still ends it)."""
+        try:
+            prepared.result()
+        except Exception as exc:  # noqa: BLE001 (the preparation's error is this call's answer)
+            if call.end:
+                self.stage.store.end(call.corr_id)
+            answer(exc)
+        else:
+            with self.lock:
+                [result] = self.stage.run([call])
+            answer(result)
+        after()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
