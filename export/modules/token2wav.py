@@ -145,12 +145,13 @@ class Token2WavModel(nn.Module):
         return model.eval()
 
     @classmethod
-    def load(cls, folder: Path, d: Token2WavDims) -> Token2WavModel:
-        """A checkpoint's assets/token2wav: flow.yaml, flow.pt, hift.pt (original HiFT, keys `generator.*`)."""
+    def load(cls, folder: Path, d: Token2WavDims, hift_file: str = "hift.pt") -> Token2WavModel:
+        """A checkpoint's assets/token2wav: flow.yaml, flow.pt and `hift_file` (original HiFT, keys `generator.*`:
+        hift.pt in 1.0.5's layout, hift_original.pt in 1.0.7's)."""
         flow = load_flow_yaml(folder / "flow.yaml")
         flow.load_state_dict(torch.load(folder / "flow.pt", map_location="cpu", weights_only=True), strict=True)
         state = {k.removeprefix(HIFT_PREFIX): v
-                 for k, v in torch.load(folder / "hift.pt", map_location="cpu", weights_only=True).items()}
+                 for k, v in torch.load(folder / hift_file, map_location="cpu", weights_only=True).items()}
         # hift.pt has no config: its widths are its tensors' (the real one is HiFTGenerator's defaults)
         hift = build_hift(dataclasses.replace(d, hift_channels=_out_channels(state, "conv_pre."),
                                               f0_channels=_out_channels(state, "f0_predictor.condnet.0.")))
