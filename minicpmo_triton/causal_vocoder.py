@@ -81,13 +81,18 @@ class CausalVocoder:
     def __init__(self, model: torch.nn.Module) -> None:
         bounded = stepaudio2_module("causal_vocoder.bounded_vocoder")
         self.bounded = bounded.BoundedVocoder(model)
+        self.device = next(model.parameters()).device
         if self.bounded.delay != DELAY_FRAMES:
             raise ValueError(f"the causal vocoder's delay is {self.bounded.delay} frames; 1.0.7 streams with "
                              f"{DELAY_FRAMES}")
 
     @classmethod
     def load(cls, folder: Path) -> CausalVocoder:
-        return cls(load_causal_hift(folder))
+        """On CUDA where torch sees one, as the package runs it (its sine table stays on the CPU there too)."""
+        import torch
+
+        model = load_causal_hift(folder)
+        return cls(model.cuda() if torch.cuda.is_available() else model)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,9 +108,9 @@ class CausalVocoder:
 
         self.bounded.cache = state.cache
         with torch.inference_mode():
-            speech = self.bounded.stream(torch.from_numpy(np.ascontiguousarray(mel, np.float32))[None],
-                                         finalize=last)
-        wav = speech[0].numpy().astype(np.float32)
+            fresh = torch.from_numpy(np.ascontiguousarray(mel, np.float32))[None]
+            speech = self.bounded.stream(fresh.to(self.device), finalize=last)
+        wav = speech[0].cpu().numpy().astype(np.float32)
         if not np.isfinite(wav).all():
             raise StepError(Code.INTERNAL_ERROR, "token2wav: the causal vocoder returned non-finite audio")
         if len(wav) and state.first_chunk:

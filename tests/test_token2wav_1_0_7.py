@@ -13,6 +13,7 @@ it is imported.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -26,14 +27,16 @@ from export.modules.token2wav import Token2WavModel, tables_bytes
 from export.onnx_export import export_onnx
 from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
-from minicpmo_triton.causal_vocoder import load_causal_hift
-from minicpmo_triton.model_config import Token2WavDims
-from minicpmo_triton.official_stepaudio2 import stepaudio2_module
+from minicpmo_triton.causal_vocoder import TAGS, load_causal_hift
+from minicpmo_triton.model_config import Token2WavDims, load_stage_config
+from minicpmo_triton.official_stepaudio2 import load_tagged_yaml, stepaudio2_module
 from minicpmo_triton.stage_io import Token2WavRequest
 from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, VoicePrompts
 from minicpmo_triton.stages.token2wav_stream import TABLES_FILE, Token2WavStreamer
 from minicpmo_triton.voice_prompt import VoiceFeatures
 
+from .conftest import REPO
+from .reference_checkpoint import write_checkpoint
 from .test_token2wav_parity import _chunks, _voice, fit_scratch_buffers
 
 D = Token2WavDims()
@@ -80,23 +83,26 @@ hifigan: !new:cosyvoice.hifigan.hifigan.HiFiGan
 F0_HZ = 150.0  # the random F0 predictor's output moved into the voiced range, so the source is harmonic
 
 
-def write_1_0_7_layout(root: Path) -> Path:
-    """A checkpoint folder whose assets/token2wav holds 1.0.7's files, random weights from the official classes."""
-    assets = root / TOKEN2WAV_ASSETS
-    Token2WavModel.random(D, seed=3).save(assets, D)  # flow.yaml, flow.pt, hift.pt (the original HiFT)
+def to_1_0_7_layout(assets: Path) -> None:
+    """1.0.5's files (flow.yaml, flow.pt, hift.pt: the original HiFT) made 1.0.7's: the original HiFT moved to
+    hift_original.pt, a causal HiFT of the official classes (random weights) in config.yaml + hift.pt."""
     (assets / "hift.pt").rename(assets / "hift_original.pt")
     (assets / "config.yaml").write_text(CONFIG_YAML)
     torch.manual_seed(5)
     generator = stepaudio2_module("causal_vocoder.generator")
-    from minicpmo_triton.causal_vocoder import TAGS
-    from minicpmo_triton.official_stepaudio2 import load_tagged_yaml
-
     hift = load_tagged_yaml(CONFIG_YAML, TAGS, {"hifigan": None})["hift"]
     assert isinstance(hift, generator.CausalHiFTGenerator)
     with torch.no_grad():
         hift.f0_predictor.classifier.bias.fill_(F0_HZ)
         hift.conv_pre.parametrizations.weight.original0.mul_(20.0)  # so the flow's mel is heard over the source
     torch.save(hift.state_dict(), assets / "hift.pt")
+
+
+def write_1_0_7_layout(root: Path) -> Path:
+    """A checkpoint folder whose assets/token2wav holds 1.0.7's files, random weights from the official classes."""
+    assets = root / TOKEN2WAV_ASSETS
+    Token2WavModel.random(D, seed=3).save(assets, D)
+    to_1_0_7_layout(assets)
     return assets
 
 
@@ -230,3 +236,29 @@ def test_1_0_7_layout_is_detected_and_copied(layout, tmp_path: Path) -> None:
     assert not copy_causal_vocoder(tmp_path, folder)
     assert not (folder / "causal_vocoder").exists()
     assert copy_causal_vocoder(assets.parent.parent, folder)
+
+
+def test_the_export_cli_serves_a_1_0_7_checkpoint(tmp_path: Path) -> None:
+    """`python -m export --checkpoint` on a checkpoint whose assets/token2wav is 1.0.7's: it exports, copies the
+    causal vocoder, and the exported token2wav stage loads it and streams a turn with it (the first step 1 s:
+    3840 samples of lead + 42 frames, the last flushing the 8-frame delay)."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt)
+    to_1_0_7_layout(ckpt / TOKEN2WAV_ASSETS)
+    repo = tmp_path / "repo"
+    done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(ckpt),
+                           "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "minicpmo-utils 1.0.7's layout" in done.stdout
+    folder = repo / "token2wav" / "1"
+    stage = Token2WavStage.load(folder, load_stage_config(folder), ttl_s=60)
+    assert stage.streamer.causal is not None
+    sess = Token2WavSession()
+    rng = np.random.default_rng(3)
+    lengths = []
+    for i, n in enumerate((25, 25, 10)):
+        req = Token2WavRequest(rng.integers(0, D.vocab, n), turn_start=i == 0, finalize=i == 2)
+        wav = stage.compute([(req, sess)])[0].waveform
+        assert np.isfinite(wav).all()
+        lengths.append(len(wav))
+    assert lengths == [24_000, 24_000, (3 + 10) * 960 + 8 * 480]
