@@ -11,6 +11,7 @@ The export copies the checkpoint's config.yaml and hift.pt into `FOLDER` beside 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,7 @@ class CausalVocoder:
         bounded = stepaudio2_module("causal_vocoder.bounded_vocoder")
         self.bounded = bounded.BoundedVocoder(model)
         self.device = next(model.parameters()).device
+        self._lock = threading.Lock()  # one session's cache in the shared BoundedVocoder at a time
         if self.bounded.delay != DELAY_FRAMES:
             raise ValueError(f"the causal vocoder's delay is {self.bounded.delay} frames; 1.0.7 streams with "
                              f"{DELAY_FRAMES}")
@@ -99,15 +101,16 @@ class CausalVocoder:
         return self.bounded.model
 
     def new_state(self) -> VocoderState:
-        self.bounded.reset()  # a fresh cache dict, now the session's
-        return VocoderState(self.bounded.cache)
+        with self._lock:
+            self.bounded.reset()  # a fresh cache dict, now the session's
+            return VocoderState(self.bounded.cache)
 
     def stream(self, state: VocoderState, mel: np.ndarray, last: bool) -> np.ndarray:
         """A chunk's fresh mel [80, T] (T may be 0 on the turn's end) -> its audio; `last` flushes the delay."""
         import torch
 
-        self.bounded.cache = state.cache
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
+            self.bounded.cache = state.cache
             fresh = torch.from_numpy(np.ascontiguousarray(mel, np.float32))[None]
             speech = self.bounded.stream(fresh.to(self.device), finalize=last)
         wav = speech[0].cpu().numpy().astype(np.float32)
