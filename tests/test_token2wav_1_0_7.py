@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from export.checkpoint import TOKEN2WAV_ASSETS, copy_causal_vocoder, load_token2wav, token2wav_layout
-from export.modules.token2wav import Token2WavModel, tables_bytes
+from export.modules.token2wav import Token2WavModel, causal_hift_yaml, tables_bytes
 from export.onnx_export import export_onnx
 from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
@@ -40,46 +40,6 @@ from .reference_checkpoint import write_checkpoint
 from .test_token2wav_parity import _chunks, _voice, fit_scratch_buffers
 
 D = Token2WavDims()
-# CosyVoice3's causal HiFT as 1.0.7's config.yaml declares it (upstream tags, resolved by the loaders), narrow
-# widths; `hifigan` (the training wrapper) is overridden away by the package's loader, so its tag never resolves
-CONFIG_YAML = """\
-sample_rate: 24000
-hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
-    in_channels: 80
-    base_channels: 16
-    nb_harmonics: 8
-    sampling_rate: !ref <sample_rate>
-    nsf_alpha: 0.1
-    nsf_sigma: 0.003
-    nsf_voiced_threshold: 10
-    upsample_rates: [8, 5, 3]
-    upsample_kernel_sizes: [16, 11, 7]
-    istft_params:
-        n_fft: 16
-        hop_len: 4
-    resblock_kernel_sizes: [3, 7, 11]
-    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    source_resblock_kernel_sizes: [7, 7, 11]
-    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
-    lrelu_slope: 0.1
-    audio_limit: 0.99
-    conv_pre_look_right: 4
-    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor
-        num_class: 1
-        in_channels: 80
-        cond_channels: 16
-feat_extractor: !name:matcha.utils.audio.mel_spectrogram
-    n_fft: 1920
-    num_mels: 80
-    sampling_rate: !ref <sample_rate>
-    hop_size: 480
-    win_size: 1920
-    fmin: 0
-    fmax: 8000
-    center: False
-hifigan: !new:cosyvoice.hifigan.hifigan.HiFiGan
-    generator: !ref <hift>
-"""
 F0_HZ = 150.0  # the random F0 predictor's output moved into the voiced range, so the source is harmonic
 
 
@@ -87,10 +47,10 @@ def to_1_0_7_layout(assets: Path) -> None:
     """1.0.5's files (flow.yaml, flow.pt, hift.pt: the original HiFT) made 1.0.7's: the original HiFT moved to
     hift_original.pt, a causal HiFT of the official classes (random weights) in config.yaml + hift.pt."""
     (assets / "hift.pt").rename(assets / "hift_original.pt")
-    (assets / "config.yaml").write_text(CONFIG_YAML)
+    (assets / "config.yaml").write_text(causal_hift_yaml(16))
     torch.manual_seed(5)
     generator = stepaudio2_module("causal_vocoder.generator")
-    hift = load_tagged_yaml(CONFIG_YAML, TAGS, {"hifigan": None})["hift"]
+    hift = load_tagged_yaml(causal_hift_yaml(16), TAGS, {"hifigan": None})["hift"]
     assert isinstance(hift, generator.CausalHiFTGenerator)
     with torch.no_grad():
         hift.f0_predictor.classifier.bias.fill_(F0_HZ)
