@@ -224,3 +224,52 @@ def test_the_export_cli_serves_a_1_0_7_checkpoint(tmp_path: Path) -> None:
         assert np.isfinite(wav).all()
         lengths.append(len(wav))
     assert lengths == [24_000, 24_000, (3 + 10) * 960 + 8 * 480]
+
+
+def test_steps_flush_as_the_duplex_demo_does_on_1_0_7(layout, monkeypatch) -> None:
+    """The duplex demo's own token2wav calls (MiniCPMO45/modeling_minicpmo_unified.py: `_init_token2wav_cache`
+    :4398, `_reset_token2wav_for_new_turn` :4406, `_generate_waveform_from_tokens` :5449 with `force_flush=True`
+    as its caller sets at :5196) on the package's Token2wav, two turns whose steps make short forced-flush chunks;
+    every step's audio through our stage (flush on) equals the demo's, 16-bit PCM as it makes it."""
+    from .reference_demo import demo_module
+
+    assets, folder = layout
+    # the conformer's forward_chunk is torch.compile'd (raising=False: see the test above)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)
+    streamer = Token2WavStreamer.load(folder, D)
+    voice = _voice(5, 17)
+    official = official_token2wav(assets, {"v": voice}, streamer.rand_noise)
+    assert streamer.causal is not None
+    streamer.causal.model.m_source.l_sin_gen.sine_waves = official.hift.m_source.l_sin_gen.sine_waves
+    prepared = official.cache["v"]
+    official._prepare_prompt = lambda wav: prepared  # its CAM++ / S3 tokenizer / torchaudio part, done above
+    modeling = demo_module("modeling_minicpmo_unified")
+    demo = types.SimpleNamespace(token2wav_initialized=False, chunk_terminator_token_ids=[],
+                                 _log=lambda *a, **k: None,
+                                 model=types.SimpleNamespace(tts=types.SimpleNamespace(audio_tokenizer=official)))
+    modeling.DuplexCapability._init_token2wav_cache(demo, "v")
+    rng = np.random.default_rng(11)
+    turns = [[rng.integers(0, D.vocab, n).tolist() for n in steps] for steps in ((10, 25, 26, 40, 7), (6, 30))]
+    want = []
+    for steps in turns:
+        modeling.DuplexCapability._reset_token2wav_for_new_turn(demo)
+        want.append([modeling.DuplexCapability._generate_waveform_from_tokens(
+            demo, torch.tensor(toks), "v", is_last_chunk=i == len(steps) - 1, force_flush=True)
+            for i, toks in enumerate(steps)])
+
+    stage = Token2WavStage(streamer, VoicePrompts(streamer, lambda a: None, VoiceFeatures(*voice)),
+                           get_preset("tiny"), ttl_s=60)
+    sess = Token2WavSession()
+    for turn, steps in enumerate(turns):
+        for i, toks in enumerate(steps):
+            req = Token2WavRequest(np.asarray(toks, np.int64), turn_start=i == 0, finalize=i == len(steps) - 1)
+            got = stage.compute([(req, sess)])[0].waveform
+            expected = want[turn][i]
+            if expected is None:
+                assert len(got) == 0, (turn, i)
+                continue
+            assert len(got) == len(expected), (turn, i)
+            pcm = (np.clip(got, -1, 1) * 32767.0).astype("<i2").astype(np.float32) / 32768.0
+            assert np.abs(pcm - expected).max() <= 1 / 32768, (turn, i)  # one step of 16 bits at most
+    first = want[0][0]
+    assert first is not None and len(first) == 24_000 and np.abs(first).max() > 0.05  # heard, padded to 1 s
