@@ -23,41 +23,23 @@ import pytest
 import torch
 
 from export.checkpoint import TOKEN2WAV_ASSETS, copy_causal_vocoder, load_token2wav, token2wav_layout
-from export.modules.token2wav import Token2WavModel, causal_hift_yaml, tables_bytes
+from export.modules.token2wav import Token2WavModel, tables_bytes
 from export.onnx_export import export_onnx
 from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
-from minicpmo_triton.causal_vocoder import TAGS, load_causal_hift
+from minicpmo_triton.causal_vocoder import load_causal_hift
 from minicpmo_triton.model_config import Token2WavDims, load_stage_config
-from minicpmo_triton.official_stepaudio2 import load_tagged_yaml, stepaudio2_module
+from minicpmo_triton.official_stepaudio2 import stepaudio2_module
 from minicpmo_triton.stage_io import Token2WavRequest
 from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, VoicePrompts
 from minicpmo_triton.stages.token2wav_stream import TABLES_FILE, Token2WavStreamer
 from minicpmo_triton.voice_prompt import VoiceFeatures
 
 from .conftest import REPO
-from .reference_checkpoint import write_checkpoint
+from .reference_checkpoint import to_1_0_7_layout, write_checkpoint
 from .test_token2wav_parity import _chunks, _voice, fit_scratch_buffers
 
 D = Token2WavDims()
-F0_HZ = 150.0  # the random F0 predictor's output moved into the voiced range, so the source is harmonic
-
-
-def to_1_0_7_layout(assets: Path) -> None:
-    """1.0.5's files (flow.yaml, flow.pt, hift.pt: the original HiFT) made 1.0.7's: the original HiFT moved to
-    hift_original.pt, a causal HiFT of the official classes (random weights) in config.yaml + hift.pt."""
-    (assets / "hift.pt").rename(assets / "hift_original.pt")
-    (assets / "config.yaml").write_text(causal_hift_yaml(16))
-    torch.manual_seed(5)
-    generator = stepaudio2_module("causal_vocoder.generator")
-    hift = load_tagged_yaml(causal_hift_yaml(16), TAGS, {"hifigan": None})["hift"]
-    assert isinstance(hift, generator.CausalHiFTGenerator)
-    with torch.no_grad():
-        hift.f0_predictor.classifier.bias.fill_(F0_HZ)
-        hift.conv_pre.parametrizations.weight.original0.mul_(20.0)  # so the flow's mel is heard over the source
-    torch.save(hift.state_dict(), assets / "hift.pt")
-
-
 def write_1_0_7_layout(root: Path) -> Path:
     """A checkpoint folder whose assets/token2wav holds 1.0.7's files, random weights from the official classes."""
     assets = root / TOKEN2WAV_ASSETS
