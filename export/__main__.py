@@ -17,7 +17,7 @@ from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 from minicpmo_triton.voice_prompt import DEFAULT_REF_AUDIO
 
-from .checkpoint import DEFAULT_VOICE, copy_voice_assets
+from .checkpoint import DEFAULT_VOICE, copy_causal_vocoder, copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     voice_folder = version_dir(args.model_repository, "token2wav")
     (voice_folder / DEFAULT_VOICE_WAV).unlink(missing_ok=True)  # the default voice is the checkpoint's, or the export's
     copied = copy_voice_assets(args.checkpoint, voice_folder) if args.checkpoint is not None else []
+    if copy_causal_vocoder(args.checkpoint, voice_folder):
+        print("token2wav: minicpmo-utils 1.0.7's layout: its causal vocoder (config.yaml, hift.pt) is streamed in "
+              "torch by the stage; vocoder.onnx is its original HiFT (hift_original.pt), not streamed")
     write_default_ref_audio(args.checkpoint, version_dir(args.model_repository, ENTRY_MODEL))
     graphs = [g for g in stage_graphs(preset, modules)
               if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]

@@ -235,31 +235,61 @@ TOKEN2WAV_1_0_7_FILES = ("config.yaml", "hift_original.pt")
 
 
 def token2wav_layout(folder: Path) -> str | None:
-    """Which release's layout the checkpoint's assets/token2wav holds: "1.0.5", or None when it has none.
-    1.0.7's is refused (`unsupported_token2wav`): its causal HiFT is not exported yet, and streaming its hift.pt
+    """Which release's layout the checkpoint's assets/token2wav holds: "1.0.5", "1.0.7", or None when it has none.
+    A folder with some of 1.0.7's files but not all is refused (`unsupported_token2wav`): streaming its hift.pt
     as the original HiFT would be wrong audio, not an error."""
     assets = Path(folder) / TOKEN2WAV_ASSETS
     present = sorted(p.name for p in assets.iterdir()) if assets.is_dir() else []
-    if newer := [f for f in TOKEN2WAV_1_0_7_FILES if f in present]:
+    newer = [f for f in TOKEN2WAV_1_0_7_FILES if f in present]
+    if newer and len(newer) < len(TOKEN2WAV_1_0_7_FILES):
         raise CheckpointError(
-            f"{assets} holds {', '.join(newer)}: minicpmo-utils 1.0.7's token2wav layout (a causal HiFT in "
-            f"config.yaml + hift.pt, the original in hift_original.pt), which this export cannot stream yet. "
-            f"Use the 1.0.5 layout ({', '.join(TOKEN2WAV_FILES)} with the original HiFT in hift.pt).",
-            CheckpointCode.UNSUPPORTED_TOKEN2WAV)
+            f"{assets} holds {', '.join(newer)} but not {', '.join(set(TOKEN2WAV_1_0_7_FILES) - set(newer))}: "
+            f"neither minicpmo-utils 1.0.5's token2wav layout ({', '.join(TOKEN2WAV_FILES)}, the original HiFT in "
+            f"hift.pt) nor 1.0.7's (those + {', '.join(TOKEN2WAV_1_0_7_FILES)}: a causal HiFT in config.yaml + "
+            f"hift.pt, the original in hift_original.pt)", CheckpointCode.UNSUPPORTED_TOKEN2WAV)
     if not any(f in present for f in TOKEN2WAV_FILES):
+        if newer:
+            raise CheckpointError(f"{assets} holds {', '.join(newer)} without {', '.join(TOKEN2WAV_FILES)}",
+                                  CheckpointCode.UNSUPPORTED_TOKEN2WAV)
         return None
     if missing := [f for f in TOKEN2WAV_FILES if f not in present]:
         raise CheckpointError(f"{assets} lacks {', '.join(missing)} of token2wav's {', '.join(TOKEN2WAV_FILES)}")
-    return "1.0.5"
+    return "1.0.7" if newer else "1.0.5"
 
 
 def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
-    """The checkpoint's assets/token2wav (flow.yaml, flow.pt, hift.pt) as the official modules; None if absent."""
+    """The checkpoint's assets/token2wav as the official modules (flow.yaml, flow.pt and the original HiFT: hift.pt
+    in 1.0.5's layout, hift_original.pt in 1.0.7's, whose causal HiFT is checked to load); None if absent."""
     from .modules.token2wav import Token2WavModel
 
-    if token2wav_layout(folder) is None:
+    layout = token2wav_layout(folder)
+    if layout is None:
         return None
-    return Token2WavModel.load(Path(folder) / TOKEN2WAV_ASSETS, d)
+    assets = Path(folder) / TOKEN2WAV_ASSETS
+    if layout == "1.0.7":
+        from minicpmo_triton.causal_vocoder import load_causal_hift
+
+        try:
+            load_causal_hift(assets)
+        except (ValueError, TypeError, RuntimeError) as exc:  # mis-shaped weights, wrong class or mel settings
+            raise CheckpointError(f"{assets}: its causal vocoder (config.yaml + hift.pt) does not load: {exc}") \
+                from exc
+        return Token2WavModel.load(assets, d, hift_file="hift_original.pt")
+    return Token2WavModel.load(assets, d)
+
+
+def copy_causal_vocoder(folder: Path | None, target: Path) -> bool:
+    """1.0.7's causal vocoder (config.yaml + hift.pt) into token2wav's folder, where the stage finds it; a stale
+    copy goes when the checkpoint has 1.0.5's layout or none. Returns whether it was copied."""
+    from minicpmo_triton.causal_vocoder import FILES, FOLDER
+
+    shutil.rmtree(Path(target) / FOLDER, ignore_errors=True)
+    if folder is None or token2wav_layout(folder) != "1.0.7":
+        return False
+    (Path(target) / FOLDER).mkdir(parents=True)
+    for name in FILES:
+        shutil.copy2(Path(folder) / TOKEN2WAV_ASSETS / name, Path(target) / FOLDER / name)
+    return True
 
 
 def copy_voice_assets(folder: Path, target: Path) -> list[str]:

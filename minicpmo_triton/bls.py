@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -82,13 +83,13 @@ class TritonBlsStages:
     def __init__(self) -> None:
         self.finished = FinishedStreams()
 
-    async def _exec(self, model: str, request: Any, result_cls: type, call: StageCall[Any] | None = None,
+    async def _exec(self, model: str, request: Any, result_cls: type[Any], call: StageCall[Any] | None = None,
                     ready: Ready | None = None) -> Any:
         tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
-        outputs = [f for f in result_cls.__dataclass_fields__]
+        outputs = [f.name for f in dataclasses.fields(result_cls)]
         infer = pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs)
         if ready is not None:
             # Built first: steps released from the door together reach the batcher together.

@@ -327,3 +327,25 @@ def write_token2wav_assets(folder: Path, seed: int) -> nn.Module:
     t = np.arange(24_000) / 24_000
     soundfile.write(str(folder / DEFAULT_VOICE), (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24_000)
     return model
+
+
+F0_HZ = 150.0  # the random F0 predictor's output moved into the voiced range, so the source is harmonic
+
+
+def to_1_0_7_layout(assets: Path) -> None:
+    """1.0.5's files (flow.yaml, flow.pt, hift.pt: the original HiFT) made 1.0.7's: the original HiFT moved to
+    hift_original.pt, a causal HiFT of the official classes (random weights) in config.yaml + hift.pt."""
+    from export.modules.token2wav import causal_hift_yaml
+    from minicpmo_triton.causal_vocoder import TAGS
+    from minicpmo_triton.official_stepaudio2 import load_tagged_yaml, stepaudio2_module
+
+    (assets / "hift.pt").rename(assets / "hift_original.pt")
+    (assets / "config.yaml").write_text(causal_hift_yaml(16))
+    torch.manual_seed(5)
+    generator = stepaudio2_module("causal_vocoder.generator")
+    hift = load_tagged_yaml(causal_hift_yaml(16), TAGS, {"hifigan": None})["hift"]
+    assert isinstance(hift, generator.CausalHiFTGenerator)
+    with torch.no_grad():
+        hift.f0_predictor.classifier.bias.fill_(F0_HZ)
+        hift.conv_pre.parametrizations.weight.original0.mul_(20.0)  # so the flow's mel is heard over the source
+    torch.save(hift.state_dict(), assets / "hift.pt")

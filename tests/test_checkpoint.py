@@ -352,13 +352,16 @@ def test_token2wav_loads_from_the_assets_as_written(reference) -> None:
     ([], None, None),
     (["campplus.onnx"], None, None),  # voice graphs alone: random token2wav weights
     (["flow.yaml", "flow.pt", "hift.pt", "campplus.onnx"], "1.0.5", None),
-    (["flow.yaml", "flow.pt", "hift.pt", "config.yaml", "hift_original.pt"], None, "unsupported_token2wav"),
-    (["flow.yaml", "flow.pt", "config.yaml", "hift.pt"], None, "unsupported_token2wav"),
+    (["flow.yaml", "flow.pt", "hift.pt", "config.yaml", "hift_original.pt"], "1.0.7", None),
+    (["flow.yaml", "flow.pt", "config.yaml", "hift.pt"], None, "unsupported_token2wav"),  # no hift_original.pt
+    (["flow.yaml", "flow.pt", "hift.pt", "hift_original.pt"], None, "unsupported_token2wav"),  # no config.yaml
+    (["config.yaml", "hift_original.pt"], None, "unsupported_token2wav"),  # no flow
     (["flow.yaml", "hift.pt"], None, "invalid_checkpoint"),
 ])
-def test_token2wav_layout_is_detected_and_1_0_7_refused(tmp_path: Path, files: list[str], layout, code) -> None:
-    """minicpmo-utils 1.0.5's layout streams; 1.0.7's (causal HiFT in config.yaml + hift.pt, hift_original.pt)
-    is refused with a code and the files named, never streamed as the original HiFT (wrong audio)."""
+def test_token2wav_layout_is_detected(tmp_path: Path, files: list[str], layout, code) -> None:
+    """minicpmo-utils 1.0.5's and 1.0.7's layouts are told apart (1.0.7's streamed by its causal HiFT:
+    tests/test_token2wav_1_0_7.py); a folder with part of 1.0.7's files is refused with a code and the files
+    named, never streamed as the original HiFT (wrong audio)."""
     assets = tmp_path / checkpoint.TOKEN2WAV_ASSETS
     assets.mkdir(parents=True)
     for name in files:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from export.checkpoint import TOKEN2WAV_ASSETS
 from export.presets import MINICPMO45_TOKENS
 from gateway.triton import TritonServer, free_ports
 from minicpmo_client.backend import converse
@@ -22,22 +23,26 @@ from minicpmo_triton.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY, REPO, RunningGateway, RunningTriton, start_gateway, stop_gateway
 from .helpers import GREEDY, SPEAKING_TEXT, default_ref_tokens, deltas, transcript
-from .reference_checkpoint import write_checkpoint
+from .reference_checkpoint import to_1_0_7_layout, write_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 CHUNKS = 5
 
 
-@pytest.fixture(scope="module")
-def real_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tracked model repository (configs, model.py) with the real preset's artefacts exported into it."""
+@pytest.fixture(scope="module", params=["1.0.5", "1.0.7"])
+def real_repository(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tracked model repository (configs, model.py) with the real preset's artefacts exported into it; its
+    assets/token2wav in minicpmo-utils 1.0.5's layout, or 1.0.7's (a causal vocoder the stage runs in torch)."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp("reference_ckpt")).folder
+    if request.param == "1.0.7":
+        to_1_0_7_layout(ckpt / TOKEN2WAV_ASSETS)
     repo = tmp_path_factory.mktemp("real") / "model_repository"
     shutil.copytree(MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns(
         "model.onnx*", "*.plan", "stage.json", "tokenizer", "__pycache__"))
     done = subprocess.run([sys.executable, "-m", "export", "--preset", "minicpm-o-4.5", "--checkpoint", str(ckpt),
                            "--model-repository", str(repo)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (repo / "token2wav" / "1" / "causal_vocoder").is_dir() == (request.param == "1.0.7")
     return repo
 
 

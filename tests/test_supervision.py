@@ -14,6 +14,7 @@ One `gateway.serve` for the module (the tests run in order; the last one stops i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,20 @@ def group(pgid: int) -> list[tuple[int, str, str]]:
         if int(fields[2]) == pgid:  # state ppid pgrp ...
             found.append((int(entry.name), fields[0], stat[stat.index("(") + 1:comm_end]))
     return found
+
+
+def regions(pgid: int) -> set[str]:
+    """The /dev/shm regions the group's Python backend stubs were started with (an argument of theirs)."""
+    names = set()
+    for pid, _, _ in group(pgid):
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            names.update(a for a in args if a.startswith("triton_python_backend_shm_region_"))
+    return names
+
+
+def left_in_shm(names: set[str]) -> list[str]:
+    return sorted(n for n in names if (Path("/dev/shm") / n).exists())
 
 
 def health(port: int) -> dict:
@@ -111,6 +126,8 @@ async def test_serve_restarts_a_triton_that_died(served) -> None:
     ws = await websockets.connect(f"ws://127.0.0.1:{port}/backend")
     await ws.send(init_message())
     assert json.loads(await ws.recv())["type"] == "session.created"
+    shm = regions(first)
+    assert len(shm) >= 6, shm  # a stub per model instance
     killed_at = time.monotonic()
     os.kill(first, signal.SIGKILL)
 
@@ -129,6 +146,7 @@ async def test_serve_restarts_a_triton_that_died(served) -> None:
     await asyncio.to_thread(wait_status, port, "loading", 10)  # polled each second while ready
     await asyncio.to_thread(wait_status, port, "ready", 300)
     assert group(first) == [], group(first)  # no stub, no zombie of the dead server
+    assert left_in_shm(shm) == []  # nor the stubs' shared memory (16 MiB of RAM each)
     second = triton_pid_from_log(log)
     assert second != first and group(second)
     text = log.read_text()
@@ -196,6 +214,7 @@ async def test_a_dead_stage_stub_is_healed(served) -> None:
     before = current_triton(log)
     stubs = [pid for pid, _, _ in group(before) if "/llm/" in Path(f"/proc/{pid}/cmdline").read_text()]
     assert len(stubs) == 1, group(before)
+    shm = regions(before)
     ws = await websockets.connect(f"ws://127.0.0.1:{port}/backend")
     await ws.send(init_message())
     assert json.loads(await ws.recv())["type"] == "session.created"
@@ -205,6 +224,7 @@ async def test_a_dead_stage_stub_is_healed(served) -> None:
     assert code == 1013
     await asyncio.to_thread(wait_status, port, "ready", 300)
     assert group(before) == [], group(before)  # the old server and its stubs: gone, no zombie
+    assert left_in_shm(shm) == []  # the killed stub's region too
     assert current_triton(log) != before
     await speaks(port)
     text = log.read_text()
@@ -215,9 +235,11 @@ async def test_a_dead_stage_stub_is_healed(served) -> None:
 def test_a_clean_stop_leaves_nothing(served) -> None:
     process, port, log = served
     last = current_triton(log)
+    shm = regions(last)
     process.send_signal(signal.SIGINT)
     process.wait(timeout=60)
     assert group(last) == [], group(last)
+    assert shm and left_in_shm(shm) == []
 
 
 def triton_pid_from_log(log: Path) -> int:

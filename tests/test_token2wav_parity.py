@@ -48,18 +48,23 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Token2WavStr
     return folder / "assets", Token2WavStreamer(engines, model.tables(), D)
 
 
+def fit_scratch_buffers(flow: torch.nn.Module, rand_noise: np.ndarray) -> None:
+    """The official CFM / DiT write caches into scratch buffers sized for the real widths (16 blocks, 1024, ...):
+    sized for tiny's; and its noise table, drawn unseeded at construction, is the one our export wrote."""
+    cfm, est = flow.decoder, flow.decoder.estimator
+    cfm.cnn_cache_buffer = torch.zeros(D.n_timesteps, D.dit_depth, 2, 2 * D.dit_hidden, 2)
+    cfm.att_cache_buffer = torch.zeros(D.n_timesteps, D.dit_depth, 2, D.dit_heads, 1000, 2 * D.dit_head_dim)
+    est.cnn_cache_buffer = torch.zeros(D.dit_depth, 2, 2 * D.dit_hidden, 2)
+    est.att_cache_buffer = torch.zeros(D.dit_depth, 2, D.dit_heads, 1000, 2 * D.dit_head_dim)
+    cfm.rand_noise = torch.from_numpy(rand_noise)[None]
+
+
 def _official(folder: Path, streamer: Token2WavStreamer) -> tuple[torch.nn.Module, torch.nn.Module]:
     flow = load_flow_yaml(folder / "flow.yaml")
     flow.load_state_dict(torch.load(folder / "flow.pt", weights_only=True))
     hift = build_hift(D)
     hift.load_state_dict({k.removeprefix("generator."): v for k, v in torch.load(folder / "hift.pt").items()})
-    cfm, est = flow.decoder, flow.decoder.estimator
-    # The official CFM / DiT write caches into scratch buffers sized for the real widths (16 blocks, 1024, ...).
-    cfm.cnn_cache_buffer = torch.zeros(D.n_timesteps, D.dit_depth, 2, 2 * D.dit_hidden, 2)
-    cfm.att_cache_buffer = torch.zeros(D.n_timesteps, D.dit_depth, 2, D.dit_heads, 1000, 2 * D.dit_head_dim)
-    est.cnn_cache_buffer = torch.zeros(D.dit_depth, 2, 2 * D.dit_hidden, 2)
-    est.att_cache_buffer = torch.zeros(D.dit_depth, 2, D.dit_heads, 1000, 2 * D.dit_head_dim)
-    cfm.rand_noise = torch.from_numpy(streamer.rand_noise)[None]  # its noise is drawn unseeded at construction
+    fit_scratch_buffers(flow, streamer.rand_noise)
     return flow.eval(), hift.eval()
 
 
@@ -160,7 +165,9 @@ def _voice(seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch) -> None:
     folder, streamer = assets
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # the conformer's forward_chunk is torch.compile'd
+    # the conformer's forward_chunk is torch.compile'd; raising=False: torch's config module loses the name once a
+    # monkeypatch of it is undone, so a second test in this process could not patch it otherwise
+    monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)
     flow, hift = _official(folder, streamer)
     rng = np.random.default_rng(7)
     # two sessions with different voices (prompts of different lengths), two turns each; 90 tokens a turn

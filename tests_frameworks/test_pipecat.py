@@ -227,8 +227,13 @@ async def stock_session(gateway: Gateway, speech: Callable[[str], bytes]) -> lis
         await say(ws, speech(QUESTION) + silence(1.0))
         await until(ws, "response.output_audio.delta")
         await say(ws, speech(INTERRUPTION) + silence(1.0))
-        await until(ws, "conversation.item.truncated")
-        await until(ws, "response.done")  # the reply to the caller's interruption
+        # A reply still speaking when the interruption starts is cut (conversation.item.truncated); one already
+        # done is not (over a WebSocket the client truncates what it had not played, as below). Either way the
+        # interruption is committed and answered.
+        await until(ws, "input_audio_buffer.committed")
+        reply = (await until(ws, "response.created"))["response"]["id"]
+        while (await until(ws, "response.done"))["response"]["id"] != reply:
+            pass
         await send(ws, "conversation.item.create", item={"type": "message", "role": "user",
                                                          "content": [{"type": "input_text", "text": "And Berlin?"}]})
         await send(ws, "response.create")

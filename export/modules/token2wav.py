@@ -74,6 +74,54 @@ MEL_GAIN = 20.0  # tiny only: HiFT's first conv, so what the flow says is audibl
 NOISE_SEED = 0  # CausalConditionalCFM draws its noise table at construction (not in flow.pt)
 
 
+# A config.yaml in minicpmo-utils 1.0.7's layout: CosyVoice3's causal HiFT under its upstream tags (resolved by the
+# loaders) at a width, modelled on CosyVoice3's published config (the real file is not here to compare); its
+# `hifigan` (the training wrapper) is overridden away by the package's loader, so that tag never resolves
+CAUSAL_HIFT_YAML = """\
+sample_rate: 24000
+hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
+    in_channels: 80
+    base_channels: {channels}
+    nb_harmonics: 8
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: 0.1
+    nsf_sigma: 0.003
+    nsf_voiced_threshold: 10
+    upsample_rates: [8, 5, 3]
+    upsample_kernel_sizes: [16, 11, 7]
+    istft_params:
+        n_fft: 16
+        hop_len: 4
+    resblock_kernel_sizes: [3, 7, 11]
+    resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    source_resblock_kernel_sizes: [7, 7, 11]
+    source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]
+    lrelu_slope: 0.1
+    audio_limit: 0.99
+    conv_pre_look_right: 4
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor
+        num_class: 1
+        in_channels: 80
+        cond_channels: {channels}
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: 1920
+    num_mels: 80
+    sampling_rate: !ref <sample_rate>
+    hop_size: 480
+    win_size: 1920
+    fmin: 0
+    fmax: 8000
+    center: False
+hifigan: !new:cosyvoice.hifigan.hifigan.HiFiGan
+    generator: !ref <hift>
+"""
+
+
+def causal_hift_yaml(channels: int) -> str:
+    """A 1.0.7-layout config.yaml (tests and benches build the layout from it with the official classes)."""
+    return CAUSAL_HIFT_YAML.format(channels=channels)
+
+
 def flow_yaml(d: Token2WavDims) -> str:
     return FLOW_YAML.format(dit_in=4 * d.n_mels, **{k: getattr(d, k) for k in (
         "channels", "n_mels", "spk_embed_dim", "vocab", "lookahead", "num_blocks", "num_up_blocks", "heads",
@@ -145,12 +193,13 @@ class Token2WavModel(nn.Module):
         return model.eval()
 
     @classmethod
-    def load(cls, folder: Path, d: Token2WavDims) -> Token2WavModel:
-        """A checkpoint's assets/token2wav: flow.yaml, flow.pt, hift.pt (original HiFT, keys `generator.*`)."""
+    def load(cls, folder: Path, d: Token2WavDims, hift_file: str = "hift.pt") -> Token2WavModel:
+        """A checkpoint's assets/token2wav: flow.yaml, flow.pt and `hift_file` (original HiFT, keys `generator.*`:
+        hift.pt in 1.0.5's layout, hift_original.pt in 1.0.7's)."""
         flow = load_flow_yaml(folder / "flow.yaml")
         flow.load_state_dict(torch.load(folder / "flow.pt", map_location="cpu", weights_only=True), strict=True)
         state = {k.removeprefix(HIFT_PREFIX): v
-                 for k, v in torch.load(folder / "hift.pt", map_location="cpu", weights_only=True).items()}
+                 for k, v in torch.load(folder / hift_file, map_location="cpu", weights_only=True).items()}
         # hift.pt has no config: its widths are its tensors' (the real one is HiFTGenerator's defaults)
         hift = build_hift(dataclasses.replace(d, hift_channels=_out_channels(state, "conv_pre."),
                                               f0_channels=_out_channels(state, "f0_predictor.condnet.0.")))

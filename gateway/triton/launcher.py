@@ -162,6 +162,28 @@ def _die_with_parent() -> None:
         pass
 
 
+SHM_DIR = Path("/dev/shm")
+STUB_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def stub_regions(pgid: int) -> set[str]:
+    """The shared-memory regions of the Python backend stubs in this process group (each stub is started with
+    its region's name). A stub or server killed with SIGKILL never unlinks its region: 16 MiB of RAM each, in
+    /dev/shm, until someone does."""
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue  # gone meanwhile, or not ours to read
+        names.update(a.decode() for a in args if a.startswith(STUB_REGION_PREFIX.encode()))
+    return names
+
+
 class TritonServer:
     """A `tritonserver` child process on given ports."""
 
@@ -182,6 +204,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._regions: set[str] = set()  # its stubs' shared memory, unlinked by `reap` (see stub_regions)
 
     def start(self) -> None:
         install = find_triton()
@@ -214,6 +237,7 @@ class TritonServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self._log_hint()}")
             if self.is_ready():
+                self._note_regions()  # every stub is up: a stub that dies later is still known
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s; {self._log_hint()}")
@@ -239,17 +263,27 @@ class TritonServer:
     def kill(self) -> None:
         """Kill the whole server now (its stubs with it); whoever waits on the process (the supervisor) reaps it."""
         if self.process is not None and self.process.poll() is None:
+            self._note_regions()
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
+
+    def _note_regions(self) -> None:
+        if self.process is not None:
+            self._regions |= stub_regions(self.process.pid)
 
     def reap(self) -> None:
         """Whatever is left of the server: its process group (the Python backend stubs it forked) killed, the
         process itself waited for (no zombie)."""
         if self.process is None:
             return
+        self._note_regions()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # start_new_session: the group id is its pid
         self.process.wait()
+        for name in self._regions:  # after a clean exit the stubs unlinked their own: nothing left to do
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
+        self._regions = set()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

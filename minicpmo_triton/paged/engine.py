@@ -136,8 +136,8 @@ class PagedLlmEngine:
         if wants:
             for pos, vec in zip(wants, self.hidden_rows(out, wants), strict=True):
                 driver.add_hidden(rows[pos], vec)
-        picks = [(pos, row, driver.pick(row)) for pos, row in enumerate(rows)]
-        picks = [(pos, row, p) for pos, row, p in picks if p is not None]
+        asked = [(pos, row, driver.pick(row)) for pos, row in enumerate(rows)]
+        picks = [(pos, row, p) for pos, row, p in asked if p is not None]
         if not picks:
             return {}
         at = self.traffic.upload("inputs", [pos for pos, _, _ in picks], self.device)

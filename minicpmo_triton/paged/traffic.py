@@ -32,7 +32,7 @@ class Traffic:
     to_device: Counter[str] = field(default_factory=Counter)
     to_host: Counter[str] = field(default_factory=Counter)
 
-    def upload(self, kind: str, value: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    def upload(self, kind: str, value: np.ndarray | torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
         tensor = torch.as_tensor(value)
         self.to_device[kind] += tensor.numel() * tensor.element_size()
         return tensor.to(device, non_blocking=True)

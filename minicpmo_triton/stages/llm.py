@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -70,9 +70,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
     def __init__(self, engine: Engine | PagedLlmEngine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  encoder: AudioStreamEncoder | None = None, admit_tokens: int = 1024) -> None:
         super().__init__(ttl_s)
-        self.engine = engine
-        # the paged engine keeps every session's KV cache in its pool; today's engines take it in each call
-        self.paged: PagedLlmEngine | None = engine if getattr(engine, "name", "") == "paged" else None  # type: ignore[assignment]
+        # the paged engine keeps every session's KV cache in its pool; the ONNX engine takes it in each call
+        self.paged = cast("PagedLlmEngine", engine) if getattr(engine, "name", "") == "paged" else None
+        self.engine = cast(Engine, engine)  # used only where self.paged is None
         self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
@@ -262,7 +262,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             return {"input_ids": np.array(tokens, np.int64)[:, None],
                     "embeds": np.zeros((n, 1, h), np.float32), "use_embeds": np.zeros((n, 1), bool)}
 
-        host_caches, host_timing = batched_decode(self.engine, [s.cache for _, s in items], prefill,  # type: ignore[arg-type]
+        host_caches, host_timing = batched_decode(self.engine, [cast(KvCache, s.cache) for _, s in items], prefill,
                                                   step_feeds, choose, ("logits", "hidden"))
         return self._results(items, decoders, host_caches, hidden_of, prefill, host_timing, encode_ms)
 
@@ -358,7 +358,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
                                                                      np.zeros((0, self.preset.llm.hidden), np.float32),
                                                                      np.zeros(len(ids), bool))])
             return PagedCache(cache.seq, cache.length + len(ids))
-        batch, n = KvBatch([cache]), np.array([len(ids)], np.int64)  # type: ignore[list-item]
+        batch, n = KvBatch([cast(KvCache, cache)]), np.array([len(ids)], np.int64)
         out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
                                "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
                                "use_embeds": np.zeros((1, len(ids)), bool), **batch.feeds(n)})

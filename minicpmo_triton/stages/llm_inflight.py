@@ -164,7 +164,8 @@ class InflightLlm:
             # a session's next call waits for its row in flight, or for the one queued before it (a client may
             # send it before the answer)
             busy = {self.rows[r].queued.call.corr_id for r in self._open}
-            ready, held = [], deque()
+            ready: list[_Queued] = []
+            held: deque[_Queued] = deque()
             for q in self._queue:
                 (held if q.call.corr_id in busy else ready).append(q)
                 busy.add(q.call.corr_id)
@@ -255,7 +256,7 @@ class InflightLlm:
             row = self.rows[index]
             self._open.discard(index)
             self._undo(row)
-            out = isolated(self.stage.compute, [(row.req, row.sess)], lambda _, r=row: self._undo(r))[0]
+            out = isolated(self.stage.compute, [(row.req, row.sess)], lambda _, r=row: self._undo(r))[0]  # type: ignore[misc]
             self._answer(row.queued, out)
 
     @staticmethod

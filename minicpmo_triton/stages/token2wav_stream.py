@@ -11,6 +11,10 @@ original HiFT's 8-frame mel / 3840-sample source caches with a Hamming cross-fad
 - the vocoder runs on the previous chunk's last 8 mel frames + this chunk's, its source's first 3840 samples
   replaced by the previous tail, and the first 3840 samples cross-faded with the previous chunk's held tail.
 
+minicpmo-utils 1.0.7's layout (`causal`, a `CausalVocoder`) streams as its Token2wav.stream does instead: the
+prompt's setup is led into by its own first 3 tokens (not silence), and each chunk's fresh mel goes through the
+causal HiFT's `BoundedVocoder` in torch, per session (its state in `Stream.vocoder`), no cross-fade.
+
 Rows of many sessions run as one forward per graph: caches of different lengths are padded and masked;
 chunks of different lengths go in separate forwards.
 
@@ -31,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
+from ..causal_vocoder import CausalVocoder, VocoderState
 from ..engines import Engine, load_engine
 from ..model_config import Token2WavDims
 
@@ -76,11 +82,13 @@ class Stream:
     source: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # last 3840 source samples
     speech: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # held tail, to cross-fade
     first_chunk: bool = True
+    vocoder: VocoderState | None = None  # 1.0.7's causal vocoder state (its turn's), else the caches above
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     @property
     def nbytes(self) -> int:
-        return self.flow.nbytes + self.mel.nbytes + self.source.nbytes + self.speech.nbytes
+        vocoder = 0 if self.vocoder is None else self.vocoder.nbytes
+        return self.flow.nbytes + self.mel.nbytes + self.source.nbytes + self.speech.nbytes + vocoder
 
 
 Noise = Callable[[Stream, int], tuple[np.ndarray, np.ndarray]]
@@ -147,8 +155,9 @@ def _trim(a: np.ndarray, axis: int, head: int, tail: int) -> np.ndarray:
 
 class Token2WavStreamer:
     def __init__(self, engines: dict[str, Engine], tables: dict[str, np.ndarray], d: Token2WavDims,
-                 noise: Noise | None = None) -> None:
+                 noise: Noise | None = None, causal: CausalVocoder | None = None) -> None:
         self.enc, self.est, self.voc = (engines[g] for g in GRAPHS)
+        self.causal = causal  # 1.0.7's layout: its causal vocoder, run in torch, instead of the vocoder graph
         self.d = d
         self.rand_noise = tables["rand_noise"]  # [80, 30000]
         self.spk_weight, self.spk_bias = tables["spk_weight"], tables["spk_bias"]
@@ -161,8 +170,9 @@ class Token2WavStreamer:
     @classmethod
     def load(cls, folder: Path, d: Token2WavDims, threads: int = 1) -> Token2WavStreamer:
         engines = {g: load_engine(folder, threads, name=g) for g in GRAPHS}
+        causal = CausalVocoder.load(folder / CAUSAL_FOLDER) if (folder / CAUSAL_FOLDER).is_dir() else None
         with np.load(folder / TABLES_FILE) as tables:
-            return cls(engines, dict(tables), d)
+            return cls(engines, dict(tables), d, causal=causal)
 
     # ---- voice prompts ----
     def project_speaker(self, embedding: np.ndarray) -> np.ndarray:
@@ -171,9 +181,11 @@ class Token2WavStreamer:
         return (self.spk_weight @ e + self.spk_bias).astype(np.float32)
 
     def setup(self, tokens: np.ndarray, mel: np.ndarray, embedding: np.ndarray) -> VoicePrompt:
-        """setup_cache: the prompt's tokens + 3 silence tokens (lookahead), its mel [2*len(tokens), 80]."""
+        """setup_cache: the prompt's tokens + 3 lookahead tokens, its mel [2*len(tokens), 80]. The lookahead is 3
+        silence tokens (1.0.5), or the prompt's own first 3 (1.0.7's `set_stream_cache`, token2wav.py:197-199)."""
         d = self.d
-        tokens = np.concatenate([tokens.astype(np.int64), np.full(d.lookahead, d.silence_token, np.int64)])
+        lead = tokens[:d.lookahead] if self.causal is not None else np.full(d.lookahead, d.silence_token)
+        tokens = np.concatenate([tokens.astype(np.int64), np.asarray(lead, np.int64)])
         if (len(tokens) - d.lookahead) * UP_RATE != len(mel):
             raise ValueError(f"a voice prompt of {len(tokens) - d.lookahead} tokens needs "
                              f"{(len(tokens) - d.lookahead) * UP_RATE} mel frames, got {len(mel)}")
@@ -215,6 +227,7 @@ class Token2WavStreamer:
         stream.source = np.zeros(0, np.float32)
         stream.speech = np.zeros(0, np.float32)
         stream.first_chunk = True
+        stream.vocoder = None if self.causal is None else self.causal.new_state()
 
     # ---- one batched chunk per stream ----
     def chunk(self, rows: list[tuple[Stream, list[int], bool]]) -> list[np.ndarray]:
@@ -230,6 +243,12 @@ class Token2WavStreamer:
             mus = self._conformer(items)
             feats = self._cfm([(s, mu, np.zeros_like(mu)) for (_, s, _, _), mu in zip(flow_rows, mus, strict=True)])
             mels = {i: f for (i, _, _, _), f in zip(flow_rows, feats, strict=True)}
+        if self.causal is not None:  # per session, in torch; an empty last chunk flushes its delay
+            empty = np.zeros((d.n_mels, 0), np.float32)
+            for i, (stream, _, last) in enumerate(rows):
+                assert stream.vocoder is not None, "restart() sets a turn's vocoder state"
+                out[i] = self.causal.stream(stream.vocoder, mels.get(i, empty), last)
+            return out
         voc = []
         for i, (stream, _, last) in enumerate(rows):
             if i in mels:

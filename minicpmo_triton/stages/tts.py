@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -58,9 +58,9 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
 
     def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float) -> None:
         super().__init__(ttl_s)
-        self.engine = engine
         # the paged engine keeps every session's turn cache in its pool; ONNX takes it in each call
-        self.paged: PagedTtsEngine | None = engine if getattr(engine, "name", "") == "paged" else None  # type: ignore[assignment]
+        self.paged = cast("PagedTtsEngine", engine) if getattr(engine, "name", "") == "paged" else None
+        self.engine = cast(Engine, engine)  # used only where self.paged is None
         self.preset = preset
         d = preset.tts.decoder
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
@@ -156,7 +156,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         if self.paged is not None:
             caches = self._paged_decode(items, prefill, choose)
         else:
-            caches = list(batched_decode(self.engine, [s.cache for _, s in items], prefill, step_feeds,  # type: ignore[arg-type]
+            caches = list(batched_decode(self.engine, [cast(KvCache, s.cache) for _, s in items], prefill, step_feeds,
                                          lambda row, out: choose(row, out["logits"]), ("logits",))[0])
         results = []
         for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
