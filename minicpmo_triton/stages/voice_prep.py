@@ -11,8 +11,9 @@ runs beside the batches.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +33,7 @@ class VoicePreparer:
         self._pending: dict[bytes, Future[None]] = {}  # preparations queued or running, by the reference's key
         self._pending_lock = threading.RLock()  # a preparation done at once runs `_forget` under it
 
-    def serve(self, calls: list[StageCall[Token2WavRequest]], answers: list[Answer],
+    def serve(self, calls: list[StageCall[Token2WavRequest]], answers: Sequence[Answer],
               after: Callable[[], None] = lambda: None) -> None:
         """Answer each call through its `answers` entry: those whose voice prompt is at hand now, as one batch;
         one with a new reference once its prompt is prepared. `after`: once a batch's answers are sent."""
@@ -42,8 +43,8 @@ class VoicePreparer:
             if new is None:
                 now.append(i)
             else:
-                self._prepare(*new).add_done_callback(
-                    lambda done, call=call, answer=answers[i]: self._run_after(done, call, answer, after))
+                self._prepare(*new).add_done_callback(functools.partial(self._run_after, call=call,
+                                                                        answer=answers[i], after=after))
         if now:
             with self.lock:
                 results = self.stage.run([calls[i] for i in now])
