@@ -255,6 +255,7 @@ def test_the_tokenizer_set_is_required(reference, tmp_path: Path) -> None:
     assert done.returncode == 1 and "merges.txt" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.checkpoints  # .ci/run step: an export at the published dimensions
 def test_export_cli_builds_the_real_preset_from_the_checkpoint(reference, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     stale = repo / "speaker_encoder" / "1" / "model.onnx"  # an older export's artefact, its config.pbtxt gone
@@ -297,6 +298,7 @@ def test_export_cli_errors_are_clear(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir()), "nothing is written when the request is refused"
 
 
+@pytest.mark.checkpoints  # .ci/run step: an export at the published dimensions
 def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None:
     """The exported real-preset stages serve a step in process (HF tokenizer, 151748 vocab)."""
     import asyncio

@@ -25,7 +25,7 @@ from .conftest import MODEL_REPOSITORY, REPO, RunningGateway, RunningTriton, sta
 from .helpers import GREEDY, SPEAKING_TEXT, default_ref_tokens, deltas, transcript
 from .reference_checkpoint import to_1_0_7_layout, write_checkpoint
 
-pytestmark = pytest.mark.asyncio(loop_scope="function")
+pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.checkpoints]  # .ci/run step
 CHUNKS = 5
 
 

@@ -39,6 +39,8 @@ from .conftest import REPO
 from .reference_checkpoint import to_1_0_7_layout, write_checkpoint
 from .test_token2wav_parity import _chunks, _voice, fit_scratch_buffers
 
+pytestmark = pytest.mark.checkpoints  # .ci/run's step of its own
+
 D = Token2WavDims()
 def write_1_0_7_layout(root: Path) -> Path:
     """A checkpoint folder whose assets/token2wav holds 1.0.7's files, random weights from the official classes."""
