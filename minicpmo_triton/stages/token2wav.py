@@ -114,6 +114,15 @@ class VoicePrompts:
         return prompt
 
 
+def voice_problem(voice: np.ndarray) -> StepError | None:
+    """Why a voice reference (16 kHz; empty: none given) cannot be used, or None."""
+    if 0 < len(voice) < MIN_VOICE_SAMPLES:
+        return StepError(Code.INVALID_VOICE, f"token2wav: a voice reference needs {MIN_VOICE_SAMPLES} samples (16 kHz)")
+    if not np.isfinite(voice).all():
+        return StepError(Code.INVALID_VOICE, "token2wav: the voice reference holds NaN or infinite samples")
+    return None
+
+
 class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavSession]):
     def __init__(self, streamer: Token2WavStreamer, prompts: VoicePrompts, preset: PresetConfig,
                  ttl_s: float) -> None:
@@ -143,17 +152,14 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def check(self, request: Token2WavRequest, state: Token2WavSession) -> None:
         if ((request.speech_tokens < 0) | (request.speech_tokens >= self.vocab)).any():
             raise StepError(Code.INVALID_INPUT, "token2wav: speech token id out of the vocabulary")
-        if 0 < len(request.voice) < MIN_VOICE_SAMPLES:
-            raise StepError(Code.INVALID_VOICE,
-                            f"token2wav: a voice reference needs {MIN_VOICE_SAMPLES} samples (16 kHz)")
-        if not np.isfinite(request.voice).all():
-            raise StepError(Code.INVALID_VOICE,
-                            "token2wav: the voice reference holds NaN or infinite samples")
+        problem = voice_problem(request.voice)
+        if problem is not None:
+            raise problem
 
     def new_voice(self, request: Token2WavRequest) -> tuple[bytes, np.ndarray] | None:
         """A usable reference whose prompt is not computed yet (its key and audio): `VoicePreparer` computes it
         before the call runs. None: the call runs now (no reference, a known one, or one `check` refuses)."""
-        if len(request.voice) < MIN_VOICE_SAMPLES or not np.isfinite(request.voice).all():
+        if len(request.voice) == 0 or voice_problem(request.voice) is not None:
             return None
         voice = np.asarray(request.voice, np.float32)
         key = audio_key(voice)
