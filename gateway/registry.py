@@ -10,12 +10,11 @@ import functools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from typing import Protocol
 
 from . import peers
 from .settings import Settings
-from .stage_health import StageHealth
+from .stage_health import OwnedTriton, StageHealth
 from .triton.placement import NoEndpoint
 from .triton.pool import EndpointPool
 from .triton.stream import next_correlation_id
@@ -70,8 +69,9 @@ class Gateway:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.pool = EndpointPool(settings.triton_url, settings.triton_endpoints_file or None, settings.failover_s,
                                  self.sessions_per_endpoint, self._endpoint_down)
-        # endpoint url -> what restarts that Triton, for those this gateway owns (set by gateway.serve)
-        self.healers: dict[str, Callable[[], None]] = {}
+        # endpoint url -> the Triton there, for those this gateway started (set by gateway.serve before the watches
+        # start): restarted when it will not reload a broken stage's model
+        self.owned: dict[str, OwnedTriton] = {}
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
@@ -174,7 +174,8 @@ class Gateway:
                     health = StageHealth(url, s.health_period_s, s.health_timeout_s, s.step_timeout_s,
                                          functools.partial(self._stages_are, url),
                                          functools.partial(self._endpoint_down, url),
-                                         heal=functools.partial(self._heal, url))
+                                         owned=self.owned.get(url),
+                                         reloads_before_restart=s.reloads_before_restart)
                     watches[url] = asyncio.get_running_loop().create_task(health.watch())
                 for url in watches.keys() - self.pool.endpoints.keys():
                     watches.pop(url).cancel()
@@ -194,12 +195,7 @@ class Gateway:
                 log.info("endpoint %s: every stage answers", url)
             else:
                 log.warning("endpoint %s: stages %s: %s; no new sessions there", url, state, why)
-        endpoint.stages = state
-
-    def _heal(self, url: str) -> None:
-        healer = self.healers.get(url)
-        if healer is not None:
-            healer()
+        endpoint.stages, endpoint.stages_why = state, why
 
     @property
     def backend_state(self) -> str:

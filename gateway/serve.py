@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(health: http://{args.host}:{args.port}/health)",
               flush=True)
         app = create_app(settings)
-        if supervisor is not None:  # a broken stage is healed by a fresh Triton (gateway/stage_health.py)
-            app.state.gateway.healers[server.ports.grpc_url] = supervisor.server.kill
+        if supervisor is not None:  # a stage Triton will not reload is healed by a fresh Triton (stage_health)
+            app.state.gateway.owned[server.ports.grpc_url] = supervisor.server
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
                                 ws_per_message_deflate=settings.ws_deflate, log_level="info")
         for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted

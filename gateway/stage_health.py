@@ -12,8 +12,11 @@ Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet); `unrespon
 `health_timeout_s`); `broken` (a probe answered an error two rounds in a row, or none answered for
 `step_timeout_s`; probes merely slow behind real work change nothing before that). Unless ready,
 /health says not ready; on broken every live session is told `backend_unavailable` (retryable) and ended, once,
-and the gateway heals when it owns Triton (`heal`: gateway.serve kills Triton's process group, and its supervisor
-starts a new one), once until the backend is ready again. A silent server (unresponsive) is only reported here:
+and the gateway heals, once until the backend is ready again: it reloads the failing stages' models through
+Triton's model control API (gateway/triton/reload.py; any gateway may, Triton in explicit mode); when that is
+refused, or no probe answered at all, a gateway that owns Triton restarts it (`owned`: gateway.serve kills
+Triton's process group, and its supervisor starts a new one); one that does not says why on /health.
+A silent server (unresponsive) is only reported here:
 its sessions are ended by the one silence detector, the endpoint pool's failover (gateway/triton/pool.py,
 `failover_s`), not told a second time by this watch.
 """
@@ -25,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -43,6 +46,7 @@ from minicpmo_triton.stage_io import (
 )
 
 from .triton.decoupled import infer_decoupled
+from .triton.reload import ReloadRefused, reload_models
 from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 
 log = logging.getLogger("gateway.health")
@@ -166,41 +170,92 @@ async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: floa
     return Report(live=True, models_ready=True, failed=failed, probes_answered=True)
 
 
+class OwnedTriton(Protocol):
+    """A Triton this gateway started (gateway.triton.launcher.TritonServer)."""
+
+    def kill(self) -> None: ...  # its supervisor starts a new one
+
+    def note_regions(self) -> None: ...  # its stubs' shared memory, unlinked when it is reaped
+
+
 class StageHealth:
     """The watch loop: rounds of `check`, the verdict, and what follows from it."""
 
     def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
                  on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
-                 heal: Callable[[], None] | None = None) -> None:
+                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3) -> None:
         self.url = url
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.verdict = Verdict(timeout_s, hang_s)
         self.on_change = on_change
         self.tell_sessions = tell_sessions
-        self.heal = heal
+        self.owned = owned
+        # Triton 2.51's Python backend never frees a reloaded model's old instance once a request has failed on its
+        # dead stub (the stub a zombie, its shared-memory region mapped): past this many, a Triton the gateway owns
+        # is restarted whole, which frees them all
+        self.reloads_before_restart = reloads_before_restart
+        self.reloads = 0
         self._told = False
         self._healed = False
 
-    def apply(self, report: Report, now: float) -> None:
+    def apply(self, report: Report, now: float) -> bool:
+        """Observe one round; True when the backend is to be healed now (once per episode of brokenness)."""
         state = self.verdict.observe(report, now)
         self.on_change(state, self.verdict.why)  # the registry logs each change, with why
+        if report.live is False:
+            self.reloads = 0  # Triton is down: the one that comes next holds no old instances
         if state == "ready":
             self._told = self._healed = False
-            return
+            return False
         if state == "broken" and not self._told:  # silence (unresponsive) is the pool's failover's to tell
             self._told = True
             self.tell_sessions()
-        if state == "broken" and self.heal is not None and not self._healed:
+        if state == "broken" and not self._healed:
             self._healed = True
-            log.error("a stage is broken (%s): restarting Triton", self.verdict.why)
-            self.heal()
+            return True
+        return False
+
+    async def heal(self, client: grpcaio.InferenceServerClient, failed: list[str]) -> None:
+        """Reload the failing stages' models; when Triton refuses (or nothing answered: no stage to name), restart
+        Triton if this gateway owns it, else say on /health that someone must."""
+        why = f"no stage named ({self.verdict.why})"
+        if self.owned is not None and self.reloads >= self.reloads_before_restart:
+            why, failed = f"{self.reloads} reloads left their dead stubs' memory mapped", []
+        if failed:
+            async def still_broken(model: str) -> bool:
+                try:
+                    await asyncio.wait_for(_probe(client, self.url, model), self.timeout_s)
+                except Exception:  # noqa: BLE001 (an error, or no answer in time: still broken)
+                    return True
+                return False
+
+            try:
+                reloaded = await reload_models(client, self.url, failed, still_broken)
+                self.reloads += len(reloaded)
+                if self.owned is not None:
+                    self.owned.note_regions()  # the new stubs' too: reaped with the server
+                log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded
+                            else f"{', '.join(failed)} answer again (healed by another gateway)")
+                return
+            except ReloadRefused as exc:
+                why = str(exc)
+        if self.owned is not None:
+            log.error("a stage is broken (%s) and is not reloaded (%s): restarting Triton", self.verdict.why, why)
+            self.reloads = 0
+            self.owned.kill()
+        else:
+            self.verdict.why += f"; not healed: {why} (restart this Triton, or start it in explicit model control mode)"
+            self.on_change(self.verdict.state, self.verdict.why)
+            log.error("endpoint %s: a stage is broken and this gateway cannot heal it: %s", self.url, why)
 
     async def watch(self) -> None:
         client = grpcaio.InferenceServerClient(self.url)
         try:
             while True:
-                self.apply(await check(client, self.url, self.timeout_s), time.monotonic())
+                report = await check(client, self.url, self.timeout_s)
+                if self.apply(report, time.monotonic()):
+                    await self.heal(client, sorted(report.failed))
                 await asyncio.sleep(self.period_s)
         finally:
             await client.close()

@@ -38,14 +38,13 @@ def test_loading_and_down_are_not_ready_and_not_broken() -> None:
 
 def test_sessions_are_told_once_and_triton_healed_once_per_episode() -> None:
     seen: list[str] = []
-    told, healed = [], []
-    health = StageHealth("x", 1, 5, 60, lambda state, why: seen.append(state), lambda: told.append(1),
-                         heal=lambda: healed.append(1))
+    told: list[int] = []
+    health = StageHealth("x", 1, 5, 60, lambda state, why: seen.append(state), lambda: told.append(1))
     health.verdict = Verdict(5, 60, _last_live=0.0, _last_probed=0.0)
-    for t, r in [(1, READY), (2, DEAD), (3, DEAD), (4, DEAD), (5, DOWN), (6, LOADING), (7, READY), (8, DEAD),
-                 (9, DEAD)]:
-        health.apply(r, t)
-    assert seen[-1] == "broken" and len(told) == 2 and len(healed) == 2
+    heal_now = [health.apply(r, t) for t, r in [(1, READY), (2, DEAD), (3, DEAD), (4, DEAD), (5, DOWN),
+                                                (6, LOADING), (7, READY), (8, DEAD), (9, DEAD)]]
+    assert seen[-1] == "broken" and len(told) == 2
+    assert heal_now == [False, False, True, False, False, False, False, False, True]
 
 
 def test_a_silent_triton_is_reported_but_its_sessions_are_the_failovers_to_tell() -> None:

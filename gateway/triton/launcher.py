@@ -127,6 +127,7 @@ def server_command(
     backend_dir: Path | None,
     log_verbose: int = 0,
     address: str = LOOPBACK,
+    model_control: str = "explicit",
 ) -> list[str]:
     cmd = [
         str(install.binary),
@@ -146,7 +147,12 @@ def server_command(
         "--backend-config=python,shm-default-byte-size=16777216",
         "--backend-config=python,shm-growth-byte-size=16777216",
         "--exit-timeout-secs=10",
+        # explicit: every model loaded at start, and each one reloadable on its own through the model control API:
+        # a stage whose stub died is healed by reloading that model, not the whole server (gateway/triton/reload.py)
+        f"--model-control-mode={model_control}",
     ]
+    if model_control == "explicit":
+        cmd.append("--load-model=*")
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
     return cmd
@@ -195,8 +201,10 @@ class TritonServer:
         log_path: Path | None = None,
         log_verbose: int = 0,
         address: str = LOOPBACK,
+        model_control: str = "explicit",
     ) -> None:
         self.address = address
+        self.model_control = model_control
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports or free_ports()
         self.work_dir = Path(work_dir)
@@ -211,7 +219,7 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
         cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose,
-                             self.address)
+                             self.address, self.model_control)
         stdout = None
         if self._log_file is not None:
             self._log_file.close()
@@ -237,7 +245,7 @@ class TritonServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self._log_hint()}")
             if self.is_ready():
-                self._note_regions()  # every stub is up: a stub that dies later is still known
+                self.note_regions()  # every stub is up: a stub that dies later is still known
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s; {self._log_hint()}")
@@ -263,11 +271,12 @@ class TritonServer:
     def kill(self) -> None:
         """Kill the whole server now (its stubs with it); whoever waits on the process (the supervisor) reaps it."""
         if self.process is not None and self.process.poll() is None:
-            self._note_regions()
+            self.note_regions()
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
 
-    def _note_regions(self) -> None:
+    def note_regions(self) -> None:
+        """Remember its stubs' regions now (a stub started since, by a model reload, too), for `reap`."""
         if self.process is not None:
             self._regions |= stub_regions(self.process.pid)
 
@@ -276,7 +285,7 @@ class TritonServer:
         process itself waited for (no zombie)."""
         if self.process is None:
             return
-        self._note_regions()
+        self.note_regions()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # start_new_session: the group id is its pid
         self.process.wait()
@@ -306,12 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--address", default=LOOPBACK, help="interface Triton binds to (0.0.0.0: all of them)")
+    parser.add_argument("--model-control-mode", default="explicit", choices=("explicit", "none", "poll"),
+                        help="explicit (default): a gateway heals a stage whose stub died by reloading its model")
     args = parser.parse_args(argv)
     server = TritonServer(
         args.model_repository,
         TritonPorts(args.http_port, args.grpc_port, args.metrics_port),
         log_verbose=args.log_verbose,
         address=args.address,
+        model_control=args.model_control_mode,
     )
     server.start()
     assert server.process is not None

@@ -60,6 +60,7 @@ class Endpoint:
         self.deadline: asyncio.TimerHandle | None = None  # then its sessions are ended, unless it answers first
         # gateway/stage_health.py's verdict, set by the registry: ready | loading | unresponsive | broken
         self.stages = LOADING
+        self.stages_why = ""  # why not ready, in the stage watch's words (a broken stage not healed: why not)
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -98,7 +99,8 @@ class Endpoint:
 
     def describe(self, own_sessions: int) -> dict[str, Any]:
         live = None if self.scrape is None else self.scrape.live.get(placement.ENTRY)
-        return {"endpoint": self.url, "state": self.state, "stages": self.stages, "draining": self.draining,
+        return {"endpoint": self.url, "state": self.state, "stages": self.stages,
+                "stages_why": self.stages_why, "draining": self.draining,
                 "sessions": own_sessions,
                 "server_sessions": None if live is None else int(live), "room": self.room(own_sessions),
                 "queue_ms": round(self.queue_ms, 1)}
