@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -196,6 +197,7 @@ class StageHealth:
         # is restarted whole, which frees them all
         self.reloads_before_restart = reloads_before_restart
         self.reloads = 0
+        self._rounds_began: deque[float] = deque([0.0], maxlen=self.verdict.failed_rounds)  # Unix times
         self._told = False
         self._healed = False
 
@@ -223,20 +225,13 @@ class StageHealth:
         if self.owned is not None and self.reloads >= self.reloads_before_restart:
             why, failed = f"{self.reloads} reloads left their dead stubs' memory mapped", []
         if failed:
-            async def still_broken(model: str) -> bool:
-                try:
-                    await asyncio.wait_for(_probe(client, self.url, model), self.timeout_s)
-                except Exception:  # noqa: BLE001 (an error, or no answer in time: still broken)
-                    return True
-                return False
-
             try:
-                reloaded = await reload_models(client, self.url, failed, still_broken)
+                reloaded = await reload_models(client, self.url, failed, self._rounds_began[0])
                 self.reloads += len(reloaded)
                 if self.owned is not None:
                     self.owned.note_regions()  # the new stubs' too: reaped with the server
                 log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded
-                            else f"{', '.join(failed)} answer again (healed by another gateway)")
+                            else f"{', '.join(failed)} reloaded by another gateway meanwhile")
                 return
             except ReloadRefused as exc:
                 why = str(exc)
@@ -253,6 +248,7 @@ class StageHealth:
         client = grpcaio.InferenceServerClient(self.url)
         try:
             while True:
+                self._rounds_began.append(time.time())  # the evidence of a broken verdict: its failing rounds
                 report = await check(client, self.url, self.timeout_s)
                 if self.apply(report, time.monotonic()):
                     await self.heal(client, sorted(report.failed))

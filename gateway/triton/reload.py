@@ -9,9 +9,9 @@ Triton allows this only in explicit model control mode (`--model-control-mode=ex
 `gateway.triton.launcher` uses); any other mode refuses, and `ReloadRefused` says so.
 
 Several gateway processes watch one Triton (`--workers N`, or gateways of one host in front of one endpoint):
-they take a lock per endpoint, a file in the temporary folder, and the one that finds the model still broken once
-it holds the lock reloads it; the others find it answering (or loading) and do nothing. Gateways on other hosts do
-not share the lock; a second reload there costs a second stub start, nothing else.
+they take a lock per endpoint, a file in the temporary folder that also says when each model's last reload began;
+the first to hold it reloads the model, the others find a reload begun after their evidence of the dead stub and
+do nothing. Gateways on other hosts do not share the file; a second reload there costs a second stub start.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import IO
 
 from tritonclient.grpc import aio as grpcaio
 
@@ -41,23 +44,38 @@ def lock_path(url: str) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def endpoint_lock(url: str) -> AsyncIterator[None]:
-    """Held by one process of this host at a time, per Triton endpoint; waited for off the event loop."""
-    with open(lock_path(url), "a") as f:
+async def endpoint_lock(url: str) -> AsyncIterator[IO[str]]:
+    """The endpoint's lock file, held by one process of this host at a time (waited for off the event loop); it
+    holds when each model's last reload began (JSON: model -> Unix time)."""
+    with open(lock_path(url), "a+") as f:
         await asyncio.to_thread(fcntl.flock, f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
+            yield f
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _stamps(f: IO[str]) -> dict[str, float]:
+    f.seek(0)
+    with contextlib.suppress(ValueError):
+        return {str(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
+    return {}
+
+
 async def reload_models(client: grpcaio.InferenceServerClient, url: str, models: list[str],
-                        still_broken: Callable[[str], Awaitable[bool]]) -> list[str]:
-    """Reload those of `models` that `still_broken` says are, once this process holds the endpoint's lock; returns
-    the ones it reloaded (none: another process healed them first). Raises `ReloadRefused`."""
-    async with endpoint_lock(url):
-        broken = [m for m in models if await still_broken(m)]
+                        broken_since: float) -> list[str]:
+    """Reload `models`, found broken by requests sent from `broken_since` (Unix time) on, once this process holds
+    the endpoint's lock, but not one whose reload another process began since then (that evidence predates the
+    new stub); returns the ones it reloaded. Raises `ReloadRefused`."""
+    async with endpoint_lock(url) as f:
+        stamps = _stamps(f)
+        broken = [m for m in models if stamps.get(m, 0.0) < broken_since]
         for model in broken:
+            stamps[model] = time.time()
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(stamps))
+            f.flush()
             log.error("endpoint %s: reloading the broken model %s", url, model)
             try:
                 await client.unload_model(model)
