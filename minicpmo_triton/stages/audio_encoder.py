@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -111,6 +112,8 @@ class AudioStreamEncoder:
         self.dims = dims
         self.samples_per_token = samples_per_token
         self.filters = mel_filterbank(dims.n_mels)
+        # the pool's tables change on the stage's thread (reserve, run) and on an idle sweep's (release)
+        self._lock = threading.RLock()
 
     def _new_frames(self, n_samples: int) -> int:
         """Encoder frames a chunk of `n_samples` adds to the cache: its core mel frames after the stride-2 conv."""
@@ -122,19 +125,25 @@ class AudioStreamEncoder:
         if self.paged is None:
             return
         pool, new = self.paged.pool, self._new_frames(n_samples)
-        if not isinstance(stream.cache, PagedCache):
-            stream.cache = PagedCache(pool.open(new), 0)
-        elif not self._restarts(stream.cache.length, new + 2):  # a restart needs no more than the stream holds
-            pool.reserve(stream.cache.seq, stream.cache.length + new)
+        with self._lock:
+            if not isinstance(stream.cache, PagedCache):
+                stream.cache = PagedCache(pool.open(new), 0)
+            elif not self._restarts(stream.cache.length, new + 2):  # a restart needs no more than the stream holds
+                pool.reserve(stream.cache.seq, stream.cache.length + new)
 
     def release(self, stream: AudioStream) -> None:
         """END or eviction: the stream's blocks go back to the pool."""
         if self.paged is not None and isinstance(stream.cache, PagedCache):
-            self.paged.pool.free(stream.cache.seq)
+            with self._lock:
+                self.paged.pool.free(stream.cache.seq)
             stream.cache = None
 
     def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
         """Embeddings [audio_tokens(len(audio)), H] per item; each item's stream advances by its chunk."""
+        with self._lock:
+            return self._run(items)
+
+    def _run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
         results: list[np.ndarray] = [np.zeros(0)] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
         chunks: list[MelChunk] = []
