@@ -43,7 +43,7 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
     StageSetting("audio_engine", "auto", str, ("llm",),
                  "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a paged pool on "
                  "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
-    StageSetting("audio_pool_size", "0.1", float, ("llm",),
+    StageSetting("audio_pool_size", "0.3", float, ("llm",),
                  "the paged Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
                  "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts",),

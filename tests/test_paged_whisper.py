@@ -210,3 +210,17 @@ def test_audio_engine_choice() -> None:
     assert pick_engine("auto", False, "audio_engine") == "onnx"
     with pytest.raises(ValueError, match="audio_engine"):
         pick_engine("trt", False, "audio_engine")
+
+
+def test_export_prints_the_whisper_pool_n_sessions_need() -> None:
+    """`python -m export`'s pool table has the Whisper's: its bound is 30 s of encoder frames a session
+    (`max_positions`, where the stream restarts), whatever the session's age or whether it speaks."""
+    from export.memory import BF16, pool_bytes, pool_report
+    from export.presets import minicpmo45
+
+    real = minicpmo45()
+    a = real.audio
+    bound = 128 * a.max_positions * 2 * a.layers * a.d_model * BF16
+    assert pool_bytes(real, 128, 60, BF16, "audio_encoder") == pool_bytes(real, 128, 300, BF16, "audio_encoder")
+    assert pool_bytes(real, 128, 60, BF16, "audio_encoder") == bound
+    assert "Whisper KV pool" in "\n".join(pool_report(real))
