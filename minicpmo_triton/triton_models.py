@@ -304,7 +304,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    ctx.setting("voice_prompt_cache_mb"))
+                                    ctx.setting("voice_prompt_cache_mb"), _device(ctx))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         self.voices = VoicePreparer(stage)
         return stage
