@@ -8,6 +8,7 @@ path, counted the same way, grows). On the CPU and, where one exists, on CUDA (a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -26,7 +27,7 @@ from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.paged.whisper import PagedWhisper
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStream, AudioStreamEncoder
-from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.base import StageCall, _restore, _snapshot
 from minicpmo_triton.stages.llm import LlmStage
 from minicpmo_triton.tokenizer import load_tokenizer
 
@@ -224,3 +225,28 @@ def test_export_prints_the_whisper_pool_n_sessions_need() -> None:
     assert pool_bytes(real, 128, 60, BF16, "audio_encoder") == pool_bytes(real, 128, 300, BF16, "audio_encoder")
     assert pool_bytes(real, 128, 60, BF16, "audio_encoder") == bound
     assert "Whisper KV pool" in "\n".join(pool_report(real))
+
+
+def test_a_stream_undone_after_its_restart_restarts_again(preset, weights) -> None:
+    """A failed row is undone (`base._restore`: the stream's fields as they were). Undone after a chunk that
+    restarted the cache, its old length would lie over frames the restart rewrote: its next chunk restarts instead,
+    as the graph's path does from an empty cache with the same mel stream (not the same as never failing, but
+    never attention over overwritten frames)."""
+    dims = dataclasses.replace(preset.audio, max_positions=200)  # 3 chunks of 50, the 4th restarts
+    new, ref = paged(preset, weights, dims=dims), onnx(preset, dims)
+    stream = AudioStream()
+    for i in range(3):
+        new.reserve(stream, 16_000)
+        new.run([(audio(i), stream)])
+    before = _snapshot(stream)
+    new.reserve(stream, 16_000)
+    new.run([(audio(3), stream)])
+    assert stream.cache == PagedCache(0, 50)  # restarted
+    _restore(stream, before)
+    assert stream.cache == PagedCache(0, 150)
+    twin = AudioStream(mel=copy.deepcopy(stream.mel))  # the graph's path from an empty cache, the same mel stream
+    chunk = audio(9, 0.5)
+    new.reserve(stream, len(chunk))
+    got = new.run([(chunk, stream)])[0]
+    assert stream.cache == PagedCache(0, 25)
+    np.testing.assert_allclose(got, ref.run([(chunk, twin)])[0], atol=1e-4)

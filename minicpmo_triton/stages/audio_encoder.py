@@ -94,6 +94,7 @@ class AudioStream:
 
     mel: MelStream = field(default_factory=MelStream)
     cache: KvCache | PagedCache | None = None  # None until the first chunk
+    restarts: int = 0  # paged: the pool entry's restarts this stream has seen (an undo may put back an older count)
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +115,7 @@ class AudioStreamEncoder:
         self.filters = mel_filterbank(dims.n_mels)
         # the pool's tables change on the stage's thread (reserve, run) and on an idle sweep's (release)
         self._lock = threading.RLock()
+        self._restarted: dict[int, int] = {}  # paged: restarts of each pool entry (its frames rewritten from 0)
 
     def _new_frames(self, n_samples: int) -> int:
         """Encoder frames a chunk of `n_samples` adds to the cache: its core mel frames after the stride-2 conv."""
@@ -136,6 +138,7 @@ class AudioStreamEncoder:
         if self.paged is not None and isinstance(stream.cache, PagedCache):
             with self._lock:
                 self.paged.pool.free(stream.cache.seq)
+                self._restarted.pop(stream.cache.seq, None)
             stream.cache = None
 
     def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
@@ -202,8 +205,11 @@ class AudioStreamEncoder:
             if not isinstance(stream.cache, PagedCache):  # a call that skipped `reserve` (a direct caller)
                 self.reserve(stream, (chunk.mel.shape[1] - CONTEXT_FRAMES * (1 if chunk.first else 2)) * HOP)
             cache = cast(PagedCache, stream.cache)
-            if stream.mel.chunks == 1 or self._restarts(cache.length, frames_after_conv):
+            # a stream undone after a restart holds a length over frames the restart rewrote: it restarts too
+            stale = stream.restarts != self._restarted.get(cache.seq, 0)
+            if stream.mel.chunks == 1 or stale or self._restarts(cache.length, frames_after_conv):
                 self.paged.pool.truncate(cache.seq, 0)
                 stream.cache = cache.truncated(0)
+                stream.restarts = self._restarted[cache.seq] = self._restarted.get(cache.seq, 0) + 1
         elif stream.cache is None or self._restarts(cast(KvCache, stream.cache).length, frames_after_conv):
             stream.cache = KvCache.empty(d.layers, d.heads, d.d_model // d.heads)
