@@ -1,6 +1,7 @@
 """Over the real servers, the duplex audio stream's Whisper on its paged encoder (`audio_engine=paged`, on the CPU
-here): the llm model loads it from the export's weights, a conversation's greedy text is the one the stream.onnx
-graph gives (the session-wide server), and the sessions leave no stage state behind."""
+here), with the LLM on ONNX and on its paged in-flight engine: the llm model loads it from the export's weights, a
+conversation's greedy text is the one the stream.onnx graph gives (the session-wide server), and the sessions
+leave no stage state behind."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from .helpers import GREEDY, SPEAKING_TEXT, deltas
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
 
-@pytest.fixture(scope="module")
-def paged_whisper_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
-    yield from triton_with({"MINICPMO_AUDIO_ENGINE": "paged"}, tmp_path_factory.mktemp("triton_paged_whisper"))
+@pytest.fixture(scope="module", params=["onnx", "paged"], ids=["llm-onnx", "llm-paged-inflight"])
+def paged_whisper_triton(request: pytest.FixtureRequest,
+                         tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    """The paged Whisper beside the LLM on ONNX (execute() encodes), and on the paged engine (its in-flight loop
+    encodes the admitted rows' audio)."""
+    env = {"MINICPMO_AUDIO_ENGINE": "paged", "MINICPMO_LLM_ENGINE": request.param}
+    yield from triton_with(env, tmp_path_factory.mktemp("triton_paged_whisper"))
 
 
 async def _text(endpoint: str, audio, log) -> str:
