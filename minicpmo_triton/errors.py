@@ -30,6 +30,7 @@ class Code(StrEnum):
     INVALID_INPUT = "invalid_input"
     NUMERIC_ERROR = "numeric_error"
     POOL_FULL = "pool_full"  # the KV pool has no room for this session now: retryable, once others end
+    QUEUE_FULL = "queue_full"  # a stage's queue of work (token2wav's new voices) is full now: retryable
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
     INTERNAL_ERROR = "internal_error"
@@ -40,8 +41,8 @@ class Code(StrEnum):
 
 CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
 CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config",
-                 Code.INVALID_VOICE: "invalid_voice", Code.POOL_FULL: "pool_full"}
-RETRYABLE = frozenset({Code.POOL_FULL})  # the same request may succeed later: the client is told to retry
+                 Code.INVALID_VOICE: "invalid_voice", Code.POOL_FULL: "pool_full", Code.QUEUE_FULL: "queue_full"}
+RETRYABLE = frozenset({Code.POOL_FULL, Code.QUEUE_FULL})  # the same request may succeed later: told to retry
 
 STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)

@@ -8,6 +8,8 @@ batch dimension of a request is added and removed by the callers.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -169,6 +171,11 @@ class TtsResult:
 
 
 # ---- token2wav ----
+def audio_key(audio: np.ndarray) -> bytes:
+    """What identifies a voice reference: the hash of its float32 samples."""
+    return hashlib.sha256(np.ascontiguousarray(audio, np.float32).tobytes()).digest()
+
+
 @dataclass
 class Token2WavRequest:
     speech_tokens: np.ndarray = tensor(np.int64, 1)
@@ -178,6 +185,11 @@ class Token2WavRequest:
     # so far (at first, the default voice), or the default voice again with `default_voice`.
     voice: np.ndarray = tensor(np.float32, 1)
     default_voice: bool = False
+
+    @functools.cached_property
+    def voice_key(self) -> bytes:
+        """`audio_key` of its voice reference, hashed once however often the stage asks (30 s: 2 MB)."""
+        return audio_key(self.voice)
 
 
 @dataclass

@@ -54,6 +54,9 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "the pool room a new session needs; refused with pool_full (retryable) when there is less"),
     StageSetting("voice_prompt_cache_mb", "2048", float, ("token2wav",),
                  "voice prompts (their flow caches) kept for reuse across sessions, in MiB"),
+    StageSetting("voice_prep_queue", "8", int, ("token2wav",),
+                 "new voice prompts waiting or being prepared at once, across sessions; past it a new reference "
+                 "is refused queue_full (retryable)"),
     StageSetting("llm_gather_ms", "10", float, ("duplex",),
                  "steps in flight wait up to this long for each other before the LLM, so they batch"),
     StageSetting("prefill_chunk_tokens", "128", int, ("duplex",),

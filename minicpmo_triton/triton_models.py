@@ -306,7 +306,7 @@ class Token2WavModel(_StatefulStageModel):
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
                                     ctx.setting("voice_prompt_cache_mb"), _device(ctx))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
-        self.voices = VoicePreparer(stage)
+        self.voices = VoicePreparer(stage, ctx.setting("voice_prep_queue"))
         return stage
 
     def execute(self, requests: list[Any]) -> None:

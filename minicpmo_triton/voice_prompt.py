@@ -12,7 +12,6 @@ torchaudio and librosa are not needed: the Kaldi fbank and the Slaney mel filter
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 from dataclasses import dataclass
@@ -40,11 +39,6 @@ class VoiceFeatures:
     tokens: np.ndarray  # [T] int64: S3 tokens at 25 Hz
     mel: np.ndarray  # [2T, 80] float32: the 24 kHz log-mel, 50 frames/s
     embedding: np.ndarray  # [192] float32: CAM++
-
-
-def audio_key(audio: np.ndarray) -> bytes:
-    """What identifies a voice reference: the hash of its float32 samples."""
-    return hashlib.sha256(np.ascontiguousarray(audio, np.float32).tobytes()).digest()
 
 
 # ---- Kaldi fbank (torchaudio.compliance.kaldi.fbank with its defaults, use_energy False) ----

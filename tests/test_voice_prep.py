@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import pytest
 
+from gateway.codes import ClientCode
+from minicpmo_triton.errors import CLOSE_REASONS, RETRYABLE, Code, StepError
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import Token2WavRequest, Token2WavResult
 from minicpmo_triton.stages.base import StageCall
@@ -114,3 +116,40 @@ def test_a_failed_preparation_fails_its_call_alone_and_its_end_ends_the_sequence
     finally:
         prep.close()
     assert isinstance(result, RuntimeError) and 3 not in stage.store
+
+
+def test_past_the_queue_bound_a_new_voice_is_refused_at_once_and_the_others_go_on(voice) -> None:
+    """One preparation queued (max_queued=1) and held: another new reference is refused `queue_full` (retryable,
+    and the gateway tells the caller so) at once, while the held one's sharer and a known voice are not refused."""
+    stage = _stage()
+    stage.prompts.get(b"default", None)
+    held = _Held(stage.prompts.featurize)
+    stage.prompts.featurize = held
+    prep = VoicePreparer(stage, max_queued=1)
+    other = 0.1 * np.random.default_rng(2).standard_normal(2 * 16_000).astype(np.float32)
+    tokens = np.arange(10)
+    answered: queue.Queue[tuple[int, Token2WavResult | Exception]] = queue.Queue()
+
+    def serve(corr_id: int, **request) -> None:
+        call = StageCall(Token2WavRequest(speech_tokens=tokens, turn_start=True, **request), corr_id, start=True,
+                         end=corr_id == 2)
+        prep.serve([call], [lambda r: answered.put((corr_id, r))])
+
+    try:
+        serve(1, voice=voice)  # queued, held
+        assert held.started.wait(GUARD_S)
+        serve(2, voice=other)  # a second new voice: refused, now
+        refused_id, refused = answered.get(timeout=GUARD_S)
+        serve(3, voice=voice)  # the same reference as 1: shares its preparation, not refused
+        serve(4)  # the default voice: answered now
+        assert answered.get(timeout=GUARD_S)[0] == 4 and answered.empty()
+        held.release.set()
+        rest = dict(answered.get(timeout=GUARD_S) for _ in range(2))
+    finally:
+        held.release.set()
+        prep.close()
+    assert refused_id == 2 and isinstance(refused, StepError) and refused.code == Code.QUEUE_FULL, refused
+    assert 2 not in stage.store  # its END still ended it
+    assert Code.QUEUE_FULL in RETRYABLE and ClientCode(CLOSE_REASONS[Code.QUEUE_FULL]) == ClientCode.QUEUE_FULL
+    assert all(isinstance(r, Token2WavResult) for r in rest.values()) and set(rest) == {1, 3}
+    assert stage.prompts.computed == 2  # the default's and the one shared new voice's; never the refused one

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import Code, StepError
 from ..model_config import PresetConfig, Token2WavDims
 from ..stage_io import Token2WavRequest, Token2WavResult
-from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, audio_key, read_wav
+from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, read_wav
 from .base import SequenceStage, StageCall
 from .token2wav_stream import Stream, Token2WavStreamer, VoicePrompt
 
@@ -163,9 +163,8 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         before the call runs. None: the call runs now (no reference, a known one, or one `check` refuses)."""
         if len(request.voice) == 0 or voice_problem(request.voice) is not None:
             return None
-        voice = np.asarray(request.voice, np.float32)
-        key = audio_key(voice)
-        return None if self.prompts.has(key) else (key, voice)
+        key = request.voice_key
+        return None if self.prompts.has(key) else (key, np.asarray(request.voice, np.float32))
 
     def is_noop(self, request: Token2WavRequest) -> bool:
         return len(request.speech_tokens) == 0 and not request.finalize and not request.turn_start
@@ -178,7 +177,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         the turn's end."""
         voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
         if voice is not None:
-            key = audio_key(voice)
+            key = req.voice_key  # hashed once: `new_voice` asked first
         else:
             key = DEFAULT_KEY if req.default_voice else sess.voice or DEFAULT_KEY
         if sess.stream is None or key != sess.voice:  # a session's voice is set once, and again when it changes

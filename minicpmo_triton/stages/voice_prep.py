@@ -2,9 +2,11 @@
 prompt (S3 tokens, CAM++, the flow's prompt pass: about a second for 30 s of reference) on a worker thread of its
 own, while the other calls of its batch are answered at once; it runs, alone, when its prompt is ready.
 
-The budget: one worker, so one preparation at a time, the others queued in arrival order; a session has at most
-one in flight (its next step waits for this one's answer). Two calls with the same new reference share one
-preparation. The stage's state is touched by one batch at a time (`lock`): the batches of the model's execute
+The budget: one worker, so one preparation at a time, the others queued in arrival order, at most `max_queued` of
+them (running or waiting) across sessions: past that a call with yet another new reference is refused at once,
+`queue_full` (retryable), and waits for nothing; a session has at most one in flight (its next step waits for this
+one's answer). Two calls with the same new reference share one preparation (the second is not counted again).
+The stage's state is touched by one batch at a time (`lock`): the batches of the model's execute
 and the calls answered after their preparation. ONNX Runtime and numpy's BLAS release the GIL, so a preparation
 runs beside the batches.
 """
@@ -18,16 +20,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..errors import Code, StepError
 from ..stage_io import Token2WavRequest, Token2WavResult
 from .base import StageCall
 from .token2wav import Token2WavStage
 
 Answer = Callable[[Token2WavResult | Exception], None]
+MAX_QUEUED = 8  # the stage setting voice_prep_queue's default: 8 x ~1 s of preparation (30 s references, 2 cores)
 
 
 class VoicePreparer:
-    def __init__(self, stage: Token2WavStage) -> None:
+    def __init__(self, stage: Token2WavStage, max_queued: int = MAX_QUEUED) -> None:
         self.stage = stage
+        self.max_queued = max_queued
         self.lock = threading.Lock()  # the stage's state: one batch at a time
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="voice-prep")
         self._pending: dict[bytes, Future[None]] = {}  # preparations queued or running, by the reference's key
@@ -42,9 +47,13 @@ class VoicePreparer:
             new = self.stage.new_voice(call.request)
             if new is None:
                 now.append(i)
+                continue
+            prepared = self._prepare(*new)
+            if prepared is None:
+                self._refuse(call, answers[i])
             else:
-                self._prepare(*new).add_done_callback(functools.partial(self._run_after, call=call,
-                                                                        answer=answers[i], after=after))
+                prepared.add_done_callback(functools.partial(self._run_after, call=call, answer=answers[i],
+                                                             after=after))
         if now:
             with self.lock:
                 results = self.stage.run([calls[i] for i in now])
@@ -52,13 +61,27 @@ class VoicePreparer:
                 answers[i](result)
             after()
 
-    def _prepare(self, key: bytes, audio: np.ndarray) -> Future[None]:
+    def _prepare(self, key: bytes, audio: np.ndarray) -> Future[None] | None:
+        """The preparation of this reference, queued now or shared; None: the queue is full."""
         with self._pending_lock:
             pending = self._pending.get(key)
+            if pending is None and len(self._pending) >= self.max_queued:
+                return None
             if pending is None:
                 pending = self._pending[key] = self._worker.submit(self.stage.prompts.prepare, key, audio)
                 pending.add_done_callback(lambda _: self._forget(key))
             return pending
+
+    def _refuse(self, call: StageCall[Token2WavRequest], answer: Answer) -> None:
+        """Too many new voices queued: this call is answered now, refused."""
+        self._fail(call, answer, StepError(Code.QUEUE_FULL, f"token2wav: {self.max_queued} new voices are being "
+                                                            "prepared; retry later (or use a voice already in use)"))
+
+    def _fail(self, call: StageCall[Token2WavRequest], answer: Answer, exc: Exception) -> None:
+        """The call fails with `exc` (its END still ends the sequence)."""
+        if call.end:
+            self.stage.store.end(call.corr_id)
+        answer(exc)
 
     def _forget(self, key: bytes) -> None:
         with self._pending_lock:
@@ -70,9 +93,7 @@ class VoicePreparer:
         try:
             prepared.result()
         except Exception as exc:  # noqa: BLE001 (the preparation's error is this call's answer)
-            if call.end:
-                self.stage.store.end(call.corr_id)
-            answer(exc)
+            self._fail(call, answer, exc)
         else:
             with self.lock:
                 [result] = self.stage.run([call])
