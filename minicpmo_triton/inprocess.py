@@ -1,7 +1,12 @@
-"""All four stages in this process, called directly: the benchmark's baseline and the tests' reference."""
+"""All four stages in this process, called directly: the benchmark's baseline and the tests' reference.
+
+token2wav's calls go through the same `VoicePreparer` as the Triton model's: a new voice's prompt is prepared on
+its worker, off the event loop (other sessions' steps go on meanwhile), within the same `voice_prep_queue` bound.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -9,12 +14,14 @@ from . import stage_io as io
 from .engines import load_engine
 from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline, Ready
+from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
+from .stages.voice_prep import VoicePreparer
 from .tokenizer import load_tokenizer
 from .voice_prompt import default_ref_audio
 
@@ -43,6 +50,7 @@ class InProcessStages:
                                   self.stream_encoder)
         self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
         self.t2w_stage = Token2WavStage.load(v("token2wav"), self.preset, ttl_s, threads)
+        self.voices = VoicePreparer(self.t2w_stage, int(stage_setting("voice_prep_queue", {})))
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         return _raise(self.encoder.run([request])[0])
@@ -59,7 +67,15 @@ class InProcessStages:
         return _one(self.tts_stage, call)
 
     async def token2wav(self, call: StageCall[io.Token2WavRequest]) -> io.Token2WavResult:
-        return _one(self.t2w_stage, call)
+        """Answered at once, or (a new voice) once its prompt is prepared on the preparer's worker."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[io.Token2WavResult | Exception] = loop.create_future()
+
+        def answered(result: io.Token2WavResult | Exception) -> None:  # on this loop, or the preparer's worker
+            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(result))
+
+        self.voices.serve([call], [answered])
+        return _raise(await answer)
 
     def pipeline(self, ttl_s: float = 600.0) -> DuplexPipeline:
         return DuplexPipeline(self, self.preset, self.tokenizer, ttl_s,

@@ -3,6 +3,7 @@ computed, and its own call's audio is what the stage gives it when it computes t
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 
@@ -11,6 +12,7 @@ import pytest
 
 from gateway.codes import ClientCode
 from minicpmo_triton.errors import CLOSE_REASONS, RETRYABLE, Code, StepError
+from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import Token2WavRequest, Token2WavResult
 from minicpmo_triton.stages.base import StageCall
@@ -153,3 +155,27 @@ def test_past_the_queue_bound_a_new_voice_is_refused_at_once_and_the_others_go_o
     assert Code.QUEUE_FULL in RETRYABLE and ClientCode(CLOSE_REASONS[Code.QUEUE_FULL]) == ClientCode.QUEUE_FULL
     assert all(isinstance(r, Token2WavResult) for r in rest.values()) and set(rest) == {1, 3}
     assert stage.prompts.computed == 2  # the default's and the one shared new voice's; never the refused one
+
+
+async def test_in_process_a_new_voice_is_prepared_off_the_event_loop(voice) -> None:
+    """The in-process stages (the tests' and benchmarks' reference) use the same preparer: while one session's new
+    voice is being prepared, another session's token2wav call is answered, and the first then is too."""
+    ensure_exported()
+    stages = InProcessStages(MODEL_REPOSITORY)
+    stage = stages.t2w_stage
+    stage.prompts.get(b"default", None)
+    held = _Held(stage.prompts.featurize)
+    stage.prompts.featurize = held
+    voiced, plain = _calls(voice)[1], _calls(voice)[0]
+    try:
+        first = asyncio.ensure_future(stages.token2wav(voiced))
+        assert await asyncio.to_thread(held.started.wait, GUARD_S)
+        result = await asyncio.wait_for(stages.token2wav(plain), GUARD_S)  # not behind the preparation
+        assert not first.done() and not held.release.is_set()
+        held.release.set()
+        voiced_result = await asyncio.wait_for(first, GUARD_S)
+    finally:
+        held.release.set()
+        stages.voices.close()
+    assert isinstance(result, Token2WavResult) and isinstance(voiced_result, Token2WavResult)
+    np.testing.assert_array_equal(voiced_result.waveform, _stage().run([voiced])[0].waveform)
