@@ -57,3 +57,28 @@ def test_a_silent_triton_is_reported_but_its_sessions_are_the_failovers_to_tell(
     for t, r in [(1, READY), (3, SILENT), (7, SILENT), (9, SILENT)]:
         health.apply(r, t)
     assert seen[-1] == "unresponsive" and told == []
+
+
+class _Owned:
+    def __init__(self) -> None:
+        self.killed = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+
+    def note_regions(self) -> None:
+        pass
+
+
+async def test_past_the_reload_bound_an_owned_triton_is_restarted_whole() -> None:
+    """Each reload leaves the dead stub's old instance in Triton 2.51: once `reloads_before_restart` are made, a
+    Triton the gateway owns is restarted (which frees them) instead of reloading again, and the count starts over
+    once Triton is seen down."""
+    owned = _Owned()
+    health = StageHealth("x", 1, 5, 60, lambda state, why: None, lambda: None, owned=owned, reloads_before_restart=3)
+    health.reloads = 3
+    await health.heal(None, ["llm"])  # type: ignore[arg-type]  (no reload is tried: no client needed)
+    assert owned.killed == 1 and health.reloads == 0
+    health.reloads = 2
+    health.apply(DOWN, 1)
+    assert health.reloads == 0

@@ -23,7 +23,7 @@ import pytest
 
 from gateway.triton import TritonServer, free_port, free_ports
 
-from .conftest import MODEL_REPOSITORY, REPO, ensure_exported, start_gateway, stop_gateway
+from .conftest import MODEL_REPOSITORY, REPO, RunningTriton, ensure_exported, start_gateway, stop_gateway
 from .test_supervision import kill_stub_and_heal, stubs_of, wait_status
 
 
@@ -59,6 +59,8 @@ async def test_an_external_triton_in_explicit_mode_is_healed_by_a_reload(explici
         took_s = await kill_stub_and_heal(gw.port, explicit.pid, "llm")
         assert explicit.process is not None and explicit.process.poll() is None  # the same Triton
         assert loads(explicit, "llm") == before + 1
+        live = RunningTriton(explicit).wait_live(lambda lv: not any(lv.values()))
+        assert not any(live.values()), live  # the told session's sequences ended in every stage
         print(f"kill -9 of the llm stub to a new session speaking: {took_s:.1f} s")
     finally:
         stop_gateway(gw)
@@ -80,6 +82,8 @@ async def test_with_two_workers_one_reloads_and_both_are_ready(explicit: TritonS
         await kill_stub_and_heal(port, explicit.pid, "tts", ports=own)
         assert loads(explicit, "tts") == before + 1, log.read_text()[-3000:]  # one reload, not one per worker
         assert len(stubs_of(explicit.pid, "tts")) == 1
+        live = RunningTriton(explicit).wait_live(lambda lv: not any(lv.values()))
+        assert not any(live.values()), live
         text = log.read_text()
         assert text.count("reloading the broken model tts") == 1, text[-3000:]
         assert "Traceback" not in text
