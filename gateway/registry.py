@@ -175,7 +175,8 @@ class Gateway:
                                          functools.partial(self._stages_are, url),
                                          functools.partial(self._endpoint_down, url),
                                          owned=self.owned.get(url),
-                                         reloads_before_restart=s.reloads_before_restart)
+                                         reloads_before_restart=s.reloads_before_restart,
+                                         control_key=s.triton_control_key)
                     watches[url] = asyncio.get_running_loop().create_task(health.watch())
                 for url in watches.keys() - self.pool.endpoints.keys():
                     watches.pop(url).cancel()

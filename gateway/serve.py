@@ -10,6 +10,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -24,7 +25,7 @@ from .registry import Gateway
 from .routes import create_app
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
-from .triton.launcher import LOOPBACK
+from .triton.launcher import CONTROL_KEY_ENV, LOOPBACK
 from .triton.supervisor import Supervisor
 
 
@@ -103,8 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file):
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)
+        # Its model control calls (the healing reloads) only with a key: this gateway's (and its workers', through
+        # the environment), not whoever reaches its ports
+        key = settings.triton_control_key or secrets.token_urlsafe(24)
+        os.environ[CONTROL_KEY_ENV] = key
+        settings = replace(settings, triton_control_key=key)
         server = TritonServer(args.model_repository, TritonPorts(http, grpc, metrics), log_path=args.triton_log,
-                              address=args.triton_address)
+                              address=args.triton_address, control_key=key)
         print(f"starting tritonserver (log: {args.triton_log}) ...", flush=True)
         supervisor = Supervisor(server)
         try:

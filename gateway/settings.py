@@ -73,6 +73,8 @@ class Settings:
     health_period_s: float = setting(1.0, "how often every stage is probed")
     health_timeout_s: float = setting(5.0, "Triton answering nothing this long: /health not ready (failover_s "
                                                 "ends its sessions)")
+    triton_control_key: str = setting("", "the key Triton's model control calls need (its "
+                                           "--grpc-restricted-protocol); gateway.serve makes one for its own Triton")
     reloads_before_restart: int = setting(3, "broken-stage reloads before a Triton the gateway owns is restarted "
                                              "whole instead (each reload leaves the dead stub's memory mapped)")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")

@@ -184,7 +184,7 @@ class StageHealth:
 
     def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
                  on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
-                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3) -> None:
+                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "") -> None:
         self.url = url
         self.period_s = period_s
         self.timeout_s = timeout_s
@@ -192,6 +192,7 @@ class StageHealth:
         self.on_change = on_change
         self.tell_sessions = tell_sessions
         self.owned = owned
+        self.control_key = control_key
         # Triton 2.51's Python backend never frees a reloaded model's old instance once a request has failed on its
         # dead stub (the stub a zombie, its shared-memory region mapped): past this many, a Triton the gateway owns
         # is restarted whole, which frees them all
@@ -226,7 +227,7 @@ class StageHealth:
             why, failed = f"{self.reloads} reloads left their dead stubs' memory mapped", []
         if failed:
             try:
-                reloaded = await reload_models(client, self.url, failed, self._rounds_began[0])
+                reloaded = await reload_models(client, self.url, failed, self._rounds_began[0], self.control_key)
                 self.reloads += len(reloaded)
                 if self.owned is not None:
                     self.owned.note_regions()  # the new stubs' too: reaped with the server

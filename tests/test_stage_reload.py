@@ -4,11 +4,13 @@ control API, Triton in explicit mode, as `gateway.triton` starts it), by whichev
 - one gateway in front of it: its session told `backend_unavailable`, the model reloaded, the same Triton;
 - `gateway.serve --workers 2` in front of it: both workers find the stage broken, one reloads it (once), both are
   ready again;
-- a Triton in another model control mode cannot be reloaded: the stage stays broken and /health says why.
+- a Triton in another model control mode cannot be reloaded: the stage stays broken and /health says why;
+- a Triton started with a control key takes model control calls only with it (the gateway's reload has it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -20,8 +22,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from gateway.triton import TritonServer, free_port, free_ports
+from gateway.triton.reload import GRPC_CONTROL_HEADER
 
 from .conftest import MODEL_REPOSITORY, REPO, RunningTriton, ensure_exported, start_gateway, stop_gateway
 from .test_supervision import kill_stub_and_heal, stubs_of, wait_status
@@ -105,6 +110,28 @@ def test_a_triton_in_another_mode_stays_broken_and_health_says_why(tmp_path: Pat
             why = body["endpoints"][0]["stages_why"]
         assert body["backend_state"] == "broken" and "not healed" in why and "explicit" in why, body
         assert loads(server, "audio_encoder") == 1  # never reloaded
+    finally:
+        stop_gateway(gw)
+        server.stop()
+
+
+def test_with_a_control_key_only_its_holder_may_unload_a_model(tmp_path: Path) -> None:
+    """Explicit mode opens Triton's model control API to whoever reaches its ports; with a control key (what
+    gateway.serve gives the Triton it starts) a call without it is refused, and the gateway's, with it, heals."""
+    ensure_exported()
+    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=tmp_path / "work",
+                          log_path=tmp_path / "tritonserver.log", control_key="k3y")
+    server.start()
+    server.wait_ready(240)
+    gw = start_gateway(server.ports.endpoint, tmp_path / "gateway.log", triton_control_key="k3y", **HEALTH)
+    try:
+        client = grpcclient.InferenceServerClient(server.ports.grpc_url)
+        for headers in (None, {GRPC_CONTROL_HEADER: "wrong"}):
+            with pytest.raises(InferenceServerException):
+                client.unload_model("llm", headers=headers)
+        assert client.is_model_ready("llm")
+        asyncio.run(kill_stub_and_heal(gw.port, server.pid, "llm"))  # the gateway's reload, with the key
+        assert loads(server, "llm") == 2
     finally:
         stop_gateway(gw)
         server.stop()

@@ -24,6 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
 LOOPBACK = "127.0.0.1"
+# Triton's model control calls (load, unload) need this header with the control key, when one is set
+CONTROL_HEADER = "minicpmo-control-key"
+CONTROL_KEY_ENV = "MINICPMO_TRITON_CONTROL_KEY"
 
 
 class TritonNotFound(RuntimeError):
@@ -128,6 +131,7 @@ def server_command(
     log_verbose: int = 0,
     address: str = LOOPBACK,
     model_control: str = "explicit",
+    control_key: str = "",
 ) -> list[str]:
     cmd = [
         str(install.binary),
@@ -153,6 +157,9 @@ def server_command(
     ]
     if model_control == "explicit":
         cmd.append("--load-model=*")
+    if control_key:  # whoever reaches Triton's ports may infer, but not unload or load models without it
+        cmd += [f"--grpc-restricted-protocol=model-repository:{CONTROL_HEADER}={control_key}",
+                f"--http-restricted-api=model-repository:{CONTROL_HEADER}={control_key}"]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
     return cmd
@@ -202,9 +209,11 @@ class TritonServer:
         log_verbose: int = 0,
         address: str = LOOPBACK,
         model_control: str = "explicit",
+        control_key: str | None = None,
     ) -> None:
         self.address = address
         self.model_control = model_control
+        self.control_key = os.environ.get(CONTROL_KEY_ENV, "") if control_key is None else control_key
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports or free_ports()
         self.work_dir = Path(work_dir)
@@ -219,7 +228,7 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
         cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose,
-                             self.address, self.model_control)
+                             self.address, self.model_control, self.control_key)
         stdout = None
         if self._log_file is not None:
             self._log_file.close()

@@ -6,7 +6,9 @@ is unlinked by the backend as the old model unloads); the other stages, their st
 untouched. A plain `load_model` is not enough: Triton reloads only a model whose files changed.
 
 Triton allows this only in explicit model control mode (`--model-control-mode=explicit`, which
-`gateway.triton.launcher` uses); any other mode refuses, and `ReloadRefused` says so.
+`gateway.triton.launcher` uses); any other mode refuses, and `ReloadRefused` says so. A Triton started with a control
+key (MINICPMO_TRITON_CONTROL_KEY; `gateway.serve` makes one for the Triton it starts) takes these calls only with
+that key in a header: whoever reaches its ports cannot unload a model.
 
 Several gateway processes watch one Triton (`--workers N`, or gateways of one host in front of one endpoint):
 they take a lock per endpoint, a file in the temporary folder that also says when each model's last reload began;
@@ -29,6 +31,10 @@ from pathlib import Path
 from typing import IO
 
 from tritonclient.grpc import aio as grpcaio
+
+from .launcher import CONTROL_HEADER
+
+GRPC_CONTROL_HEADER = f"triton-grpc-protocol-{CONTROL_HEADER}"  # what Triton's gRPC front end reads it from
 
 log = logging.getLogger("gateway.health")
 
@@ -63,10 +69,12 @@ def _stamps(f: IO[str]) -> dict[str, float]:
 
 
 async def reload_models(client: grpcaio.InferenceServerClient, url: str, models: list[str],
-                        broken_since: float) -> list[str]:
+                        broken_since: float, control_key: str = "") -> list[str]:
     """Reload `models`, found broken by requests sent from `broken_since` (Unix time) on, once this process holds
     the endpoint's lock, but not one whose reload another process began since then (that evidence predates the
-    new stub); returns the ones it reloaded. Raises `ReloadRefused`."""
+    new stub); returns the ones it reloaded. `control_key`: what Triton's model control calls need (if it was
+    started with one). Raises `ReloadRefused`."""
+    headers = {GRPC_CONTROL_HEADER: control_key} if control_key else None
     async with endpoint_lock(url) as f:
         stamps = _stamps(f)
         broken = [m for m in models if stamps.get(m, 0.0) < broken_since]
@@ -78,8 +86,9 @@ async def reload_models(client: grpcaio.InferenceServerClient, url: str, models:
             f.flush()
             log.error("endpoint %s: reloading the broken model %s", url, model)
             try:
-                await client.unload_model(model)
-                await client.load_model(model)  # waits for the unload, then for the new stub to be ready
+                await client.unload_model(model, headers=headers)
+                # waits for the unload, then for the new stub to be ready
+                await client.load_model(model, headers=headers)
             except Exception as exc:  # Triton's refusal, whatever its type: the caller restarts
                 raise ReloadRefused(f"Triton would not reload {model}: {str(exc).splitlines()[0][:200]}") from exc
         return broken
