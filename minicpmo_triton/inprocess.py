@@ -71,8 +71,12 @@ class InProcessStages:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[io.Token2WavResult | Exception] = loop.create_future()
 
+        def settle(result: io.Token2WavResult | Exception) -> None:
+            if not answer.done():
+                answer.set_result(result)
+
         def answered(result: io.Token2WavResult | Exception) -> None:  # on this loop, or the preparer's worker
-            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(result))
+            loop.call_soon_threadsafe(settle, result)
 
         self.voices.serve([call], [answered])
         return _raise(await answer)
