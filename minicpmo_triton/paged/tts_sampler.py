@@ -33,17 +33,19 @@ class TtsSampler:
 
     def adjusted(self, raw: torch.Tensor, picks: list[TtsPick]) -> torch.Tensor:
         """[B, vocab] float32: the logits after temperature, penalty and the EOS mask (what `sample` is given)."""
-        x = raw.to(torch.float32) / self._up([p.temperature if p.temperature > 0 else 1.0 for p in picks],
-                                             np.float32)[:, None]
+        return self._adjusted(raw, picks, self._up([p.temperature for p in picks], np.float32))
+
+    def _adjusted(self, raw: torch.Tensor, picks: list[TtsPick], temps: torch.Tensor) -> torch.Tensor:
+        x = raw.to(torch.float32) / torch.where(temps > 0, temps, 1.0)[:, None]
+        vocab = x.shape[1]
         width = max(1, max(len(p.history) for p in picks))
-        ids = np.zeros((len(picks), width), np.int64)
-        ones = np.zeros((len(picks), width), np.float64)
+        ids = np.full((len(picks), width), vocab, np.int64)  # padded with a column past the vocabulary, cut below
         for r, p in enumerate(picks):
             ids[r, : len(p.history)] = p.history
-            ones[r, : len(p.history)] = 1.0
-        counts = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-        counts.scatter_add_(1, self._up(ids, np.int64), self._up(ones, np.float64))
-        alpha = torch.pow(torch.tensor(self.rules.repetition_penalty, dtype=torch.float64, device=x.device), counts)
+        counts = torch.zeros((x.shape[0], vocab + 1), dtype=torch.float64, device=x.device)
+        counts.scatter_add_(1, self._up(ids, np.int64), torch.ones(ids.shape, dtype=torch.float64, device=x.device))
+        alpha = torch.pow(torch.tensor(self.rules.repetition_penalty, dtype=torch.float64, device=x.device),
+                          counts[:, :vocab])
         x64 = x.to(torch.float64)
         x = torch.where(x64 < 0, x64 * alpha, x64 / alpha).to(torch.float32)
         eos = x[:, self.rules.eos]
@@ -60,8 +62,9 @@ class TtsSampler:
     def pick(self, logits: torch.Tensor, picks: list[TtsPick]) -> tuple[np.ndarray, np.ndarray]:
         """logits [B, vocab] on the device, one TtsPick per row -> each row's code [B] and whether its logits were
         not finite [B] (that row fails alone: `sampling.check_finite`)."""
-        x = self.adjusted(logits, picks)
-        greedy = self._up([p.temperature <= 0 for p in picks], np.bool_)
+        temps = self._up([p.temperature for p in picks], np.float32)
+        x = self._adjusted(logits, picks, temps)
+        greedy = temps <= 0
         top_ids, probs = self.distribution(x)
         sampled = inverse_cdf(top_ids, probs, self._up([p.u for p in picks], np.float64))
         code = torch.where(greedy, x.argmax(1), sampled)
