@@ -290,3 +290,36 @@ def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
     with pytest.raises(StepError) as err:
         rows.accept(1, -1)
     assert err.value.code == Code.NUMERIC_ERROR
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: str) -> None:
+    """The device's adjusted logits against MiniCPM-o's own code, run: `generate_chunk`'s temperature
+    (modeling_minicpmo_unified.py:6792), its `CustomRepetitionPenaltyLogitsProcessorRepeat` over the chunk's codes
+    with its own 16-code window (:6794-6806, :6950-6968, built by `gen_logits` :6975-6988) and its EOS mask
+    (:6809-6810), for the same logits and history, within 1e-6 (the reference raises 1.05 to the count in float32,
+    the host in float64)."""
+    from minicpmo_triton.paged.tts_sampler import TtsSampler
+
+    from .reference_demo import demo_module
+
+    modeling = demo_module("modeling_minicpmo_unified")
+    rng = np.random.default_rng(11)
+    rows = _rows_with_history(preset, rng, 8)
+    vocab, dx = preset.tts.num_audio_tokens, preset.duplex
+    processor = modeling.gen_logits(num_code=vocab, repetition_penalty=dx.tts_repetition_penalty)[1]
+    logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
+    picks = [rows.pick(r) for r in range(8)]
+    got = TtsSampler(rows.stage.rules(), torch.device(device), Traffic()).adjusted(
+        torch.as_tensor(logits, device=device), picks).cpu().numpy()
+    for r in range(8):
+        req = rows.items[r][0]
+        want = torch.as_tensor(logits[r : r + 1]).clone()
+        if req.temperature > 0:
+            want /= torch.tensor([[req.temperature]], dtype=torch.float32)
+        if rows.codes[r]:  # `if not audio_bos`: from the chunk's second code on
+            for proc in processor:
+                want = proc(torch.tensor([rows.codes[r]]), want)
+        if not rows.allow_eos(r):
+            want[:, rows.stage.eos] = -torch.inf
+        np.testing.assert_allclose(got[r], want[0].numpy(), rtol=1e-6, atol=0)

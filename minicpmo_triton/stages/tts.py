@@ -199,7 +199,7 @@ class TtsRows:
         self.opens.append(opened)
         self.codes.append([])
 
-    def _allow_eos(self, row: int) -> bool:
+    def allow_eos(self, row: int) -> bool:
         return self.opens[row] or self.items[row][0].turn_end  # min_new_tokens = n_tokens + 1 mid-turn
 
     def adjusted(self, row: int, row_logits: np.ndarray) -> np.ndarray:
@@ -211,7 +211,7 @@ class TtsRows:
             logits /= req.temperature
         apply_repetition_penalty(logits, self.codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
                                  per_occurrence=True)
-        if not self._allow_eos(row):
+        if not self.allow_eos(row):
             logits[self.stage.eos] = -np.inf
         return logits
 
@@ -227,7 +227,7 @@ class TtsRows:
         req, sess = self.items[row]
         window = self.stage.preset.duplex.tts_repetition_window
         u = float(sess.rng.random()) if req.temperature > 0 else 0.0
-        return TtsPick(req.temperature, self.codes[row][-window:], self._allow_eos(row), u)
+        return TtsPick(req.temperature, self.codes[row][-window:], self.allow_eos(row), u)
 
     def accept(self, row: int, code: int) -> int | None:
         """The code to feed next, or None: the EOS, or the (n_tokens + 1)-th code (sampled, never fed nor
