@@ -75,8 +75,9 @@ def memory_report(preset: PresetConfig) -> str:
 
 
 def pool_bytes(preset: PresetConfig, sessions: int, seconds: float, dtype_bytes: int, stage: str = "llm") -> int:
-    """The `stage`'s (llm, tts) KV pool for `sessions` sessions `seconds` in, SPEAKING of them speaking the whole
-    time (for the TTS: one turn that long, its bound; a listening session holds its admission room)."""
+    """The `stage`'s (llm, tts, audio_encoder) KV pool for `sessions` sessions `seconds` in, SPEAKING of them
+    speaking the whole time (for the TTS: one turn that long, its bound; a listening session holds its admission
+    room)."""
     speaking = round(sessions * SPEAKING)
     if stage == "tts":
         listening = tts_admit_tokens(preset) * _kv_per_token(preset.tts.decoder, dtype_bytes)
@@ -86,9 +87,10 @@ def pool_bytes(preset: PresetConfig, sessions: int, seconds: float, dtype_bytes:
 
 
 def pool_report(preset: PresetConfig) -> list[str]:
-    """The pools the paged engines need (`kv_pool_size`, `tts_pool_size`), bf16 and fp8 KV."""
+    """The pools the paged engines need (`kv_pool_size`, `tts_pool_size`, `audio_pool_size`), bf16 and fp8 KV
+    (the Whisper's restarts at `max_positions`: 30 s of frames is its bound, listening or speaking)."""
     lines = []
-    for stage, name in (("llm", "LLM"), ("tts", "TTS")):
+    for stage, name in (("llm", "LLM"), ("tts", "TTS"), ("audio_encoder", "Whisper")):
         lines += [f"  {name} KV pool for N sessions ({SPEAKING:.0%} speaking), GiB bf16 / fp8:",
                   f"  {'sessions':16s} " + " ".join(f"{f'{s} s':>17s}" for s in POOL_SECONDS)]
         for n in POOL_SESSIONS:

@@ -289,6 +289,7 @@ def stage_files(preset: PresetConfig, modules: dict[str, nn.Module], seed: int) 
              mel=rng.normal(-6.0, 1.5, (2 * DEFAULT_VOICE_TOKENS, preset.token2wav.n_mels)).astype(np.float32),
              embedding=rng.standard_normal(preset.token2wav.spk_embed_dim).astype(np.float32))
     return {"token2wav/1/tables.npz": tables_bytes(model), "token2wav/1/default_voice.npz": voice.getvalue(),
+            f"audio_encoder/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["audio_encoder"]),
             f"llm/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["llm"]),
             f"tts/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["tts"])}
 
@@ -297,8 +298,8 @@ PAGED_WEIGHTS = "weights.safetensors"  # the paged engines' weights (minicpmo_tr
 
 
 def paged_weights_bytes(preset: PresetConfig, module: nn.Module) -> bytes:
-    """An LLM's or TTS's state dict under its checkpoint names, for the paged engine: fp32 for `tiny` (its parity
-    with the ONNX graph is tested to 1e-4), bf16 for a real checkpoint (what the GPU engine runs)."""
+    """An LLM's, TTS's or audio encoder's state dict under its checkpoint names, for the paged engines: fp32 for
+    `tiny` (its parity with the ONNX graph is tested to 1e-4), bf16 for a real checkpoint (what the GPU runs)."""
     from safetensors.torch import save
 
     dtype = torch.float32 if preset.name == "tiny" else torch.bfloat16

@@ -40,6 +40,12 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "the paged engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),
                  "the paged engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
+    StageSetting("audio_engine", "auto", str, ("llm",),
+                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a paged pool on "
+                 "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
+    StageSetting("audio_pool_size", "0.3", float, ("llm",),
+                 "the paged Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts",),
                  "auto (the paged TTS on a GPU instance, ONNX on the CPU), paged or onnx"),
     StageSetting("tts_pool_size", "0.05", float, ("tts",),

@@ -44,6 +44,7 @@ from .voice_prompt import VoiceLibrary, default_ref_audio
 if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.engine import PagedLlmEngine
     from .paged.tts import PagedTtsEngine
+    from .paged.whisper import PagedWhisper
     from .stages.inflight import InflightLoop
 
 LIVE_METRIC = "minicpmo_live_sequences"
@@ -234,9 +235,21 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        encoder = AudioStreamEncoder(load_engine(models / "audio_encoder" / "1", _threads(ctx), "stream"),
-                                     ctx.preset.audio, ctx.preset.samples_per_audio_token)
-        return LlmStage(_llm_engine(ctx), ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
+        llm = _llm_engine(ctx)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        encoder = AudioStreamEncoder(_audio_stream_engine(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
+                                     ctx.preset.samples_per_audio_token)
+        return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
+
+
+def _audio_stream_engine(ctx: _ModelContext, folder: Path) -> Engine | PagedWhisper:
+    """The duplex stream's Whisper: the stream.onnx graph, or the paged encoder (its KV pool on the instance's
+    device), as `audio_engine` says."""
+    device = _device(ctx)
+    if pick_engine(ctx.setting("audio_engine"), device != "cpu", "audio_engine") == "onnx":
+        return load_engine(folder, _threads(ctx), "stream")
+    from .paged.whisper import load_paged_whisper  # torch
+
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"))
 
 
 def _device(ctx: _ModelContext) -> str:
@@ -308,7 +321,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    ctx.setting("voice_prompt_cache_mb"))
+                                    ctx.setting("voice_prompt_cache_mb"), _device(ctx))
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         self.voices = VoicePreparer(stage)
         return stage

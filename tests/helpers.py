@@ -77,3 +77,17 @@ def transcript(events: list[dict]) -> list[tuple[str, str, str]]:
 def audio_of(events: list[dict]) -> np.ndarray:
     parts = [decode_f32_base64(e["audio"], 1 << 30) for e in deltas(events, "audio")]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def placed(streamer: Any, arrays: str) -> Any:
+    """A `Token2WavStreamer` on the same graphs and tables with its flow caches on the host (`host`: numpy, the CPU
+    default) or in torch tensors on a device (`cpu`, `cuda`: what a GPU instance holds; on the CPU the same code)."""
+    from minicpmo_triton.array_ops import DeviceArrays
+    from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
+
+    if arrays == "host":
+        return streamer
+    tables = {"rand_noise": streamer.xp.host(streamer.rand_noise), "spk_weight": streamer.spk_weight,
+              "spk_bias": streamer.spk_bias, "harmonics": np.asarray(streamer.harmonics)}
+    engines = {"encoder": streamer.enc, "estimator": streamer.est, "vocoder": streamer.voc}
+    return Token2WavStreamer(engines, tables, streamer.d, causal=streamer.causal, arrays=DeviceArrays(arrays))

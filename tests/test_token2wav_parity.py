@@ -28,6 +28,7 @@ from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, V
 from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
 from minicpmo_triton.voice_prompt import VoiceFeatures
 
+from .helpers import placed
 from .reference_demo import demo_module
 
 D = Token2WavDims()
@@ -64,7 +65,7 @@ def _official(folder: Path, streamer: Token2WavStreamer) -> tuple[torch.nn.Modul
     flow.load_state_dict(torch.load(folder / "flow.pt", weights_only=True))
     hift = build_hift(D)
     hift.load_state_dict({k.removeprefix("generator."): v for k, v in torch.load(folder / "hift.pt").items()})
-    fit_scratch_buffers(flow, streamer.rand_noise)
+    fit_scratch_buffers(flow, streamer.xp.host(streamer.rand_noise))
     return flow.eval(), hift.eval()
 
 
@@ -163,8 +164,14 @@ def _voice(seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
             rng.standard_normal(192).astype(np.float32))
 
 
-def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch) -> None:
+ARRAYS = ["host", "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("arrays", ARRAYS)
+def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch, arrays: str) -> None:
     folder, streamer = assets
+    streamer = placed(streamer, arrays)
     # the conformer's forward_chunk is torch.compile'd; raising=False: torch's config module loses the name once a
     # monkeypatch of it is undone, so a second test in this process could not patch it otherwise
     monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)

@@ -37,6 +37,7 @@ class Rows:
     table: torch.Tensor
     past: list[int]
     count: list[int]
+    causal: bool = True  # False: each new token sees all of its row's new tokens too (an encoder's chunk)
 
     @property
     def start(self) -> list[int]:
@@ -74,7 +75,7 @@ class GatherAttention:
             qr = q[start : start + count].to(torch.float32).reshape(count, kv_heads, groups, d)
             qr = qr.permute(1, 2, 0, 3).reshape(kv_heads, groups * count, d)
             scores = (qr @ k) * d**-0.5  # [kv_heads, groups * count, total]
-            if count > 1:  # a decode row sees every key; a prefill row's token i sees up to past + i
+            if count > 1 and rows.causal:  # a decode row sees every key; a prefill row's token i up to past + i
                 query_pos = past + torch.arange(count, device=q.device).repeat(groups)
                 visible = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
                 scores = scores.masked_fill(~visible[None], torch.finfo(torch.float32).min)
@@ -156,10 +157,13 @@ class FlexAttention:
         owner = torch.full((n_blocks,), -1, dtype=torch.int64, device=dev)
         owner[table[live]] = torch.arange(b_pad, device=dev)[:, None].expand(b_pad, w_pad)[live]
 
+        causal = rows.causal
+
         def mask_mod(bi, h, q_idx, kv_idx):  # flex's signature: scalar tensors
             block = kv_idx // block_size
             pos = logical[block] * block_size + kv_idx % block_size
-            return (owner[block] == bi) & (pos <= past[bi] + torch.minimum(q_idx, count[bi] - 1))
+            last = past[bi] + (torch.minimum(q_idx, count[bi] - 1) if causal else count[bi] - 1)
+            return (owner[block] == bi) & (pos <= last)
 
         q_blocks = -(-t // Q_BLOCK)
         indices = table.to(torch.int32)[:, None, None, :].expand(b_pad, 1, q_blocks, w_pad).contiguous()

@@ -16,6 +16,18 @@ from ..sampling import SamplingParams
 DUPLEX, CHAT = 0, 1  # rule sets: rows of the forbidden-token masks
 
 
+@dataclass(frozen=True)
+class PagedCache:
+    """A session's place in a paged engine's KV pool: its id there and how many of its tokens are real (the
+    pool may hold more blocks: they are given back after the step, or reused)."""
+
+    seq: int
+    length: int
+
+    def truncated(self, length: int) -> PagedCache:
+        return PagedCache(self.seq, length)
+
+
 @dataclass
 class Prefill:
     ids: np.ndarray  # [n] int64

@@ -16,7 +16,7 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
 from ..model_config import PresetConfig
-from ..paged.protocol import CHAT, DUPLEX, Prefill, RowPick
+from ..paged.protocol import CHAT, DUPLEX, PagedCache, Prefill, RowPick
 from ..pcm import pcm_problem
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
@@ -40,18 +40,6 @@ class ContextFull(StepError):
 
     def __init__(self, message: str) -> None:
         super().__init__(Code.CONTEXT_FULL, message)
-
-
-@dataclass(frozen=True)
-class PagedCache:
-    """A session's place in the paged engine's KV pool: its id there and how many of its tokens are real (the
-    pool may hold more blocks: they are given back after the step, or reused)."""
-
-    seq: int
-    length: int
-
-    def truncated(self, length: int) -> PagedCache:
-        return PagedCache(self.seq, length)
 
 
 @dataclass
@@ -101,6 +89,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
     def drop_state(self, state: LlmSession) -> None:
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.free(state.cache.seq)
+        if self.encoder is not None:
+            self.encoder.release(state.audio)
 
     def run(self, calls: list[StageCall[LlmRequest]]) -> list[LlmResult | Exception]:
         results = super().run(calls)
@@ -159,6 +149,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             used = min(used, request.window_high)  # past the high watermark, this step's close slides the window
         if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
+        if n_audio and self.encoder is not None:
+            self.encoder.reserve(state.audio, len(request.audio))  # the paged encoder's pool: refused now too
         if isinstance(state.cache, PagedCache) and self.paged is not None:
             self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
 

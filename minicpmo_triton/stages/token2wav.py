@@ -135,8 +135,10 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
 
     @classmethod
     def load(cls, folder: Path, preset: PresetConfig, ttl_s: float, threads: int = 1,
-             prompt_cache_mb: float = PROMPT_CACHE_MB) -> Token2WavStage:
-        streamer = Token2WavStreamer.load(folder, preset.token2wav, threads)
+             prompt_cache_mb: float = PROMPT_CACHE_MB, device: str = "cpu") -> Token2WavStage:
+        """`device`: the instance's (its GPU for a KIND_GPU instance): the flow caches live there where the flow's
+        graphs are TensorRT engines, else on the host."""
+        streamer = Token2WavStreamer.load(folder, preset.token2wav, threads, device)
         featurize = VoiceFeaturizer.load(folder, threads)
         if (folder / DEFAULT_VOICE_WAV).exists():
             default = featurize(read_wav(folder / DEFAULT_VOICE_WAV))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..array_ops import HOST, Array, Arrays, arrays_for
 from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
 from ..causal_vocoder import CausalVocoder, VocoderState
 from ..engines import Engine, load_engine
@@ -49,19 +50,20 @@ SAMPLES_PER_FRAME = 480  # 24 kHz / 50 Hz mel
 @dataclass(eq=False)
 class FlowCache:
     """One stream's flow caches: a voice prompt's after setup, or a session's own (its attention caches hold only
-    the frames after its prompt's, which it shares by reference: `Stream.prompt.cache`)."""
+    the frames after its prompt's, which it shares by reference: `Stream.prompt.cache`). Its arrays live where the
+    streamer's `arrays` put them: host numpy, or torch tensors on the GPU (updated there, never copied to the host)."""
 
-    cnn: np.ndarray  # [C, 6]: pre-lookahead conv (2) + upsample conv (4)
-    token_att: np.ndarray  # [L1, H, T1, 2*dk]: token-rate conformer layers
-    mel_att: np.ndarray  # [L2, H, 2*T1, 2*dk]: mel-rate conformer layers
-    est_cnn: np.ndarray  # [n_timesteps, depth, 2 (cond, uncond), 2*hidden, 2]
-    est_att: np.ndarray  # [n_timesteps, depth, 2, H, Te, 2*head_dim], the newest chunk first
+    cnn: Array  # [C, 6]: pre-lookahead conv (2) + upsample conv (4)
+    token_att: Array  # [L1, H, T1, 2*dk]: token-rate conformer layers
+    mel_att: Array  # [L2, H, 2*T1, 2*dk]: mel-rate conformer layers
+    est_cnn: Array  # [n_timesteps, depth, 2 (cond, uncond), 2*hidden, 2]
+    est_att: Array  # [n_timesteps, depth, 2, H, Te, 2*head_dim], the newest chunk first
     # a session's: its est_att goes on with these frames of its prompt's est_att (indices on Te; read, not held)
     est_prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.cnn, self.token_att, self.mel_att, self.est_cnn, self.est_att))
+        return sum(int(a.nbytes) for a in (self.cnn, self.token_att, self.mel_att, self.est_cnn, self.est_att))
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,13 +103,13 @@ def draw_noise(stream: Stream, samples: int, harmonics: int) -> tuple[np.ndarray
     return rand_ini, stream.rng.standard_normal((samples, harmonics), dtype=np.float32)
 
 
-def _stack_joined(rows: list[tuple[np.ndarray, ...]], axis: int, left: bool) -> np.ndarray:
+def _stack_joined(xp: Arrays, rows: list[tuple[Array, ...]], axis: int, left: bool) -> Array:
     """Each row's parts (its own frames and its prompt's shared ones) joined on `axis`, stacked, zero-padded (left
     or right) to the longest: one copy, straight into the batch."""
     totals = [sum(p.shape[axis] for p in parts) for parts in rows]
     shape = list(rows[0][0].shape)
     shape[axis] = max(totals)
-    out = np.zeros((len(rows), *shape), np.float32)
+    out = xp.zeros((len(rows), *shape))
     for r, (parts, total) in enumerate(zip(rows, totals, strict=True)):
         at = shape[axis] - total if left else 0
         for part in parts:
@@ -118,15 +120,15 @@ def _stack_joined(rows: list[tuple[np.ndarray, ...]], axis: int, left: bool) -> 
     return out
 
 
-def _own(full: np.ndarray, axis: int, prefix: int, head: int, tail: int) -> np.ndarray:
+def _own(xp: Arrays, full: Array, axis: int, prefix: int, head: int, tail: int) -> Array:
     """A stream's own frames of a cache the graph gave back (`prefix` frames of it its prompt's): past the prefix,
     trimmed as `_trim(full, axis, head, tail)` trims the whole, in arrays of its own (no view keeps the batch's
     output, prompt frames and all, alive)."""
-    own = np.take(full, np.arange(prefix, full.shape[axis]), axis=axis)
-    return _trim(own, axis, head - prefix, tail)
+    own = xp.take(full, np.arange(prefix, full.shape[axis]), axis)
+    return _trim(xp, own, axis, head - prefix, tail)
 
 
-def _est_own(own: np.ndarray, prompt: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+def _est_own(xp: Arrays, own: Array, prompt: np.ndarray, head: int, tail: int) -> tuple[Array, np.ndarray]:
     """A session's estimator cache, [.., own frames then its prompt's frames `prompt`, D], trimmed as `_trim(whole,
     4, head, tail)` trims the whole: the own frames it keeps (a copy) and the prompt's frames that still end it."""
     n = own.shape[4]
@@ -134,32 +136,33 @@ def _est_own(own: np.ndarray, prompt: np.ndarray, head: int, tail: int) -> tuple
     if total <= head + tail:
         return own, prompt
     keep = np.r_[0:head, total - tail:total]
-    return np.take(own, keep[keep < n], axis=4), prompt[keep[keep >= n] - n]
+    return xp.take(own, keep[keep < n], 4), prompt[keep[keep >= n] - n]
 
 
-def _frames(a: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
+def _frames(a: Array, axis: int, index: np.ndarray, xp: Arrays = HOST) -> Array:
     """`a`'s frames `index` on `axis`: `a` itself when that is all of them in order (read in place)."""
     if len(index) == a.shape[axis] and (index == np.arange(len(index))).all():
         return a
-    return np.take(a, index, axis=axis)
+    return xp.take(a, index, axis)
 
 
-def _trim(a: np.ndarray, axis: int, head: int, tail: int) -> np.ndarray:
+def _trim(xp: Arrays, a: Array, axis: int, head: int, tail: int) -> Array:
     """Keep the first `head` and the last `tail` frames on `axis` once there are more."""
     n = a.shape[axis]
     if n <= head + tail:
         return a
     idx = np.r_[0:head, n - tail:n]
-    return np.take(a, idx, axis=axis)
+    return xp.take(a, idx, axis)
 
 
 class Token2WavStreamer:
     def __init__(self, engines: dict[str, Engine], tables: dict[str, np.ndarray], d: Token2WavDims,
-                 noise: Noise | None = None, causal: CausalVocoder | None = None) -> None:
+                 noise: Noise | None = None, causal: CausalVocoder | None = None, arrays: Arrays | None = None) -> None:
         self.enc, self.est, self.voc = (engines[g] for g in GRAPHS)
+        self.xp = arrays or HOST  # where the flow caches live (the vocoder's stay on the host)
         self.causal = causal  # 1.0.7's layout: its causal vocoder, run in torch, instead of the vocoder graph
         self.d = d
-        self.rand_noise = tables["rand_noise"]  # [80, 30000]
+        self.rand_noise = self.xp.asarray(tables["rand_noise"])  # [80, 30000]
         self.spk_weight, self.spk_bias = tables["spk_weight"], tables["spk_bias"]
         self.harmonics = int(tables["harmonics"])
         self.window = np.hamming(2 * d.source_cache_samples)  # float64, as torch.from_numpy gives
@@ -168,11 +171,15 @@ class Token2WavStreamer:
         self.t_span = (1 - np.cos(t_span * np.float32(0.5 * np.pi))).astype(np.float32)  # cosine schedule
 
     @classmethod
-    def load(cls, folder: Path, d: Token2WavDims, threads: int = 1) -> Token2WavStreamer:
+    def load(cls, folder: Path, d: Token2WavDims, threads: int = 1, device: str = "cpu") -> Token2WavStreamer:
+        """`device`: where the flow caches live; a GPU only where the flow's graphs are TensorRT engines (which
+        bind device tensors in place), else the host."""
         engines = {g: load_engine(folder, threads, name=g) for g in GRAPHS}
         causal = CausalVocoder.load(folder / CAUSAL_FOLDER) if (folder / CAUSAL_FOLDER).is_dir() else None
+        if not all(hasattr(engines[g], "run_device") for g in ("encoder", "estimator")):
+            device = "cpu"
         with np.load(folder / TABLES_FILE) as tables:
-            return cls(engines, dict(tables), d, causal=causal)
+            return cls(engines, dict(tables), d, causal=causal, arrays=arrays_for(device))
 
     # ---- voice prompts ----
     def project_speaker(self, embedding: np.ndarray) -> np.ndarray:
@@ -194,18 +201,19 @@ class Token2WavStreamer:
         prompt = VoicePrompt(spk, len(mel), empty)  # no prefix: the prompt's frames are its stream's own
         stream = Stream(prompt, empty)
         mu = self._conformer([(stream, tokens, len(tokens))])[0]
-        self._cfm([(stream, mu, mel.T.astype(np.float32))])
+        self._cfm([(stream, mu, self.xp.asarray(mel.T.astype(np.float32)))])
         return VoicePrompt(spk, len(mel), stream.flow)
 
     def _empty_cache(self) -> FlowCache:
         d = self.d
         dk, hd = 2 * d.channels // d.heads, 2 * d.dit_head_dim
+        zeros = self.xp.zeros
         return FlowCache(
-            cnn=np.zeros((d.channels, 2 + 2 * UP_RATE), np.float32),
-            token_att=np.zeros((d.num_blocks, d.heads, 0, dk), np.float32),
-            mel_att=np.zeros((d.num_up_blocks, d.heads, 0, dk), np.float32),
-            est_cnn=np.zeros((d.n_timesteps, d.dit_depth, 2, 2 * d.dit_hidden, 2), np.float32),
-            est_att=np.zeros((d.n_timesteps, d.dit_depth, 2, d.dit_heads, 0, hd), np.float32))
+            cnn=zeros((d.channels, 2 + 2 * UP_RATE)),
+            token_att=zeros((d.num_blocks, d.heads, 0, dk)),
+            mel_att=zeros((d.num_up_blocks, d.heads, 0, dk)),
+            est_cnn=zeros((d.n_timesteps, d.dit_depth, 2, 2 * d.dit_hidden, 2)),
+            est_att=zeros((d.n_timesteps, d.dit_depth, 2, d.dit_heads, 0, hd)))
 
     @staticmethod
     def _fresh(prompt: VoicePrompt) -> FlowCache:
@@ -241,8 +249,9 @@ class Token2WavStreamer:
             items = [(s, np.asarray(t + [0] * (d.lookahead if last else 0), np.int64), len(t))
                      for _, s, t, last in flow_rows]
             mus = self._conformer(items)
-            feats = self._cfm([(s, mu, np.zeros_like(mu)) for (_, s, _, _), mu in zip(flow_rows, mus, strict=True)])
-            mels = {i: f for (i, _, _, _), f in zip(flow_rows, feats, strict=True)}
+            feats = self._cfm([(s, mu, self.xp.zeros(mu.shape))
+                               for (_, s, _, _), mu in zip(flow_rows, mus, strict=True)])
+            mels = {i: self.xp.host(f) for (i, _, _, _), f in zip(flow_rows, feats, strict=True)}  # the chunk's mel
         if self.causal is not None:  # per session, in torch; an empty last chunk flushes its delay
             empty = np.zeros((d.n_mels, 0), np.float32)
             for i, (stream, _, last) in enumerate(rows):
@@ -260,9 +269,10 @@ class Token2WavStreamer:
             out[voc[i][0]] = speech
         return out
 
-    def _conformer(self, items: list[tuple[Stream, np.ndarray, int]]) -> list[np.ndarray]:
+    def _conformer(self, items: list[tuple[Stream, np.ndarray, int]]) -> list[Array]:
         """Conformer chunk for (stream, tokens, n_real) rows; returns mu [80, frames] per row, caches updated."""
-        results: list[np.ndarray] = [np.zeros(0)] * len(items)
+        xp = self.xp
+        results: list[Array] = [None] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, (_, tokens, _) in enumerate(items):
             groups[len(tokens)].append(i)
@@ -270,13 +280,13 @@ class Token2WavStreamer:
             streams = [items[i][0] for i in idx]
             lens = np.asarray([s.prompt.cache.token_att.shape[2] + s.flow.token_att.shape[2] for s in streams],
                               np.int64)
-            out = self.enc.run({
+            out = xp.run(self.enc, {
                 "tokens": np.stack([items[i][1] for i in idx]),
                 "n_real": np.asarray([items[i][2] for i in idx], np.int64),
-                "cnn_cache": np.stack([s.flow.cnn for s in streams]),
-                "token_cache": _stack_joined([(s.prompt.cache.token_att, s.flow.token_att) for s in streams], 2,
+                "cnn_cache": xp.stack([s.flow.cnn for s in streams]),
+                "token_cache": _stack_joined(xp, [(s.prompt.cache.token_att, s.flow.token_att) for s in streams], 2,
                                              left=True).swapaxes(0, 1),
-                "mel_cache": _stack_joined([(s.prompt.cache.mel_att, s.flow.mel_att) for s in streams], 2,
+                "mel_cache": _stack_joined(xp, [(s.prompt.cache.mel_att, s.flow.mel_att) for s in streams], 2,
                                            left=True).swapaxes(0, 1),
                 "cache_len": lens,
             })
@@ -289,15 +299,16 @@ class Token2WavStreamer:
                 shared = s.prompt.cache.mel_att.shape[2]
                 if mel.shape[2] <= p + tail:  # no trim yet: the prompt + the last 100 frames (50 tokens) are kept
                     p, tail = mel.shape[2], 0
-                s.flow = replace(s.flow, cnn=out["new_cnn_cache"][row].copy(),
-                                 token_att=_own(tok, 2, shared // UP_RATE, p // UP_RATE, tail // UP_RATE),
-                                 mel_att=_own(mel, 2, shared, p, tail))
+                s.flow = replace(s.flow, cnn=xp.copy(out["new_cnn_cache"][row]),
+                                 token_att=_own(xp, tok, 2, shared // UP_RATE, p // UP_RATE, tail // UP_RATE),
+                                 mel_att=_own(xp, mel, 2, shared, p, tail))
                 results[i] = out["mu"][row].T
         return results
 
-    def _cfm(self, items: list[tuple[Stream, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    def _cfm(self, items: list[tuple[Stream, Array, Array]]) -> list[Array]:
         """n_timesteps Euler steps for (stream, mu [80, T], cond [80, T]) rows; returns mel [80, T] per row."""
-        results: list[np.ndarray] = [np.zeros(0)] * len(items)
+        xp = self.xp
+        results: list[Array] = [None] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, (_, mu, _) in enumerate(items):
             groups[mu.shape[1]].append(i)
@@ -305,22 +316,22 @@ class Token2WavStreamer:
             streams = [items[i][0] for i in idx]
             b = len(idx)
             lens = np.asarray([len(s.flow.est_prompt) + s.flow.est_att.shape[4] for s in streams], np.int64)
-            x = np.stack([self.rand_noise[:, o:o + n] for o in lens])
-            mu = np.stack([items[i][1] for i in idx]).astype(np.float32)
-            cond = np.stack([items[i][2] for i in idx]).astype(np.float32)
+            x = xp.stack([self.rand_noise[:, o:o + n] for o in lens])
+            mu = xp.stack([items[i][1] for i in idx])
+            cond = xp.stack([items[i][2] for i in idx])
             spk = np.stack([s.prompt.spk for s in streams])
             new_cnn, new_att = [], []
             ts = self.t_span
             t, dt = ts[0], ts[1] - ts[0]
             for step in range(1, len(ts)):
                 k = step - 1
-                cnn = np.concatenate([np.stack([s.flow.est_cnn[k, :, j] for s in streams], 1) for j in (0, 1)], 1)
-                att = _stack_joined([(s.flow.est_att[k], _frames(s.prompt.cache.est_att[k], 3, s.flow.est_prompt))
-                                     for s in streams], 3, left=False)  # [B, depth, 2, H, Te, D]
-                att = np.concatenate([att[:, :, 0], att[:, :, 1]], 0).swapaxes(0, 1)  # [depth, 2B, H, Te, D]
-                out = self.est.run({"x": x, "mu": mu, "t": np.full(b, t, np.float32), "spk": spk, "cond": cond,
-                                    "cnn_cache": cnn, "att_cache": att, "cache_len": lens})
-                x = (x + dt * out["velocity"]).astype(np.float32)
+                cnn = xp.cat([xp.stack([s.flow.est_cnn[k, :, j] for s in streams], 1) for j in (0, 1)], 1)
+                att = _stack_joined(xp, [(s.flow.est_att[k], _frames(s.prompt.cache.est_att[k], 3, s.flow.est_prompt,
+                                                                      xp)) for s in streams], 3, left=False)
+                att = xp.cat([att[:, :, 0], att[:, :, 1]], 0).swapaxes(0, 1)  # [B, depth, 2, ..] -> [depth, 2B, ..]
+                out = xp.run(self.est, {"x": x, "mu": mu, "t": np.full(b, t, np.float32), "spk": spk, "cond": cond,
+                                        "cnn_cache": cnn, "att_cache": att, "cache_len": lens})
+                x = x + float(dt) * out["velocity"]  # float32 whichever arrays (dt is float32's value)
                 t = t + dt
                 if step < len(ts) - 1:
                     dt = ts[step + 1] - t
@@ -328,10 +339,11 @@ class Token2WavStreamer:
                 new_att.append(out["new_att_cache"])
             for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
                 keep = n + lens[row]
-                est_cnn = np.stack([np.stack([c[:, row], c[:, b + row]], 1) for c in new_cnn])
+                est_cnn = xp.stack([xp.stack([c[:, row], c[:, b + row]], 1) for c in new_cnn])
                 own = keep - len(s.flow.est_prompt)  # the new chunk, then the session's frames; the prompt's end it
-                est_att = np.stack([np.stack([a[:, row, :, :own], a[:, b + row, :, :own]], 1) for a in new_att])
-                est_att, est_prompt = _est_own(est_att, s.flow.est_prompt, s.prompt.frames, self.d.cache_tail_frames)
+                est_att = xp.stack([xp.stack([a[:, row, :, :own], a[:, b + row, :, :own]], 1) for a in new_att])
+                est_att, est_prompt = _est_own(xp, est_att, s.flow.est_prompt, s.prompt.frames,
+                                               self.d.cache_tail_frames)
                 s.flow = replace(s.flow, est_cnn=est_cnn, est_att=est_att, est_prompt=est_prompt)
                 results[i] = x[row]
         return results
