@@ -87,14 +87,9 @@ def check_finite(logits: np.ndarray) -> None:
         raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """logits: [vocab] float32, already penalised and masked (-inf where forbidden).
-
-    NaN or +inf anywhere (or nothing but -inf) means the row's forward broke: a coded error for this
-    row, never a token picked from garbage."""
-    check_finite(logits)
-    if params.greedy:
-        return int(np.argmax(logits))
+def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """What a sampled draw picks from: the top-k ids by falling logit and their probabilities after top-p (zero
+    past it), float64. logits as `sample` takes them."""
     scaled = logits.astype(np.float64) / params.temperature
     k = min(params.top_k, scaled.shape[0]) if params.top_k > 0 else scaled.shape[0]
     top = np.argpartition(-scaled, k - 1)[:k]
@@ -105,4 +100,16 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         keep = np.cumsum(probs) - probs < params.top_p
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum()
+    return top, probs
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """logits: [vocab] float32, already penalised and masked (-inf where forbidden).
+
+    NaN or +inf anywhere (or nothing but -inf) means the row's forward broke: a coded error for this
+    row, never a token picked from garbage."""
+    check_finite(logits)
+    if params.greedy:
+        return int(np.argmax(logits))
+    top, probs = distribution(logits, params)
     return int(top[rng.choice(len(top), p=probs)])

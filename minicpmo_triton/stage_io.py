@@ -24,7 +24,7 @@ _D = DuplexDefaults()  # what a request that leaves an input out gets
 _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
 # The stages whose config says `model_transaction_policy { decoupled: true }`: answered through a response
 # sender, so a caller uses a stream (BLS: `exec(decoupled=True)`; gRPC: `stream_infer`), not a unary call.
-DECOUPLED_STAGES = frozenset({"llm", "token2wav"})
+DECOUPLED_STAGES = frozenset({"llm", "tts", "token2wav"})
 
 
 def tensor(dtype: type, ndim: int) -> Any:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.engine import PagedLlmEngine
     from .paged.tts import PagedTtsEngine
     from .paged.whisper import PagedWhisper
-    from .stages.llm_inflight import InflightLlm
+    from .stages.inflight import InflightLoop
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -173,24 +174,24 @@ def _threads(ctx: _ModelContext) -> int:
     return int(ctx.setting("ort_threads"))
 
 
-class LlmModel(_StatefulStageModel):
+class _InflightStageModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): each request is answered through its response sender with the final flag. On the
-    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`InflightLlm`), which
+    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
     answers each when its row is done; on ONNX it answers its batch before it returns, as a plain model would."""
 
-    stage_name = "llm"
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+        raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
-        self.inflight: InflightLlm | None = None
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=self.stage.paged is None)
-        if self.stage.paged is not None:
-            from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
-
-            pool = self.stage.paged.pool
+        paged = getattr(self.stage, "paged", None)
+        self.inflight: InflightLoop[Any, Any, Any] | None = None
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None)
+        if paged is not None:
+            pool = paged.pool
             self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
                 name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
                 kind=pb_utils.MetricFamily.GAUGE)
@@ -201,7 +202,7 @@ class LlmModel(_StatefulStageModel):
                 kv_free.set(pool.free_blocks)
 
             changed()
-            self.inflight = InflightLlm(self.stage, period, changed)
+            self.inflight = self._inflight(period, changed)
 
     def execute(self, requests: list[Any]) -> None:
         calls = self._calls(requests)
@@ -219,6 +220,16 @@ class LlmModel(_StatefulStageModel):
         if self.inflight is not None:
             self.inflight.close()
         super().finalize()
+
+
+class LlmModel(_InflightStageModel):
+    stage_name = "llm"
+    stage: LlmStage
+
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+        from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
+
+        return InflightLlm(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> LlmStage:
         models = ctx.version_dir.parent.parent
@@ -258,8 +269,14 @@ def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
                              pool_size=ctx.setting("kv_pool_size"), kv_dtype=ctx.setting("kv_dtype"))
 
 
-class TtsModel(_StatefulStageModel):
+class TtsModel(_InflightStageModel):
     stage_name = "tts"
+    stage: TtsStage
+
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+        from .stages.tts_inflight import InflightTts  # torch, as the paged engine
+
+        return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
         return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))

@@ -17,7 +17,7 @@ from gateway.audio import encode_f32_base64
 from gateway.triton.decoupled import infer_decoupled
 from minicpmo_triton.errors import from_wire
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.stage_io import LlmRequest, LlmResult, decode, encode
+from minicpmo_triton.stage_io import STAGE_IO, LlmRequest, LlmResult, decode, encode
 
 from .conftest import MODEL_REPOSITORY
 from .helpers import GREEDY, OTHER_TEXT, append_message, deltas, init_message, open_session, recv_until
@@ -27,7 +27,7 @@ _DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(n
 NAN, INF = float("nan"), float("inf")
 
 
-def _inputs(request: LlmRequest) -> list[grpcclient.InferInput]:
+def _inputs(request: Any) -> list[grpcclient.InferInput]:
     out = []
     with np.errstate(over="ignore"):  # a temperature of 1e39 is inf once float32, as a client's would be
         tensors = encode(request)
@@ -40,14 +40,20 @@ def _inputs(request: LlmRequest) -> list[grpcclient.InferInput]:
     return out
 
 
-async def llm_call(client: grpcclient.InferenceServerClient, request: LlmRequest, corr: int,
-                   start: bool = False, end: bool = False) -> LlmResult | Exception:
+async def stage_call(client: grpcclient.InferenceServerClient, model: str, request: Any, corr: int,
+                     start: bool = False, end: bool = False) -> Any:
+    """One call of a decoupled stage model: its result (the model's `stage_io` result), or the server's error."""
     try:
-        result = await infer_decoupled(client, "llm", _inputs(request), sequence_id=corr, sequence_start=start,
+        result = await infer_decoupled(client, model, _inputs(request), sequence_id=corr, sequence_start=start,
                                        sequence_end=end)
     except InferenceServerException as exc:
         return exc
-    return decode(LlmResult, lambda name: None if (v := result.as_numpy(name)) is None else v[0])
+    return decode(STAGE_IO[model][1], lambda name: None if (v := result.as_numpy(name)) is None else v[0])
+
+
+async def llm_call(client: grpcclient.InferenceServerClient, request: LlmRequest, corr: int,
+                   start: bool = False, end: bool = False) -> LlmResult | Exception:
+    return await stage_call(client, "llm", request, corr, start, end)  # type: ignore[no-any-return]
 
 
 # The cases that once got through: settings the init let through, and enormous audio with default settings.

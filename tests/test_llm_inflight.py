@@ -12,7 +12,6 @@ import torch
 
 from minicpmo_triton.errors import StepError
 from minicpmo_triton.stage_io import LlmResult
-from minicpmo_triton.stages import llm_inflight
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm_inflight import InflightLlm
 
@@ -164,7 +163,7 @@ def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights,
     """Three steps of every session queued at once (a client that does not wait for its answers): each session's
     next call waits for its row in flight, so every answer is the one the steps give one batch at a time; with a
     run capped at 2 rows the loop drains and starts again between them, with the same answers."""
-    monkeypatch.setattr(llm_inflight, "ROWS_PER_RUN", rows_per_run)
+    monkeypatch.setattr(InflightLlm, "rows_per_run", rows_per_run)
     sync, live = stage(preset, paged_engine(preset, weights)), stage(preset, paged_engine(preset, weights))
     steps = [[StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
              for step in range(3)]

@@ -70,14 +70,15 @@ def recording_onnx(rec: Recording, traffic: Traffic | None = None) -> Any:
 
 
 def recording_paged(rec: Recording, engine: PagedTtsEngine) -> PagedTtsEngine:
-    logits = engine.logits
+    """The logits of each forward copied for the test (off the traffic ledger: the engine keeps them on the device)."""
+    forward = engine.forward
 
-    def recorded(*args: Any) -> np.ndarray:
-        out = logits(*args)
-        rec.logits.append(out.copy())
+    def recorded(*args: Any) -> torch.Tensor:
+        out = forward(*args)
+        rec.logits.append(out.detach().cpu().numpy().copy())
         return out
 
-    engine.logits = recorded  # type: ignore[method-assign]
+    engine.forward = recorded  # type: ignore[method-assign]
     return engine
 
 
@@ -171,17 +172,24 @@ def _chunk_bytes(st: TtsStage, traffic: Traffic, preset, history: int) -> int:
     return total
 
 
-def test_bytes_per_chunk_do_not_grow_with_the_turn_on_the_paged_path(preset, weights) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_bytes_per_chunk_do_not_grow_with_the_turn_on_the_paged_path(preset, weights, device: str) -> None:
     """At 50 and 500 codes into a turn, a chunk moves the same bytes on the paged path (up to a block id or
-    two); today's path, counted the same way, moves its whole cache in and out at every code."""
-    eng = paged(preset, weights)
+    two), and no logits: each code's [1, 6562] fp32 logits stay on the device, only the code comes back. Today's
+    path, counted the same way, moves its whole cache in and out at every code, and the logits."""
+    eng = paged(preset, weights, device)
     traffic = Traffic()
     onnx = TtsStage(recording_onnx(Recording(), traffic), preset, 600.0)
     new = {h: _chunk_bytes(TtsStage(eng, preset, 600.0), eng.traffic, preset, h) for h in (50, 500)}
+    assert eng.traffic.by_kind()["logits"] == 0
+    codes_back = eng.traffic.to_host["outputs"]
+    assert codes_back == 26 * 2 * 8  # per forward of the chunk: its code and its finite flag, int64
     old = {h: _chunk_bytes(onnx, traffic, preset, h) for h in (50, 500)}
     assert abs(new[500] - new[50]) <= 64, new
     assert old[500] > 4 * old[50], old
     assert new[500] < old[50]
+    logits_per_chunk = 26 * preset.tts.num_audio_tokens * 4
+    assert new[500] < logits_per_chunk / 10, (new, logits_per_chunk)
 
 
 def test_the_tts_engine_choice() -> None:
@@ -205,3 +213,113 @@ def test_export_prints_the_tts_pool_n_sessions_need() -> None:
     assert pool_bytes(real, 128, 60, BF16, "tts") == 38 * 60 * per_s * token + 90 * per_s * token
     assert pool_bytes(real, 128, 300, FP8, "tts") * 2 == pool_bytes(real, 128, 300, BF16, "tts")
     assert "TTS KV pool" in "\n".join(pool_report(real))
+
+
+def _rows_with_history(preset, rng: np.random.Generator, n: int) -> Any:
+    """n rows of the stage's rules: temperatures 0 / 0.3 / 0.8 / 1.7, histories of 0 to 40 codes (past the window
+    of 16, with repeats), EOS allowed or not."""
+    from minicpmo_triton.stages.tts import TtsRows, TtsSession
+
+    rows = TtsRows(TtsStage(paged(preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict()), preset, 600.0))
+    vocab = preset.tts.num_audio_tokens
+    for r in range(n):
+        req = TtsRequest(n_tokens=64, temperature=[0.0, 0.3, 0.8, 1.7][r % 4], turn_end=r % 3 == 0)
+        rows.add(req, TtsSession(None, np.random.default_rng(r)), opened=r % 5 == 0)  # type: ignore[arg-type]
+        rows.codes[r] = rng.integers(0, vocab - 1, int(rng.integers(0, 40))).tolist()
+        rows.codes[r] += rows.codes[r][:3] * 2  # repeats: the penalty goes per occurrence
+    return rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_tts_sampler_keeps_the_host_rules(preset, device: str) -> None:
+    """For the same logits and history, the device's adjusted logits (temperature, per-occurrence penalty, EOS mask)
+    and its top-k / top-p distribution equal the host's (`TtsRows.adjusted`, `sampling.distribution`) within 1e-6;
+    with the host's uniform draws it picks the host's codes (greedy and sampled); and its draws follow that
+    distribution (20000 draws per row, each probability within 0.015)."""
+    from minicpmo_triton.paged.tts_sampler import TtsSampler
+    from minicpmo_triton.sampling import distribution, sample
+
+    rng = np.random.default_rng(7)
+    rows = _rows_with_history(preset, rng, 12)
+    vocab = preset.tts.num_audio_tokens
+    logits = (rng.standard_normal((12, vocab)) * 3).astype(np.float32)
+    logits[:, rows.stage.eos] = 9.0  # EOS would win where it is allowed
+    sampler = TtsSampler(rows.stage.rules(), torch.device(device), Traffic())
+    picks = [rows.pick(r) for r in range(12)]
+    adjusted = sampler.adjusted(torch.as_tensor(logits, device=device), picks)
+    ids, probs = sampler.distribution(adjusted)
+    for r in range(12):
+        host = rows.adjusted(r, logits[r])
+        np.testing.assert_allclose(adjusted[r].cpu().numpy(), host, rtol=1e-6, atol=0)
+        if rows.params(r).greedy:
+            continue  # the argmax: checked by the codes below
+        top, p = distribution(host, rows.params(r))
+        assert ids[r].tolist() == top.tolist()
+        np.testing.assert_allclose(probs[r].cpu().numpy(), p, rtol=0, atol=1e-6)
+    # the codes: each row's u from a copy of its rng, as `sample` would draw it
+    host_rngs = [np.random.default_rng(r) for r in range(12)]
+    for r in range(12):
+        rows.items[r][1].rng = np.random.default_rng(r)  # the picks above drew from them
+    for trial in range(50):
+        picks = [rows.pick(r) for r in range(12)]
+        codes, bad = sampler.pick(torch.as_tensor(logits, device=device), picks)
+        assert not bad.any()
+        for r in range(12):
+            assert codes[r] == sample(rows.adjusted(r, logits[r]), rows.params(r), host_rngs[r]), (trial, r)
+    # statistics: the device's own draws at many uniforms
+    draws = 20_000
+    u = torch.rand(draws, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
+    from minicpmo_triton.paged.sampler import inverse_cdf
+
+    for r in (1, 2, 3, 6):  # sampled rows
+        top, p = distribution(rows.adjusted(r, logits[r]), rows.params(r))
+        got = inverse_cdf(ids[r : r + 1].expand(draws, -1), probs[r : r + 1].expand(draws, -1), u).cpu().numpy()
+        freq = np.array([(got == t).mean() for t in top])
+        assert np.abs(freq - p).max() < 0.015, (r, freq, p)
+
+
+def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
+    from minicpmo_triton.paged.tts_sampler import TtsSampler
+
+    rows = _rows_with_history(preset, np.random.default_rng(1), 3)
+    logits = np.zeros((3, preset.tts.num_audio_tokens), np.float32)
+    logits[1, 5] = np.nan
+    codes, bad = TtsSampler(rows.stage.rules(), torch.device("cpu"), Traffic()).pick(
+        torch.as_tensor(logits), [rows.pick(r) for r in range(3)])
+    assert bad.tolist() == [False, True, False]
+    with pytest.raises(StepError) as err:
+        rows.accept(1, -1)
+    assert err.value.code == Code.NUMERIC_ERROR
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: str) -> None:
+    """The device's adjusted logits against MiniCPM-o's own code, run: `generate_chunk`'s temperature
+    (modeling_minicpmo_unified.py:6792), its `CustomRepetitionPenaltyLogitsProcessorRepeat` over the chunk's codes
+    with its own 16-code window (:6794-6806, :6950-6968, built by `gen_logits` :6975-6988) and its EOS mask
+    (:6809-6810), for the same logits and history, within 1e-6 (the reference raises 1.05 to the count in float32,
+    the host in float64)."""
+    from minicpmo_triton.paged.tts_sampler import TtsSampler
+
+    from .reference_demo import demo_module
+
+    modeling = demo_module("modeling_minicpmo_unified")
+    rng = np.random.default_rng(11)
+    rows = _rows_with_history(preset, rng, 8)
+    vocab, dx = preset.tts.num_audio_tokens, preset.duplex
+    processor = modeling.gen_logits(num_code=vocab, repetition_penalty=dx.tts_repetition_penalty)[1]
+    logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
+    picks = [rows.pick(r) for r in range(8)]
+    got = TtsSampler(rows.stage.rules(), torch.device(device), Traffic()).adjusted(
+        torch.as_tensor(logits, device=device), picks).cpu().numpy()
+    for r in range(8):
+        req = rows.items[r][0]
+        want = torch.as_tensor(logits[r : r + 1]).clone()
+        if req.temperature > 0:
+            want /= torch.tensor([[req.temperature]], dtype=torch.float32)
+        if rows.codes[r]:  # `if not audio_bos`: from the chunk's second code on
+            for proc in processor:
+                want = proc(torch.tensor([rows.codes[r]]), want)
+        if not rows.allow_eos(r):
+            want[:, rows.stage.eos] = -torch.inf
+        np.testing.assert_allclose(got[r], want[0].numpy(), rtol=1e-6, atol=0)

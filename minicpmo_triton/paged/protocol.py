@@ -34,6 +34,9 @@ class Prefill:
     embeds: np.ndarray  # [rows of `use`, hidden] the embeddings spliced in where `use`
     use: np.ndarray  # [n] bool
 
+    def __len__(self) -> int:
+        return len(self.ids)
+
 
 @dataclass
 class RowPick:
@@ -44,6 +47,26 @@ class RowPick:
     length_penalty: float = 1.0  # duplex: on <|turn_eos|>
     u: tuple[float, float] = (0.0, 0.0)  # the row's uniform draws (duplex: first and second; chat: one)
     rewind: Any = None  # the rng's state after the first draw, restored when the second was not needed
+
+
+@dataclass(frozen=True)
+class TtsRules:
+    """The TTS sampling rules' settings, the same for every row (the preset's `duplex.tts_*`)."""
+
+    eos: int
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+
+
+@dataclass
+class TtsPick:
+    """A TTS row's next code: what the stage's rules need beyond the logits (`TtsStage.choose`)."""
+
+    temperature: float  # 0: greedy
+    history: list[int]  # the chunk's codes in the repetition window, penalised once per occurrence
+    allow_eos: bool  # False mid-turn until the chunk is a full second
+    u: float = 0.0  # the row's uniform draw (sampled rows)
 
 
 @dataclass

@@ -54,6 +54,33 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[1] - 1)
 
 
+def not_finite(x: torch.Tensor) -> torch.Tensor:
+    """Per row, as `sampling.check_finite`: NaN or +inf anywhere, or nothing but -inf."""
+    return torch.isnan(x).any(1) | torch.isposinf(x).any(1) | ~torch.isfinite(x).any(1)
+
+
+def top_k_top_p(scaled: torch.Tensor, ks: torch.Tensor, kmax: int, top_p: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `sampling.distribution`, batched: per row its top ids by falling value [B, max k] and their probabilities
+    (float64, zero past the row's k and past its top_p). scaled: [B, vocab] float64; ks: [B] within 1..vocab, kmax
+    their largest (known on the host: no sync)."""
+    top_vals, top_ids = torch.topk(scaled, kmax, dim=1)
+    cols = torch.arange(top_vals.shape[1], device=scaled.device)[None, :]
+    probs = torch.where(cols < ks[:, None], torch.exp(top_vals - top_vals[:, :1]), 0.0)
+    probs = probs / probs.sum(1, keepdim=True)
+    top_p = top_p[:, None]
+    probs = torch.where((torch.cumsum(probs, 1) - probs < top_p) | (top_p >= 1.0), probs, 0.0)
+    return top_ids, probs / probs.sum(1, keepdim=True)
+
+
+def inverse_cdf(top_ids: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`Generator.choice` with p, per row: the inverse CDF (normalised) at the host's one `random()` u [B]."""
+    cdf = torch.cumsum(probs, 1)
+    cdf = cdf / cdf[:, -1:]
+    choice = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=top_ids.shape[1] - 1)
+    return top_ids.gather(1, choice)[:, 0]
+
+
 class DeviceSampler:
     def __init__(self, forbidden: np.ndarray, tokens: SpecialTokens, device: torch.device, traffic: Traffic) -> None:
         self.forbidden = torch.as_tensor(forbidden, device=device)  # [rule sets, vocab] bool, uploaded once
@@ -99,7 +126,7 @@ class DeviceSampler:
 
     def _duplex(self, raw: torch.Tensor, picks: list[RowPick]) -> tuple[torch.Tensor, ...]:
         tk, neg = self.tokens, torch.tensor(float("-inf"), device=raw.device)
-        bad = torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | ~torch.isfinite(raw).any(1)  # `check_finite`
+        bad = not_finite(raw)
         greedy = self._up([p.params.greedy for p in picks], np.bool_)
         u1 = self._up([p.u[0] for p in picks], np.float64)
         u2 = self._up([p.u[1] for p in picks], np.float64)
@@ -133,22 +160,13 @@ class DeviceSampler:
     def _chat(self, raw: torch.Tensor, picks: list[RowPick]) -> tuple[torch.Tensor, ...]:
         neg = torch.tensor(float("-inf"), device=raw.device)
         x = self._penalise_repeats(torch.where(self.forbidden[CHAT], neg, raw), picks, whatever_sign=False)
-        bad = torch.isnan(x).any(1) | torch.isposinf(x).any(1) | ~torch.isfinite(x).any(1)
+        bad = not_finite(x)
         greedy = self._up([p.params.greedy for p in picks], np.bool_)
         vocab = x.shape[1]
         ks = [min(p.params.top_k, vocab) if p.params.top_k > 0 else vocab for p in picks]
         temps = [1.0 if p.params.greedy else p.params.temperature for p in picks]
         scaled = x.to(torch.float64) / self._up(temps, np.float64)[:, None]
-        top_vals, top_ids = torch.topk(scaled, max(ks), dim=1)
-        cols = torch.arange(top_vals.shape[1], device=x.device)[None, :]
-        probs = torch.where(cols < self._up(ks, np.int64)[:, None], torch.exp(top_vals - top_vals[:, :1]), 0.0)
-        probs = probs / probs.sum(1, keepdim=True)
-        top_p = self._up([p.params.top_p for p in picks], np.float64)[:, None]
-        probs = torch.where((torch.cumsum(probs, 1) - probs < top_p) | (top_p >= 1.0), probs, 0.0)
-        probs = probs / probs.sum(1, keepdim=True)
-        cdf = torch.cumsum(probs, 1)
-        cdf = cdf / cdf[:, -1:]  # `Generator.choice` with p: the inverse CDF at one `random()`
-        u = self._up([p.u[0] for p in picks], np.float64)[:, None]
-        choice = torch.searchsorted(cdf, u, right=True).clamp(max=top_vals.shape[1] - 1)
-        sampled = top_ids.gather(1, choice)[:, 0]
+        top_p = self._up([p.params.top_p for p in picks], np.float64)
+        top_ids, probs = top_k_top_p(scaled, self._up(ks, np.int64), max(ks), top_p)
+        sampled = inverse_cdf(top_ids, probs, self._up([p.u[0] for p in picks], np.float64))
         return torch.where(greedy, x.argmax(1), sampled), torch.zeros_like(greedy), bad

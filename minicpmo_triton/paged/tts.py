@@ -4,26 +4,27 @@ LLM's), the same `PagedDecoder` layers and attention, its own inputs and head ar
 A forward packs every row's new positions (a chunk's condition, or one fed-back code) with no padding, writes
 their keys and values into the pool in place and returns each row's last logits over the speech codes. The
 input is `DuplexTTS.forward`'s (export/modules/tts.py): emb_text(id) + L2norm(projector_semantic(h)) where a
-text token has an LLM hidden state, emb_code(code) where the position is a code. The logits [B, 6562] come to
-the host for the stage's sampling rules (top-k 20 / top-p 0.7 and the per-occurrence repetition penalty: not on
-the device yet); they are as wide whatever the history, so a step's bytes do not grow with the turn.
+text token has an LLM hidden state, emb_code(code) where the position is a code. The logits [B, 6562] stay on
+the device: the stage's sampling rules run there (`tts_sampler`), and only each row's code comes back, so a
+step's bytes are a few dozen per row whatever the turn's length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.nn import functional
 
 from ..model_config import TtsDims
-from .attention import Rows
 from .build import build_decoder, load_weights
+from .loop import DecodeLoop, asking, packed_forward
 from .model import PagedDecoder
+from .protocol import TtsPick, TtsRules
+from .tts_sampler import TtsSampler
 
 
 @dataclass
@@ -40,10 +41,16 @@ class TtsFeed:
         return len(self.text_ids)
 
 
-Choose = Callable[[int, np.ndarray], "int | None"]  # (row, its logits) -> the code to feed next, or None: done
+class TtsDriver(Protocol):
+    """The stage's side of the loop: a row's next pick (None: it is done), and what to feed after its code (None:
+    the chunk is over). `accept` is given -1 where the row's logits were not finite (it raises for that row)."""
+
+    def pick(self, row: int) -> TtsPick | None: ...
+
+    def accept(self, row: int, code: int) -> int | None: ...
 
 
-class PagedTtsEngine:
+class PagedTtsEngine(DecodeLoop[TtsFeed, torch.Tensor, TtsDriver]):
     name = "paged"
 
     def __init__(self, model: PagedDecoder, tts: TtsDims) -> None:
@@ -53,6 +60,11 @@ class PagedTtsEngine:
         self.device = model.device
         self.normalize = tts.normalize_projected_hidden
         self.llm_hidden = model.w["projector_semantic.linear1.weight"].shape[1]
+        self.sampler: TtsSampler | None = None
+
+    def use_rules(self, rules: TtsRules) -> None:
+        """The sampling rules' settings: the stage owns them."""
+        self.sampler = TtsSampler(rules, self.device, self.traffic)
 
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], tts: TtsDims, **build: Any) -> PagedTtsEngine:
@@ -81,38 +93,25 @@ class PagedTtsEngine:
             x[up("inputs", is_code, self.device)] = w["emb_code.0.weight"][codes]
         return x
 
-    def logits(self, seqs: list[int], pasts: list[int], feeds: list[TtsFeed]) -> np.ndarray:
-        """Each row's next-code logits [B, num_audio_tokens] fp32, on the host; the rows' positions are written
+    def forward(self, seqs: list[int], pasts: list[int], feeds: list[TtsFeed]) -> torch.Tensor:
+        """Each row's next-code logits [B, num_audio_tokens] fp32, on the device; the rows' positions are written
         into the pool at past .. past + len(feed) - 1."""
-        counts = [len(f) for f in feeds]
-        for seq, past, n in zip(seqs, pasts, counts, strict=True):
-            self.pool.reserve(seq, past + n)  # a no-op when the stage reserved the chunk at its check
-        rows = Rows(self.pool.block_table(seqs, [p + n for p, n in zip(pasts, counts, strict=True)]), pasts, counts)
-        up = self.traffic.upload
-        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(pasts, counts, strict=True)])
-        slots = torch.cat([self.pool.slots(s, p, n) for s, p, n in zip(seqs, pasts, counts, strict=True)])
-        hidden = self.model.forward(self._embed(feeds), up("inputs", positions, self.device),
-                                    up("inputs", slots, self.device), rows)
-        last = up("inputs", [s + n - 1 for s, n in zip(rows.start, counts, strict=True)], self.device)
-        logits = functional.linear(hidden[last], self.model.w["head_code.0.weight"]).to(torch.float32)
-        return self.traffic.download("logits", logits)
+        hidden, _, last = packed_forward(self.model, self.traffic, seqs, pasts, [len(f) for f in feeds],
+                                         self._embed(feeds))
+        return functional.linear(hidden[last], self.model.w["head_code.0.weight"]).to(torch.float32)
 
-    def run(self, seqs: list[int], pasts: list[int], feeds: list[TtsFeed], choose: Choose) -> list[int]:
-        """Prefill every row, then one batched forward per code until every row's `choose` says it is done (rows
-        that finish leave the batch at once). Returns each row's new length."""
-        lengths = list(pasts)
-        feed: dict[int, TtsFeed] = dict(enumerate(feeds))
-        while feed:
-            rows = list(feed)
-            logits = self.logits([seqs[r] for r in rows], [lengths[r] for r in rows], [feed[r] for r in rows])
-            for r in rows:
-                lengths[r] += len(feed[r])
-            feed = {}
-            for r, row_logits in zip(rows, logits, strict=True):
-                code = choose(r, row_logits)
-                if code is not None:
-                    feed[r] = self.code_feed(code)
-        return lengths
+    def decide(self, out: torch.Tensor, rows: list[int], driver: TtsDriver) -> dict[int, TtsFeed]:
+        asked, picks, logits = asking(out, rows, driver.pick, self.traffic, self.device)
+        if not picks:
+            return {}
+        assert self.sampler is not None, "use_rules first"
+        codes, bad = self.sampler.pick(logits, picks)
+        feed = {}
+        for row, code, broken in zip(asked, codes, bad, strict=True):
+            nxt = driver.accept(row, -1 if broken else int(code))
+            if nxt is not None:
+                feed[row] = self.code_feed(nxt)
+        return feed
 
 
 def load_paged_tts(folder: Path, tts: TtsDims, device: str, **build: Any) -> PagedTtsEngine:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -12,6 +11,7 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
+from ..paged.protocol import TtsPick, TtsRules
 from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
@@ -19,7 +19,7 @@ from .decode_loop import batched_decode
 from .llm import PagedCache
 
 if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
-    from ..paged.tts import PagedTtsEngine
+    from ..paged.tts import PagedTtsEngine, TtsFeed
 
 MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a chat chunk's share
 TURN_TOKENS = 32_768  # the paged pool's longest turn (about 15 minutes of speech; a turn's cache is its only one)
@@ -66,6 +66,8 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.eos = preset.tts.num_audio_tokens - 1
         self.admit_tokens = tts_admit_tokens(preset)
+        if self.paged is not None:
+            self.paged.use_rules(self.rules())
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
         rng = seeded_rng(call.request.seed, call.corr_id)
@@ -120,30 +122,29 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             past = 0 if self.opens_turn(request, state) else state.cache.length
             self.paged.pool.reserve(state.cache.seq, past + len(request.text_ids) + 1 + request.n_tokens)
 
-    def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
+    def rules(self) -> TtsRules:
         dx = self.preset.duplex
-        opens = [self.opens_turn(req, sess) for req, sess in items]
-        for (_, sess), opened in zip(items, opens, strict=True):
-            if opened:
-                sess.cache = self._reset(sess.cache, release=False)
-        prefill = [self._prefill(req) for req, _ in items]
-        codes: list[list[int]] = [[] for _ in items]
+        return TtsRules(self.eos, dx.tts_top_k, dx.tts_top_p, dx.tts_repetition_penalty)
 
-        def choose(row: int, row_logits: np.ndarray) -> int | None:
-            req, sess = items[row]
-            logits = row_logits.astype(np.float32)
-            if req.temperature > 0:
-                logits /= req.temperature
-            apply_repetition_penalty(logits, codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
-                                     per_occurrence=True)
-            if not (opens[row] or req.turn_end):
-                logits[self.eos] = -np.inf  # min_new_tokens = n_tokens + 1 mid-turn: a chunk is a full second
-            token = sample(logits, SamplingParams(1.0 if req.temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p),
-                           sess.rng)
-            if token == self.eos or len(codes[row]) == req.n_tokens:
-                return None  # the EOS, or the (n_tokens + 1)-th code: sampled, never fed nor returned
-            codes[row].append(token)
-            return token
+    def begin(self, req: TtsRequest, sess: TtsSession) -> tuple[bool, dict[str, np.ndarray]]:
+        """A chunk's start: whether it opens a turn (its cache reset), and its prefill."""
+        opened = self.opens_turn(req, sess)
+        if opened:
+            sess.cache = self._reset(sess.cache, release=False)
+        return opened, self._prefill(req)
+
+    def finish(self, req: TtsRequest, sess: TtsSession, cache: KvCache | PagedCache, codes: list[int]) -> TtsResult:
+        """A chunk's end: the session's cache (dropped at a turn's end) and the chunk's codes."""
+        sess.cache = self._reset(cache, release=True) if req.turn_end else cache
+        return TtsResult(speech_tokens=np.asarray(codes, np.int64), kv_length=cache.length)
+
+    def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
+        rows = TtsRows(self)
+        prefill = []
+        for req, sess in items:
+            opened, pre = self.begin(req, sess)
+            rows.add(req, sess, opened)
+            prefill.append(pre)
 
         def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
             n = len(rows)
@@ -154,30 +155,86 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
 
         caches: list[KvCache | PagedCache]
         if self.paged is not None:
-            caches = self._paged_decode(items, prefill, choose)
+            caches = self._paged_decode(items, prefill, rows)
         else:
             caches = list(batched_decode(self.engine, [cast(KvCache, s.cache) for _, s in items], prefill, step_feeds,
-                                         lambda row, out: choose(row, out["logits"]), ("logits",))[0])
-        results = []
-        for (req, sess), cache, row_codes in zip(items, caches, codes, strict=True):
-            sess.cache = self._reset(cache, release=True) if req.turn_end else cache
-            results.append(TtsResult(speech_tokens=np.asarray(row_codes, np.int64), kv_length=cache.length))
-        return results
+                                         lambda row, out: rows.choose(row, out["logits"]), ("logits",))[0])
+        return [self.finish(req, sess, cache, row_codes)
+                for (req, sess), cache, row_codes in zip(items, caches, rows.codes, strict=True)]
 
-    def _paged_decode(self, items: list[tuple[TtsRequest, TtsSession]], prefill: list[dict[str, np.ndarray]],
-                      choose: Callable[[int, np.ndarray], int | None]) -> list[KvCache | PagedCache]:
-        """The same decode on the paged engine: the caches stay in its pool, each session's blocks past its new
-        length go back after the chunk."""
+    def feeds(self, prefill: list[dict[str, np.ndarray]]) -> list[TtsFeed]:
         from ..paged.tts import TtsFeed
 
+        return [TtsFeed(p["text_ids"], p["llm_hidden"][p["has_hidden"]], p["has_hidden"], p["code_ids"],
+                        p["is_code"]) for p in prefill]
+
+    def _paged_decode(self, items: list[tuple[TtsRequest, TtsSession]], prefill: list[dict[str, np.ndarray]],
+                      rows: TtsRows) -> list[KvCache | PagedCache]:
+        """The same decode on the paged engine, each code chosen on the device: the caches stay in its pool, each
+        session's blocks past its new length go back after the chunk."""
         assert self.paged is not None
-        pool = self.paged.pool
-        feeds = [TtsFeed(p["text_ids"], p["llm_hidden"][p["has_hidden"]], p["has_hidden"], p["code_ids"],
-                         p["is_code"]) for p in prefill]
         cached = [s.cache for _, s in items]
         assert all(isinstance(c, PagedCache) for c in cached)
         seqs = [c.seq for c in cached]  # type: ignore[union-attr]
-        lengths = self.paged.run(seqs, [c.length for c in cached], feeds, choose)
+        lengths, _ = self.paged.run(seqs, [c.length for c in cached], self.feeds(prefill), rows)
         for seq, n in zip(seqs, lengths, strict=True):
-            pool.truncate(seq, n)
+            self.paged.pool.truncate(seq, n)
         return [PagedCache(seq, n) for seq, n in zip(seqs, lengths, strict=True)]
+
+
+class TtsRows:
+    """The TTS's rules per row of a decode: on the host (`choose`: today's path, the logits on the host) or as a
+    `TtsPick` for the device (`pick`), and the same `accept` for both. The rules (`generate_chunk`,
+    modeling_minicpmo_unified.py:6792-6816): temperature, then the repetition penalty (per occurrence over the
+    chunk's last codes), EOS forbidden mid-turn until the chunk is a full second, then top-k / top-p."""
+
+    def __init__(self, stage: TtsStage) -> None:
+        self.stage = stage
+        self.items: list[tuple[TtsRequest, TtsSession]] = []
+        self.opens: list[bool] = []
+        self.codes: list[list[int]] = []
+
+    def add(self, req: TtsRequest, sess: TtsSession, opened: bool) -> None:
+        self.items.append((req, sess))
+        self.opens.append(opened)
+        self.codes.append([])
+
+    def allow_eos(self, row: int) -> bool:
+        return self.opens[row] or self.items[row][0].turn_end  # min_new_tokens = n_tokens + 1 mid-turn
+
+    def adjusted(self, row: int, row_logits: np.ndarray) -> np.ndarray:
+        """The row's logits as `sample` takes them: temperature, penalty, the EOS mask (float32)."""
+        req = self.items[row][0]
+        dx = self.stage.preset.duplex
+        logits = row_logits.astype(np.float32)
+        if req.temperature > 0:
+            logits /= req.temperature
+        apply_repetition_penalty(logits, self.codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
+                                 per_occurrence=True)
+        if not self.allow_eos(row):
+            logits[self.stage.eos] = -np.inf
+        return logits
+
+    def params(self, row: int) -> SamplingParams:
+        dx = self.stage.preset.duplex
+        return SamplingParams(1.0 if self.items[row][0].temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p)
+
+    def choose(self, row: int, row_logits: np.ndarray) -> int | None:
+        return self.accept(row, sample(self.adjusted(row, row_logits), self.params(row), self.items[row][1].rng))
+
+    def pick(self, row: int) -> TtsPick:
+        """The device's pick: the same rules; a sampled row's one draw from its rng, as `sample` would make it."""
+        req, sess = self.items[row]
+        window = self.stage.preset.duplex.tts_repetition_window
+        u = float(sess.rng.random()) if req.temperature > 0 else 0.0
+        return TtsPick(req.temperature, self.codes[row][-window:], self.allow_eos(row), u)
+
+    def accept(self, row: int, code: int) -> int | None:
+        """The code to feed next, or None: the EOS, or the (n_tokens + 1)-th code (sampled, never fed nor
+        returned). -1: the row's logits were not finite on the device."""
+        if code < 0:
+            raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
+        if code == self.stage.eos or len(self.codes[row]) == self.items[row][0].n_tokens:
+            return None
+        self.codes[row].append(code)
+        return code
