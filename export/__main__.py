@@ -88,12 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint is not None:
         import dataclasses
 
-        from .checkpoint import CheckpointError, copy_tokenizer, load_checkpoint, load_token2wav, read_config
+        from .checkpoint import (
+            CheckpointError,
+            copy_tokenizer,
+            load_checkpoint,
+            load_token2wav,
+            read_config,
+            require_tokenizer,
+        )
         from .config import preset_from_config
         from .modules.token2wav import dims_of
 
         try:
             preset = preset_from_config(preset, read_config(args.checkpoint))
+            if preset.tokenizer == "huggingface":
+                require_tokenizer(args.checkpoint)
             token2wav = load_token2wav(args.checkpoint, preset.token2wav)  # assets/token2wav, beside the safetensors
             if token2wav is not None:
                 preset = dataclasses.replace(preset, token2wav=dims_of(token2wav, preset.token2wav))

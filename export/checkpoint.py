@@ -216,12 +216,18 @@ def read_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def copy_tokenizer(folder: Path, target: Path) -> None:
-    """The checkpoint's whole tokenizer set, beside the entry model."""
+def require_tokenizer(folder: Path) -> None:
+    """The checkpoint's whole tokenizer set is there: checked before any weight is read, so a folder without it
+    fails in a second, not after the load."""
     missing = [n for n in TOKENIZER_FILES if not (Path(folder) / n).exists()]
     if missing:
         raise CheckpointError(f"{folder} lacks tokenizer files {missing}: the real preset uses the checkpoint's "
                               f"own tokenizer ({', '.join(TOKENIZER_FILES)})")
+
+
+def copy_tokenizer(folder: Path, target: Path) -> None:
+    """The checkpoint's whole tokenizer set, beside the entry model."""
+    require_tokenizer(folder)
     target.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy2(Path(folder) / name, target / name)

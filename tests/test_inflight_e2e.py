@@ -22,7 +22,7 @@ from minicpmo_triton.stage_io import LlmRequest, LlmResult
 from .conftest import MODEL_REPOSITORY, RunningTriton, triton_with
 from .test_isolation_e2e import llm_call
 
-pytestmark = pytest.mark.asyncio(loop_scope="function")
+pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
 
 PAGED = {"MINICPMO_LLM_ENGINE": "paged"}
 # a long row: 1500 teacher-forced text tokens, decoded one per iteration (tiny's sampling mask: printable ASCII)

@@ -24,7 +24,7 @@ from .conftest import MODEL_REPOSITORY, RunningTriton, start_gateway, stop_gatew
 from .helpers import GREEDY, SPEAKING_TEXT, deltas
 from .test_isolation_e2e import stage_call
 
-pytestmark = pytest.mark.asyncio(loop_scope="function")
+pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
 
 
 @pytest.fixture(scope="module")

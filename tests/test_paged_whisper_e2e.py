@@ -16,7 +16,7 @@ from minicpmo_client.backend import converse
 from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
 from .helpers import GREEDY, SPEAKING_TEXT, deltas
 
-pytestmark = pytest.mark.asyncio(loop_scope="function")
+pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
 
 
 @pytest.fixture(scope="module", params=["onnx", "paged"], ids=["llm-onnx", "llm-paged-inflight"])

@@ -16,6 +16,8 @@ import websockets
 from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
 from .helpers import append_message, init_message
 
+pytestmark = pytest.mark.engines  # .ci/run step of its own (pyproject's markers)
+
 # the paged engine on the CPU, every new session wanting more room than the pool has
 FULL = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "100000000"}
 

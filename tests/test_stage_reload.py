@@ -31,6 +31,8 @@ from gateway.triton.reload import GRPC_CONTROL_HEADER
 from .conftest import MODEL_REPOSITORY, REPO, RunningTriton, ensure_exported, start_gateway, stop_gateway
 from .test_supervision import kill_stub_and_heal, stubs_of, wait_status
 
+pytestmark = pytest.mark.healing  # .ci/run step of its own (pyproject's markers)
+
 
 def start_triton(folder: Path, model_control: str) -> TritonServer:
     ensure_exported()

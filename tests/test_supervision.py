@@ -34,6 +34,8 @@ from gateway.triton import free_port, free_ports
 from .conftest import REPO, ensure_exported
 from .helpers import append_message, init_message, recv_until
 
+pytestmark = pytest.mark.healing  # .ci/run step of its own (pyproject's markers)
+
 
 def group(pgid: int) -> list[tuple[int, str, str]]:
     """(pid, state, command) of every process in a process group, zombies included."""
