@@ -31,7 +31,7 @@ from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
-from .stages.base import SequenceStage, StageCall
+from .stages.base import SequenceStage, StageCall, answer_order
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
@@ -211,8 +211,9 @@ class _InflightStageModel(_StatefulStageModel):
             for call, sender in zip(calls, senders, strict=True):
                 self.inflight.submit(call, functools.partial(self._send, sender, call.corr_id))
             return None
-        for call, sender, result in zip(calls, senders, self.stage.run(calls), strict=True):
-            self._send(sender, call.corr_id, result)
+        for group in answer_order(calls, self.stage.can_wait):
+            for i, result in zip(group, self.stage.run([calls[i] for i in group]), strict=True):
+                self._send(senders[i], calls[i].corr_id, result)
         self.gauge.update()
         return None
 

@@ -14,6 +14,8 @@ from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.pipeline import DuplexPipeline, StepEvent, StepInput
 from minicpmo_triton.prefill_chunks import split_prefill
 from minicpmo_triton.stage_io import LlmRequest
+from minicpmo_triton.stages.base import StageCall, answer_order
+from minicpmo_triton.stages.llm import is_prefill_chunk
 from minicpmo_triton.voice_prompt import default_ref_audio
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
@@ -45,6 +47,19 @@ def test_a_short_prefill_or_a_limit_of_zero_is_one_call() -> None:
     assert split_prefill(request, 0, PH) == [request]
     only_audio = LlmRequest(input_ids=np.full(20, PH, np.int64), audio=np.zeros(32_000, np.float32), rollback_to=3)
     assert split_prefill(only_audio, 4, PH) == [only_audio]  # the step's own audio is never split off
+
+
+def test_a_batch_answers_the_steps_before_the_prefill_chunks_that_joined_it() -> None:
+    """The `llm` model runs and answers a batch's calls in `answer_order`'s groups: a prefill chunk (nobody waits
+    on it) after the steps beside it; a sequence with two calls in the batch keeps both first, in order."""
+    request = LlmRequest(input_ids=np.arange(300, dtype=np.int64))
+    chunk, *_ = split_prefill(request, 128, PH)
+    step = LlmRequest(input_ids=np.arange(3, dtype=np.int64))
+    end_only = LlmRequest(input_ids=np.zeros(0, np.int64), decode=False)
+    assert [is_prefill_chunk(r) for r in (chunk, step, end_only)] == [True, False, False]
+    calls = [StageCall(chunk, 1), StageCall(step, 2), StageCall(chunk, 3), StageCall(step, 3), StageCall(step, 4)]
+    assert answer_order(calls, is_prefill_chunk) == [[1, 2, 3, 4], [0]]
+    assert answer_order(calls[1:2], is_prefill_chunk) == [[0]] and answer_order(calls[:1], is_prefill_chunk) == [[0]]
 
 
 class LlmRecorder:

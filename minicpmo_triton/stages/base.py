@@ -95,6 +95,19 @@ def _restore(state: Any, snap: dict[str, Any]) -> None:
         setattr(state, name, value)
 
 
+def answer_order(calls: Sequence[StageCall[Req]], can_wait: Callable[[Req], bool]) -> list[list[int]]:
+    """A batch's calls as groups to run and answer one after another: first those someone waits on, then those
+    that can wait, so a session's step is answered without waiting for another's prefill chunk in its batch. A
+    sequence with more than one call in the batch keeps them all in the first group, in order."""
+    seen: dict[int, int] = {}
+    for call in calls:
+        seen[call.corr_id] = seen.get(call.corr_id, 0) + 1
+    waits = [seen[c.corr_id] == 1 and can_wait(c.request) for c in calls]
+    first = [i for i, w in enumerate(waits) if not w]
+    later = [i for i, w in enumerate(waits) if w]
+    return [g for g in (first, later) if g]
+
+
 class SequenceStage(Generic[Req, Res, State]):
     """Subclasses give `new_state` and `compute`, which runs the whole batch in one go."""
 
@@ -110,6 +123,11 @@ class SequenceStage(Generic[Req, Res, State]):
     def is_noop(self, request: Req) -> bool:
         """An END-only call carries no work."""
         raise NotImplementedError
+
+    def can_wait(self, request: Req) -> bool:
+        """No caller is waiting on this call's answer to go on (a long prompt's leading prefill chunk): a batch
+        answers the other calls first (`answer_order`)."""
+        return False
 
     def check(self, request: Req, state: State) -> None:
         """Reject one call before the batch runs (raise), so a bad call cannot fail the others."""

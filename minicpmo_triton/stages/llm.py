@@ -29,6 +29,11 @@ if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by eve
     from ..paged.engine import LoopTiming, PagedLlmEngine
 
 
+def is_prefill_chunk(request: LlmRequest) -> bool:
+    """A long prefill's leading chunk (prefill_chunks.py): its session's step, which decodes, comes later."""
+    return not request.decode and len(request.input_ids) > 0
+
+
 def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
     """The fed token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
     token) or of a step."""
@@ -107,6 +112,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
+
+    def can_wait(self, request: LlmRequest) -> bool:
+        return is_prefill_chunk(request)
 
     def empty_result(self) -> LlmResult:
         return LlmResult()
