@@ -7,7 +7,6 @@ loopback only unless told otherwise, explicitly (`--insecure`, or MINICPMO_INSEC
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import secrets
@@ -25,7 +24,7 @@ from .registry import Gateway
 from .routes import create_app
 from .settings import Settings
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
-from .triton.launcher import CONTROL_KEY_ENV, LOOPBACK
+from .triton.launcher import CONTROL_KEY_ENV, LOOPBACK, is_loopback
 from .triton.supervisor import Supervisor
 
 
@@ -43,15 +42,6 @@ class GatewayServer(uvicorn.Server):
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to any interface
 
 
 def open_refusal(host: str, settings: Settings) -> str | None:

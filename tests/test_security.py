@@ -24,7 +24,8 @@ from gateway.auth import (
     redact,
 )
 from gateway.settings import api_keys
-from gateway.triton.launcher import TritonInstall, TritonPorts, server_command
+from gateway.triton import launcher
+from gateway.triton.launcher import CONTROL_KEY_ENV, TritonInstall, TritonPorts, control_refusal, server_command
 from gateway.wire import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS, ProtocolError, parse_json
 from minicpmo_triton.errors import describe
 
@@ -132,6 +133,18 @@ def test_triton_binds_to_loopback_unless_told() -> None:
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(cmd)
     cmd = server_command(install, Path("/m"), TritonPorts(1, 2, 3), None, address="0.0.0.0")
     assert "--grpc-address=0.0.0.0" in cmd
+
+
+def test_triton_beyond_loopback_needs_a_control_key(monkeypatch, capsys) -> None:
+    """Explicit model control (how a gateway heals a dead stage) lets whoever reaches Triton unload its models:
+    `python -m gateway.triton` refuses to bind beyond loopback without the key, before anything starts."""
+    monkeypatch.delenv(CONTROL_KEY_ENV, raising=False)
+    monkeypatch.setattr(launcher, "find_triton", lambda: pytest.fail("started without a control key"))
+    assert launcher.main(["--address", "0.0.0.0"]) == 2
+    assert CONTROL_KEY_ENV in capsys.readouterr().err
+    assert control_refusal("127.0.0.1", "explicit", "", False) is None
+    assert control_refusal("0.0.0.0", "explicit", "k", False) is None
+    assert control_refusal("0.0.0.0", "none", "", False) is None and control_refusal("::", "explicit", "", True) is None
 
 
 # ---- against the real server ----

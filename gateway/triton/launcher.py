@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -315,6 +316,25 @@ class TritonServer:
         self.stop()
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def control_refusal(address: str, model_control: str, control_key: str, insecure: bool) -> str | None:
+    """Why Triton will not be started as asked, or None: in explicit model control mode, reachable from other
+    hosts and with no control key, anyone who reaches its ports could unload its models."""
+    if model_control != "explicit" or control_key or insecure or is_loopback(address):
+        return None
+    return (f"refusing to serve on {address} in explicit model control mode with no {CONTROL_KEY_ENV}: anyone who "
+            "reaches its ports could unload a model. Set it (its gateways need the same key; docs/deploy.md), bind "
+            "127.0.0.1, or pass --insecure.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway.triton",
                                      description="Run tritonserver on the minicpmo-triton model repository")
@@ -326,7 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default=LOOPBACK, help="interface Triton binds to (0.0.0.0: all of them)")
     parser.add_argument("--model-control-mode", default="explicit", choices=("explicit", "none", "poll"),
                         help="explicit (default): a gateway heals a stage whose stub died by reloading its model")
+    parser.add_argument("--insecure", action="store_true",
+                        help=f"serve explicit model control beyond loopback with no {CONTROL_KEY_ENV}")
     args = parser.parse_args(argv)
+    why = control_refusal(args.address, args.model_control_mode, os.environ.get(CONTROL_KEY_ENV, ""), args.insecure)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     server = TritonServer(
         args.model_repository,
         TritonPorts(args.http_port, args.grpc_port, args.metrics_port),
