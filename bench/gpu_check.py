@@ -39,6 +39,9 @@ from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from minicpmo_triton.sampling import SamplingParams
 
+from .gpu_check_speech import CONDITION, tts_stage, whisper_stage
+from .gpu_timing import peak_gib, sync, timed
+
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
 REAL = DecoderDims(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151748)
 QUICK = DecoderDims(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=2000)
@@ -46,6 +49,10 @@ HISTORY_60S = 13 * 60  # tokens a listening session holds after 60 s (<unit>, 10
 CHUNK_TOKENS = 12
 SPEAK_TOKENS = 20  # max_new_speak_tokens_per_chunk
 SPEAKING = 0.3
+TTS_CHUNK = CONDITION + 26  # a TTS chunk's positions: its condition, then 26 codes
+TTS_HISTORY = 8 * TTS_CHUNK  # a speaking session 8 chunks into its turn
+WHISPER_HISTORY_S = 10.0  # seconds of encoder frames each listening session holds
+STAGES = ("parity", "speed", "tts", "whisper")
 
 
 def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -71,25 +78,6 @@ def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torc
                 p + "mlp.up_proj.weight": w(d.intermediate, d.hidden),
                 p + "mlp.down_proj.weight": w(d.hidden, d.intermediate)}
     return out
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(device: str, fn: Any, repeats: int) -> float:
-    """Median ms of `repeats` calls after two warm-ups (the first compiles)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
 
 
 def build(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, sessions: int, history: int,
@@ -198,7 +186,7 @@ def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: in
             "step_estimate_ms": prefill_ms + decode_ms + (SPEAK_TOKENS - 1) * speak_ms,
             "pool_gib": eng.pool.nbytes / 2**30, "pool_blocks": eng.pool.num_blocks,
             "block_size": eng.pool.shape.block_size,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+            "peak_allocated_gib": peak_gib(device)}
 
 
 def write_profile(path: Path, fn: Any) -> None:
@@ -250,24 +238,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_out"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small dims, 2 and 4 sessions (tests the script)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="start no new size past this")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="the LLM's speed stage starts no new size past this (from the start)")
+    parser.add_argument("--speech-budget-s", type=float, default=90.0,
+                        help="the TTS and Whisper stages together start no new size past this (from their start)")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     args = parser.parse_args(argv)
+    chosen = args.stages.split(",")
+    if unknown := set(chosen) - set(STAGES):
+        parser.error(f"unknown stages {sorted(unknown)}: choose from {', '.join(STAGES)}")
     deadline = time.monotonic() + args.budget_s
+    speech: dict[str, float] = {}
+
+    def speech_deadline() -> float:  # set when the first of the two stages starts
+        return speech.setdefault("deadline", time.monotonic() + args.speech_budget_s)
+
     args.out.mkdir(parents=True, exist_ok=True)
     d = QUICK if args.quick else REAL
     counts = [2, 4] if args.quick else [32, 64, 128]
     history = 50 if args.quick else HISTORY_60S
+    preset = tiny() if args.quick else minicpmo45()
+    repeats = 3 if args.quick else 20
+    tts_history = 2 * TTS_CHUNK if args.quick else TTS_HISTORY
+    whisper_history = 2.0 if args.quick else WHISPER_HISTORY_S
     report: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "dims": dataclasses.asdict(d),
-                              "note": "random weights; speed of the engine, not of a served model"}
+                              "speech_preset": preset.name,
+                              "note": "random weights; speed of the engines, not of a served model"}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
         # each size's pool is a new static shape for the decode graphs (a server has one pool): room for them all
         torch._dynamo.config.recompile_limit = 64
     path = args.out / "gpu_check.json"
     stages = {"parity": lambda: parity(d, args.device, 8, history),
-              "speed": lambda: speed(d, args.device, counts, history, 3 if args.quick else 20, deadline, args.out)}
+              "speed": lambda: speed(d, args.device, counts, history, repeats, deadline, args.out),
+              "tts": lambda: tts_stage(preset, args.device, counts, tts_history, repeats, speech_deadline()),
+              "whisper": lambda: whisper_stage(preset, args.device, counts, whisper_history, repeats,
+                                               speech_deadline())}
     failed = False
-    for name, run in stages.items():
+    for name in chosen:
+        run = stages[name]
         t0 = time.perf_counter()
         try:
             report[name] = run()
@@ -278,7 +287,17 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
         print(f"== {name} ({report[f'{name}_s']:.0f} s)\n{json.dumps(report[name], indent=1)[:3000]}", flush=True)
     print(f"results: {path}")
-    return 1 if failed else 0
+    return 1 if failed or errors(report) else 0
+
+
+def errors(report: Any) -> list[str]:
+    """Every "error" in the report, a stage's or one size's (a size that failed leaves the others measured)."""
+    if isinstance(report, dict):
+        return ([str(report["error"])] if "error" in report else []) + [
+            e for k, v in report.items() if k != "error" for e in errors(v)]
+    if isinstance(report, list):
+        return [e for v in report for e in errors(v)]
+    return []
 
 
 if __name__ == "__main__":

@@ -71,10 +71,9 @@ def init_random_weights(stage: str, module: nn.Module, preset: PresetConfig) -> 
             module.lm_head.weight[preset.tokens.im_end].zero_()
 
 
-def build_modules(preset: PresetConfig, seed: int, token2wav: Token2WavModel | None = None) -> dict[str, nn.Module]:
-    """Each stage from a seed of its own (`seed` + its SEED_OFFSETS), so changing one stage's module
-    leaves the other stages' random weights as they were. `token2wav`: a checkpoint's, used as it is (a random
-    one is not built beside it: the official CFM allocates ~2 GB of streaming buffers per instance)."""
+def build_module(preset: PresetConfig, stage: str, seed: int, token2wav: Token2WavModel | None = None) -> nn.Module:
+    """One stage's module with random weights from `seed` + its SEED_OFFSETS (the same module `build_modules`
+    builds for it), on the default device (a `torch.device` context puts it on a GPU)."""
     h = preset.llm.hidden
     makers: dict[str, Callable[[], nn.Module]] = {
         "audio_encoder": lambda: AudioEncoder(preset.audio, h),
@@ -83,11 +82,17 @@ def build_modules(preset: PresetConfig, seed: int, token2wav: Token2WavModel | N
         "tts": lambda: DuplexTTS(preset.tts, h),
         "token2wav": lambda: token2wav or Token2WavModel.random(preset.token2wav, seed + SEED_OFFSETS["token2wav"]),
     }
-    modules: dict[str, nn.Module] = {}
-    for stage in STAGE_NAMES:
-        torch.manual_seed(seed + SEED_OFFSETS[stage])
-        modules[stage] = makers[stage]()
-        init_random_weights(stage, modules[stage], preset)
+    torch.manual_seed(seed + SEED_OFFSETS[stage])
+    module = makers[stage]()
+    init_random_weights(stage, module, preset)
+    return module
+
+
+def build_modules(preset: PresetConfig, seed: int, token2wav: Token2WavModel | None = None) -> dict[str, nn.Module]:
+    """Each stage from a seed of its own (`seed` + its SEED_OFFSETS), so changing one stage's module
+    leaves the other stages' random weights as they were. `token2wav`: a checkpoint's, used as it is (a random
+    one is not built beside it: the official CFM allocates ~2 GB of streaming buffers per instance)."""
+    modules: dict[str, nn.Module] = {stage: build_module(preset, stage, seed, token2wav) for stage in STAGE_NAMES}
     torch.manual_seed(seed + SEED_OFFSETS["token2wav_voice"])  # the voice-prompt graphs (a checkpoint ships its own)
     modules["token2wav_voice"] = nn.ModuleDict({"campplus": TinyCampPlus(dim=preset.token2wav.spk_embed_dim),
                                                 "s3": TinyS3Tokenizer()}).eval()

@@ -1,0 +1,38 @@
+"""bench/gpu_check.py (scripts/gpu_check.sh: run once on a GPU) runs its own code on the CPU at small dims, so a
+broken stage shows here and not first on a lent GPU: each stage ends with its results in gpu_check.json and no
+error, a stage's or one size's. The LLM's parity stage compiles (inductor on the CPU: half a minute) and is left
+to the GPU run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+
+@pytest.mark.parametrize("stages", ["speed", "tts,whisper"])
+def test_the_gpu_check_runs_its_stages_on_the_cpu(tmp_path: Path, stages: str) -> None:
+    assert gpu_check.main(["--device", "cpu", "--quick", "--stages", stages, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert gpu_check.errors(report) == []
+    for stage in stages.split(","):
+        sizes = report[stage] if stage == "speed" else report[stage]["speed"]
+        assert sorted({s["sessions"] for s in sizes}) == [2, 4]
+        assert all(s["pool_gib"] > 0 and "skipped" not in s for s in sizes)
+    for stage in ("tts", "whisper"):
+        if stage in report:
+            assert report[stage]["parity"]["decode" if stage == "tts" else "flex"]
+    tts = report.get("tts")
+    if tts is not None:
+        assert tts["parity"]["sampler_greedy_agreement"] == 1.0
+        assert tts["parity"]["decode"]["flex"]["greedy_agreement"] == 1.0
+        assert all(s["decode_iteration_ms"] > 0 and s["chunk_ms"] > s["decode_iteration_ms"] for s in tts["speed"])
+
+
+def test_a_size_that_fails_is_an_error_of_the_report() -> None:
+    assert gpu_check.errors({"tts": {"speed": [{"sessions": 2}, {"sessions": 4, "error": "PoolFull: x"}]}}) == \
+        ["PoolFull: x"]
+    assert gpu_check.errors({"whisper": {"error": "boom", "traceback": "..."}}) == ["boom"]
