@@ -1,4 +1,4 @@
-"""The paged LLM engine on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's LLM dims (Qwen3-8B).
+"""The paged engines on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's dims (the LLM: Qwen3-8B).
 
 1. parity: the CUDA backend (flex_attention over the pool) against the reference gather, same weights, same
    pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode,
@@ -11,9 +11,13 @@
    padded shapes: inductor's decoding kernel), so the before and after are one run;
    profile: torch.profiler's top ops of one decode iteration at the first size, eager and compiled
    (OUT/profile_*.txt);
-3. memory: the pool's bytes, the weights', the peak allocated.
-Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error), a table to
-stdout. `--device cpu --quick` runs the same code at small dims to test the script.
+3. memory: the pool's bytes, the weights', the peak allocated;
+4. tts, whisper: the paged TTS and the paged streaming Whisper (bench/gpu_check_speech.py): parity, ms per TTS
+   decode iteration and chunk, per Whisper 1 s chunk, at 32 / 64 / 128 sessions, pool GiB; within
+   `--speech-budget-s` together.
+Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error, and so does one
+size of a stage), a table to stdout; `--stages` runs a subset. `--device cpu --quick` runs the same code at
+small dims to test the script.
 
     python -m bench.gpu_check --out gpu_out            (scripts/gpu_check.sh runs this)
 """
