@@ -247,6 +247,8 @@ def sizes(measure: Any, counts: list[int], deadline: float, device: str) -> list
         if time.monotonic() > deadline:
             results.append({"sessions": n, "skipped": "out of time"})
             continue
+        if device == "cuda":  # each size's own peak, not the LLM stages' before it
+            torch.cuda.reset_peak_memory_stats()
         try:
             results.append(measure(n))
         except Exception as exc:  # noqa: BLE001
