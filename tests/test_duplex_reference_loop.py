@@ -312,7 +312,9 @@ def _drive(checkpoint: dict[str, Any], stage: LlmStage, loop: InflightLlm | None
     return out
 
 
-@pytest.mark.parametrize("engine", ["onnx", "paged", "inflight"])
+# the device engine's two paths on the CPU: a `.ci/run` step of their own (engines), today's ONNX in the main command
+@pytest.mark.parametrize("engine", ["onnx", pytest.param("paged", marks=pytest.mark.engines),
+                                    pytest.param("inflight", marks=pytest.mark.engines)])
 @pytest.mark.parametrize("window", ["off", "basic", "context"])
 def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], reference_trace: Callable[[str], Trace],
                                                    window: str, engine: str) -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from bench import gpu_check
 
+pytestmark = pytest.mark.engines  # the device engines on the CPU: a .ci/run step of its own
+
 
 @pytest.mark.parametrize("stages", ["speed", "tts,whisper"])
 def test_the_gpu_check_runs_its_stages_on_the_cpu(tmp_path: Path, stages: str) -> None:
