@@ -121,8 +121,10 @@ async def test_an_hour_long_call_slides_its_window_and_stays_bounded(gateway, tr
     assert said[-1] > 3 * HIGH, "the hour should have slid the window several times"
     assert max(held) <= HIGH + 256
     # by half an hour the LLM's window is full and the TTS's turn has reached its position table and started
-    # over: from then on the server's memory is flat
-    assert max(rss[3:]) - rss[3] < 100, f"the server's memory grew over the hour: {rss}"
+    # over: from then on the server's memory is flat, up to the allocators' swings (the seven processes' heaps
+    # move by tens of MB each between samples: 909-1171 MB in runs here). What this guards against grows by GBs:
+    # an unbounded TTS turn took the same hour from 539 to 2,302 MB.
+    assert max(rss[3:]) - rss[3] < 250, f"the server's memory grew over the hour: {rss}"
 
     # the same hour in process: the last minute says the same
     pipeline = InProcessStages(MODEL_REPOSITORY).pipeline()
