@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check
+import bench.gpu_check as gpu_check  # a dotted import: the 3.12 subset (no torch) leaves the module out
 
 pytestmark = pytest.mark.engines  # the device engines on the CPU: a .ci/run step of its own
 
