@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import ipaddress
 import time
 from collections import deque
@@ -28,6 +27,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+
+from minicpmo_triton.stage_io import audio_key
 
 from .audio import INPUT_RATE
 from .auth import ANONYMOUS, RateLimit, SessionCounts
@@ -108,7 +109,7 @@ class VoiceBudget:
         spent = self._spent.setdefault(caller, deque())
         while spent and now - spent[0][0] > self.window_s:
             spent.popleft()
-        key = hashlib.sha256(np.ascontiguousarray(audio, np.float32).tobytes()).digest()
+        key = audio_key(audio)  # the identity token2wav caches the voice's prompt by
         if any(k == key for _, k, _ in spent):
             return  # sent within the window: its prompt is cached
         seconds = len(audio) / INPUT_RATE
