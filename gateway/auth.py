@@ -115,16 +115,21 @@ class RateLimit:
             del self._seen[other]  # callers gone quiet: the table stays bounded
 
 
-_QUERY = re.compile(r"\?([^\s\"']*)")
+# A request line's query runs to the next whitespace, whatever it holds (a quote is a character of it, as Starlette
+# reads it: `?x='&key=KEY` hands the gateway key=KEY)
+_QUERY = re.compile(r"\?(\S*)")
 
 
 def _redacted_query(match: re.Match[str]) -> str:
-    """A query string with the value of every parameter that Starlette would read as `key` (its name
-    percent- or plus-decoded: `?%6Bey=` is `?key=`) replaced by `***`."""
+    """A query string with the value of every parameter that Starlette would read as `key` (split on `&` as
+    `parse_qsl` does, its name percent- or plus-decoded: `?%6Bey=` is `?key=`) replaced by `***`; a closing quote
+    of the log line's own (`"WebSocket /path?key=K"`) is kept."""
     parts = []
     for part in match[1].split("&"):
-        name, sep, _ = part.partition("=")
-        parts.append(f"{name}=***" if sep and unquote_plus(name) == "key" else part)
+        name, sep, value = part.partition("=")
+        if sep and unquote_plus(name) == "key":
+            part = f"{name}=***" + ('"' if value.endswith('"') else "")
+        parts.append(part)
     return "?" + "&".join(parts)
 
 

@@ -296,6 +296,22 @@ def test_events_past_the_rate_are_refused_and_the_rate_refills() -> None:
     '127.0.0.1:5 - "WebSocket /v1/realtime?mode=audio&%6Bey=SECRET" [accepted]',
     '"GET /?k%65%79=SECRET&x=1 HTTP/1.1" 200',
     '"GET /health?%6b%65%79=SECRET" 200',
+    "GET /v1/realtime?x='&key=SECRET HTTP/1.1",  # a quote before it: Starlette still reads key=SECRET
+    '127.0.0.1:5 - "WebSocket /v1/realtime?x="&key=SECRET" [accepted]',
+    "GET /?x=<a>&key=SECRET&key=SECRET2 HTTP/1.1",
 ])
 def test_keys_are_redacted_however_the_name_is_encoded(line: str) -> None:
     assert "SECRET" not in redact(line) and "***" in redact(line)
+
+
+@pytest.mark.parametrize("query", ["x='&key=K1", 'x="&key=K1', "x=(&key=K1", "a=1;key=K0&key=K1", "key=K1#x",
+                                   "%6Bey=K1&k%65y=K2", "x=%22&key=K1&y='", "+key=K0&key+=K0&key=K1"])
+def test_redaction_reads_the_query_as_starlette_does(query: str) -> None:
+    """Every value Starlette would hand the gateway as `key` is gone from the logged request line."""
+    from starlette.datastructures import QueryParams
+
+    keys = QueryParams(query).getlist("key")
+    assert keys
+    line = redact(f"GET /v1/realtime?{query} HTTP/1.1")
+    assert not any(k in line for k in keys), (keys, line)
+    assert line.endswith(" HTTP/1.1")
