@@ -95,17 +95,31 @@ class _HfDecoder:
         return delta
 
 
+def _text_encoder(tokenizer_json: str) -> object:
+    """The tokenizer as an encoder of text only: every added token (the checkpoint marks 12 of them non-special:
+    `<think>`, `<tool_call>`, `<|fim_prefix|>`, ...) made special, and special tokens not parsed out of text, so a
+    caller's literal `<|im_end|>`, `<|listen|>` or `<think>` is encoded as its characters, never as the token
+    (control tokens are placed by id, never parsed from a string)."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    spec = json.loads(tokenizer_json)
+    for added in spec.get("added_tokens") or []:
+        added["special"] = True
+    tok = HfTokenizer.from_str(json.dumps(spec))
+    tok.encode_special_tokens = True
+    return tok
+
+
 class HuggingFaceTokenizer:
-    """The checkpoint's `tokenizer.json`, read with the `tokenizers` package; it never parses special tokens
-    out of text."""
+    """The checkpoint's `tokenizer.json`, read with the `tokenizers` package; it never parses an added token out
+    of text (`_text_encoder`), and decodes as the checkpoint's own tokenizer does."""
 
     def __init__(self, folder: Path, specials: set[int]) -> None:
         from tokenizers import Tokenizer as HfTokenizer
 
-        self._tok = HfTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-        # Text is always text: a caller's literal `<|im_end|>` or `<|listen|>` is encoded as its characters,
-        # never as the control token (control tokens are placed by id, never parsed from a string).
-        self._tok.encode_special_tokens = True
+        spec = (Path(folder) / "tokenizer.json").read_text()
+        self._tok = HfTokenizer.from_str(spec)  # decoding: a non-special added token the model says is its text
+        self._encoder = _text_encoder(spec)
         self._specials = specials
         config = Path(folder) / "tokenizer_config.json"
         self._bad: tuple[int, ...] = tuple(json.loads(config.read_text()).get("bad_token_ids", [])) \
@@ -113,7 +127,7 @@ class HuggingFaceTokenizer:
         self._special_ids = _named_special_ids(config, self._tok) if config.exists() else set()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encoder.encode(text, add_special_tokens=False).ids  # type: ignore[attr-defined]
 
     def is_text(self, token_id: int) -> bool:
         return token_id not in self._specials
