@@ -185,7 +185,8 @@ async def backend_socket(ws: WebSocket) -> None:
         state = backend.BackendState(new_session_id(), mode=init.mode, duplex=backend.init_options(init),
                                      voice=refs, named_voice=init.voice_name, limits=e.limits, charge_voice=charge)
         with e.quotas.held(who, address(ws)):
-            async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=False, owner=who) as session:
+            async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=False, owner=who,
+                                                         awaiting_first=False) as session:  # its init came
                 await serve(session, ws)
     except ProtocolError as err:
         await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),

@@ -3,13 +3,15 @@
 - `Quotas`: concurrent sessions per key (when keys are configured: with none, every caller is the one
   anonymous principal, and a per-key limit would be a server-wide one) and per client address.
 - `Activity`: the idle clock of a session. Heartbeats keep a socket open but are not activity: a session that
-  only sends heartbeats is closed once `idle_timeout_s` passed since its last real event.
+  only sends heartbeats is closed once `idle_timeout_s` passed since its last real event, and one that has sent
+  no real event yet at its first-event deadline (a heartbeat is no first event).
 - `paced`: a step's budget is per event: work split into chunks (a long text spoken chunk by chunk) goes on
   as long as each chunk comes within the budget; a step that stalls is cut.
 - `VoiceBudget`: seconds of new voice references per caller (principal and address) per window: each new one
   costs the shared token2wav stage a voice prompt (about 3 s of compute for 30 s of reference on 2 CPU cores,
   every session's audio waiting behind it); a reference the caller sent within the window is free (cached).
-- `ResumeFailures`: only a resume that fails counts against the caller's resume rate, so bogus attempts by one
+- `ResumeFailures`: only a resume that fails (a redirect to another gateway included) counts against the caller's
+  resume rate, so bogus attempts by one
   caller never refuse another caller's real resume from the same address; and a failed one is answered late, so
   a caller's loop of bogus resumes makes a few connections a second, not hundreds.
 - `EventRate`: client events per connection, a token bucket: a flood of small events (create/cancel pairs) costs
@@ -77,19 +79,25 @@ def is_heartbeat(text: str) -> bool:
 
 
 class Activity:
-    """When the session last did something other than a heartbeat; how long it may still wait for a frame."""
+    """When the session last did something other than a heartbeat; how long it may still wait for a frame. With
+    `first_within_s`, until it hears a real event it waits that long from its start, heartbeats or not."""
 
-    def __init__(self, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, idle_timeout_s: float, first_within_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self._last = clock()
+        self.started = first_within_s is None  # a real event heard (or none awaited)
+        self._window_s = idle_timeout_s if first_within_s is None else first_within_s
 
     def remaining_s(self) -> float:
-        return max(0.0, self.idle_timeout_s - (self.clock() - self._last))
+        return max(0.0, self._window_s - (self.clock() - self._last))
 
     def heard(self, text: str) -> None:
         if not is_heartbeat(text):
             self._last = self.clock()
+            self.started = True
+            self._window_s = self.idle_timeout_s
 
 
 ChargeVoice = Callable[[np.ndarray], None]  # a 16 kHz voice reference a caller sends: refused past its budget
@@ -127,7 +135,8 @@ class ResumeFailures:
     """`session.resume` attempts: a valid one always goes through; failed ones are counted per caller
     (principal and address), and past `attempts` per `window_s` they are answered `rate_limited`."""
 
-    RESUME_FAILURES = ("session_resume_expired", "invalid_resume_token", "invalid_value")
+    # a redirect to the gateway a token names too: a loop of bogus tokens naming another one is no faster
+    RESUME_FAILURES = ("session_resume_expired", "invalid_resume_token", "invalid_value", "session_elsewhere")
 
     def __init__(self, attempts: int, window_s: float, delay_s: float = 0.0) -> None:
         self.rate = RateLimit(attempts, window_s)

@@ -143,7 +143,7 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 
 class Session:
     def __init__(self, state: DialectState, triton: TritonStream, settings: Settings, resumable: bool,
-                 owner: str = ANONYMOUS) -> None:
+                 owner: str = ANONYMOUS, awaiting_first: bool = True) -> None:
         self.state = state
         self.owner = owner
         self.session_id = state.session_id
@@ -161,6 +161,9 @@ class Session:
         self._inputs = asyncio.Lock()
         self.offloaded = 0  # client frames read in a worker thread
         self.events = EventRate(settings.max_events_per_s, settings.max_event_burst)
+        # the idle clock, heartbeats not counted; the first real event is due within init_timeout_s of the start
+        # (`awaiting_first`: the dialect has not read it already), whatever heartbeats came before it
+        self.activity = Activity(settings.idle_timeout_s, settings.init_timeout_s if awaiting_first else None)
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
@@ -467,7 +470,7 @@ class Session:
 
 @contextlib.asynccontextmanager
 async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bool,
-                  owner: str = ANONYMOUS) -> AsyncIterator[Session]:
+                  owner: str = ANONYMOUS, awaiting_first: bool = True) -> AsyncIterator[Session]:
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
@@ -478,7 +481,7 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
     except Exception as exc:
         raise ProtocolError(ClientCode.BACKEND_UNAVAILABLE, str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
-    session = Session(state, triton, gw.settings, resumable, owner)
+    session = Session(state, triton, gw.settings, resumable, owner, awaiting_first)
     triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
     gw.add(session)
     try:
@@ -495,16 +498,21 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
 
 
 async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> None:
-    """The receive loop: frames go to the session until the socket goes, idles out or is taken over."""
-    activity = Activity(session.settings.idle_timeout_s)  # heartbeats are not activity
+    """The receive loop: frames go to the session until the socket goes, idles out (or sends no real event by its
+    first-event deadline) or is taken over."""
+    activity = session.activity  # heartbeats are not activity
     try:
         if pending is not None:
+            activity.heard(pending)
             await session.handle(pending)
         while not session.closed and session.ws is ws:
             try:
                 text = await receive_text(ws, activity.remaining_s(), session.settings.test_faults)
             except TimeoutError:
-                await session.close("timeout")
+                if activity.started:
+                    await session.close("timeout")
+                else:  # heartbeats only, since the socket came: as a silent one
+                    await session.close("init_timeout", ws_code=CLOSE_POLICY)
                 return
             except Disconnected:
                 session.detach(ws)

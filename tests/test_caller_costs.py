@@ -234,6 +234,16 @@ def test_heartbeats_are_not_activity() -> None:
     assert activity.remaining_s() == 0.0
 
 
+def test_a_heartbeat_is_no_first_event() -> None:
+    now = [0.0]
+    activity = Activity(300.0, first_within_s=30.0, clock=lambda: now[0])
+    now[0] = 20.0
+    activity.heard('{"type": "session.heartbeat"}')
+    assert activity.remaining_s() == 10.0 and not activity.started  # the first-event deadline still runs
+    activity.heard('{"type": "session.update", "session": {}}')
+    assert activity.remaining_s() == 300.0 and activity.started
+
+
 async def test_a_step_budget_is_per_event() -> None:
     async def events(gaps: list[float]):
         for gap in gaps:

@@ -6,6 +6,7 @@ takes X-Forwarded-For from a proxy on loopback, as the tests' clients are.)"""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import time
@@ -77,11 +78,12 @@ async def test_silent_sockets_are_cut_off_and_leave_room(gateway_factory) -> Non
     """max_sessions silent sockets (each from its own address) fill the server; the first-event deadline cuts
     them off (not the 300 s idle timeout), and a caller that was refused gets in."""
     gw = gateway_factory(max_sessions="3", init_timeout_s="2")
-    # a stock client (told nothing but the close) and clients that opted into session.closed
+    # a stock client (told nothing but the close) and clients that opted into session.closed; the last one sends
+    # heartbeats only: they keep a socket open, but are no first event
     silent = [await opened(gw.realtime + ("?extensions=events" if i else ""), f"10.0.1.{i}") for i in range(3)]
     assert (await refusal(gw.realtime, "10.0.2.1")) == ("too_many_sessions", 1013)
     started = time.monotonic()
-    ends = await asyncio.gather(*(closed(ws, 10) for ws in silent))
+    ends = await asyncio.gather(*(closed(ws, 10, heartbeat_s=0.5 if i == 2 else None) for i, ws in enumerate(silent)))
     assert all(e.get("type") == "session.closed" and e["reason"] == "init_timeout" for e in ends[1:]), ends
     assert [ws.close_code for ws in silent] == [1008] * 3
     assert time.monotonic() - started < 6
@@ -118,24 +120,35 @@ async def test_sessions_per_address_and_per_key_by_default(gateway_factory) -> N
 async def test_bogus_resumes_never_refuse_another_callers_real_resume(gateway_factory) -> None:
     """Keys off: two callers behind one address. One sends bogus resumes past the limit; the other's resume of
     its own session (right id, right token) still goes through."""
-    gw = gateway_factory(resume_attempts="2", disconnect_grace_s="30")
+    gw = gateway_factory(resume_attempts="2", disconnect_grace_s="30", resume_failure_delay_s="0.3")
     # resuming is an extension (the token, the seqs)
     ws = await websockets.connect(gw.realtime + "?extensions=events", additional_headers=at("10.0.5.1"))
     created = json.loads(await ws.recv())
     session_id, token = created["session"]["id"], created["resume_token"]
-    await ws.send(json.dumps({"type": "session.heartbeat"}))  # a first event: the session is the caller's now
-    await ws.close()
-    codes = []
-    for _ in range(3):
-        async with websockets.connect(gw.realtime + "?resume=1", additional_headers=at("10.0.5.1")) as bogus:
-            await bogus.send(json.dumps({"type": "session.resume", "session_id": "sess_nope", "resume_token": "x"}))
-            codes.append(json.loads(await asyncio.wait_for(bogus.recv(), 10))["error"]["code"])
-    assert codes == ["session_resume_expired", "session_resume_expired", "rate_limited"]
+    await ws.close()  # within its grace, the session waits for its resume
+    assert await bogus_resumes(gw, "10.0.5.1", "x") == ["session_resume_expired", "session_resume_expired",
+                                                        "rate_limited"]
+    # a token naming another gateway is redirected there, but counts and waits as any failed resume: a loop of them
+    # is no faster than of any other bogus one
+    elsewhere = base64.urlsafe_b64encode(b"ws://10.9.9.9:8006").decode().rstrip("=") + ".x"
+    started = time.monotonic()
+    assert await bogus_resumes(gw, "10.0.5.2", elsewhere) == ["session_elsewhere", "session_elsewhere",
+                                                              "rate_limited"]
+    assert time.monotonic() - started >= 0.9
     async with websockets.connect(gw.realtime + "?resume=1", additional_headers=at("10.0.5.1")) as real:
         await real.send(json.dumps({"type": "session.resume", "session_id": session_id, "resume_token": token,
                                     "last_received_server_event_seq": created["server_event_seq"]}))
         assert json.loads(await asyncio.wait_for(real.recv(), 10))["type"] == "session.resumed"
         await real.send(json.dumps({"type": "session.close"}))
+
+
+async def bogus_resumes(gw, address: str, token: str, attempts: int = 3) -> list[str]:
+    codes = []
+    for _ in range(attempts):
+        async with websockets.connect(gw.realtime + "?resume=1", additional_headers=at(address)) as bogus:
+            await bogus.send(json.dumps({"type": "session.resume", "session_id": "sess_nope", "resume_token": token}))
+            codes.append(json.loads(await asyncio.wait_for(bogus.recv(), 10))["error"]["code"])
+    return codes
 
 
 async def test_bogus_resumes_are_answered_late_and_bounded_per_address(gateway_factory) -> None:
