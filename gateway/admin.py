@@ -8,8 +8,11 @@
   from this gateway while its live ones finish (`"drain": false` lifts it). Every gateway has its own view:
   several gateways are drained together through the endpoints file they all read.
 
-`/metrics` and the admin calls name internal addresses: with API keys configured they need one; with none
-(an open server) `/metrics` is open and the admin calls answer loopback callers only.
+`/metrics` names internal addresses: with API keys configured it needs one; with none (an open server) it is open.
+The admin calls change what the gateway does: they take an operator key (`MINICPMO_OPERATOR_KEYS`, a key set apart
+from the clients'), and with none configured answer loopback callers only; a client's API key never opens them.
+Their bodies are small and bounded (`ADMIN_BODY_BYTES`), read with the JSON limits every frame gets, and a name is
+never echoed past `ECHO_CHARS`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .auth import presented_key, principal
+from .codes import ClientCode
+from .http_body import http_error, json_body
 from .registry import Gateway
+from .wire import ProtocolError
+
+ADMIN_BODY_BYTES = 4096  # {"endpoint": "host:port", "drain": true}
+ECHO_CHARS = 100  # of a name a refusal quotes
 
 
 def _gateway(request: Request) -> Gateway:
@@ -31,7 +40,8 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _allowed(gw: Gateway, request: Request, admin: bool) -> bool:
-    keys = gw.settings.api_keys
+    """`/metrics`: a client's API key (open without keys); an admin call: an operator key (loopback only without)."""
+    keys = gw.settings.operator_keys if admin else gw.settings.api_keys
     if keys:
         return principal(keys, presented_key(request.headers, request.query_params)) is not None
     if not admin:
@@ -42,10 +52,9 @@ def _allowed(gw: Gateway, request: Request, admin: bool) -> bool:
         return False
 
 
-def _refused() -> JSONResponse:
-    return JSONResponse({"ok": False, "error": {"code": "unauthorized",
-                                                "message": "an API key is required (loopback only without keys)"}},
-                        401)
+def _refused(admin: bool) -> JSONResponse:
+    need = "an operator key (MINICPMO_OPERATOR_KEYS; loopback only without)" if admin else "an API key"
+    return http_error(ProtocolError(ClientCode.UNAUTHORIZED, f"{need} is required", http_status=401))
 
 
 async def ready(request: Request) -> Response:
@@ -56,7 +65,7 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     if not _allowed(gw, request, admin=False):
-        return _refused()
+        return _refused(admin=False)
     lines = [f"minicpmo_gateway_active_sessions {gw.active_sessions}",
              f"minicpmo_gateway_max_sessions {gw.settings.max_sessions}",
              f"minicpmo_gateway_queue_length {gw.queue_length}",
@@ -67,27 +76,26 @@ async def metrics(request: Request) -> Response:
 async def list_endpoints(request: Request) -> Response:
     gw = _gateway(request)
     if not _allowed(gw, request, admin=True):
-        return _refused()
+        return _refused(admin=True)
     return JSONResponse({"ok": True, "status": gw.pool.status, "endpoints": gw.pool.describe()})
 
 
 async def drain(request: Request) -> Response:
     gw = _gateway(request)
     if not _allowed(gw, request, admin=True):
-        return _refused()
+        return _refused(admin=True)
     try:
-        body: Any = await request.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) \
-            or not isinstance(body.get("drain", True), bool):
-        return JSONResponse({"ok": False, "error": {"code": "invalid_request", "message":
-                             'the body is {"endpoint": "host:port", "drain": true|false}'}}, 400)
-    try:
-        endpoint = gw.pool.drain(body["endpoint"], body.get("drain", True))
-    except KeyError:
-        return JSONResponse({"ok": False, "error": {"code": "unknown_endpoint",
-                                                    "message": f"{body['endpoint']} is not listed"}}, 404)
+        body: Any = await json_body(request, ADMIN_BODY_BYTES)  # too large: 413; not JSON, too deep: 400
+        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) \
+                or not isinstance(body.get("drain", True), bool):
+            raise ProtocolError(ClientCode.INVALID_PAYLOAD,
+                                'the body is {"endpoint": "host:port", "drain": true|false}')
+        name: str = body["endpoint"]
+        if name not in gw.pool.endpoints:
+            raise ProtocolError(ClientCode.UNKNOWN_ENDPOINT, f"{name[:ECHO_CHARS]!r} is not listed", http_status=404)
+    except ProtocolError as err:
+        return http_error(err)
+    endpoint = gw.pool.drain(name, body.get("drain", True))
     return JSONResponse({"ok": True, **endpoint.describe(gw.sessions_per_endpoint()[endpoint.url])})
 
 

@@ -53,6 +53,7 @@ class ClientCode(StrEnum):
     SESSION_UPDATE_NOT_ALLOWED = "session_update_not_allowed"
     TOO_MANY_SESSIONS = "too_many_sessions"
     UNAUTHORIZED = "unauthorized"
+    UNKNOWN_ENDPOINT = "unknown_endpoint"  # the admin drain call names an endpoint this gateway does not list
     UNKNOWN_EVENT = "unknown_event"
     UNKNOWN_RESPONSE = "unknown_response"
     UNSUPPORTED_AUDIO_FORMAT = "unsupported_audio_format"

@@ -37,13 +37,21 @@ from .dialects import backend, minicpm, openai
 from .dialects.openai_extensions import ALL, QUERY, STOCK, Extensions
 from .dialects.realtime_events import error_event as realtime_error
 from .fairness import Quotas, ResumeFailures, VoiceBudget
-from .http_body import bounded_body
+from .http_body import bounded_body, http_error, json_body, read_json
 from .limits import Limits
 from .registry import Gateway
 from .settings import Settings
 from .shell import Disconnected, admitted, receive_text, resume, running, serve
 from .vad import SileroVad, VadUnavailable
-from .wire import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_session_id, parse_json
+from .wire import (
+    CLOSE_POLICY,
+    CLOSE_SERVER_ERROR,
+    CLOSE_TRY_AGAIN,
+    ProtocolError,
+    new_session_id,
+    off_loop,
+    parse_json,
+)
 
 log = logging.getLogger("gateway")
 
@@ -67,6 +75,9 @@ class Edge:
                    ResumeFailures(settings.resume_attempts, settings.resume_window_s,
                                   settings.resume_failure_delay_s),
                    VoiceBudget(settings.voice_budget_s, settings.voice_window_s))
+
+
+CLOSE_BODY_BYTES = 4096  # POST /sessions/{id}/close: {"reason": ...}, the reason kept to 100 characters
 
 
 def edge(conn: HTTPConnection) -> Edge:
@@ -101,10 +112,6 @@ def check_ready(conn: HTTPConnection) -> None:
     if not edge(conn).gateway.ready:
         raise ProtocolError(ClientCode.NOT_READY, "the model is still loading", close_code=CLOSE_TRY_AGAIN,
                             error_type="server_error", retryable=True)
-
-
-def http_error(err: ProtocolError, status: int = 400) -> JSONResponse:
-    return JSONResponse({"ok": False, "error": {"code": err.code, "message": err.message}}, err.http_status or status)
 
 
 # ---- HTTP ----
@@ -142,8 +149,8 @@ async def close_session(request: Request) -> JSONResponse:
     if session is None or session.owner != who:
         return JSONResponse({"ok": False, "error": "session not found", "session_id": session_id}, 404)
     reason = "client_closed"
-    with contextlib.suppress(ValueError, ClientDisconnect):  # no body, or not JSON: the default reason
-        body = await request.json()
+    with contextlib.suppress(ProtocolError, ClientDisconnect):  # no body, too large, or not JSON: the default reason
+        body = await json_body(request, CLOSE_BODY_BYTES)
         if isinstance(body, dict) and body.get("reason"):
             reason = str(body["reason"])[:100]
     await session.close(reason)
@@ -151,18 +158,20 @@ async def close_session(request: Request) -> JSONResponse:
 
 
 async def voices_check(request: Request) -> JSONResponse:
-    """A voice reference checked as a session would check it (same limits, same codes), before any session."""
+    """A voice reference checked as a session would check it (same limits, same codes), before any session; a large
+    one read and judged off the event loop."""
     try:
         admit(request)
         settings = edge(request).settings
         body = await bounded_body(request, settings.ws_max_size)  # refused by its size before it is read
-        try:
-            data = parse_json(body)  # the JSON limits every frame gets
-        except ValueError as exc:
-            raise ProtocolError(ClientCode.INVALID_JSON, f"the body is not valid JSON: {exc}") from exc
-        return JSONResponse(inputs.check_voice(data, Path(settings.voices_dir) if settings.voices_dir else None))
+        voices = Path(settings.voices_dir) if settings.voices_dir else None
+        return JSONResponse(await off_loop(len(body), _check_voice, body, voices))
     except ProtocolError as err:
         return http_error(err)
+
+
+def _check_voice(body: bytes, voices: Path | None) -> dict[str, Any]:
+    return inputs.check_voice(read_json(body), voices)  # the JSON limits every frame gets
 
 
 # ---- sockets ----
@@ -177,7 +186,7 @@ async def backend_socket(ws: WebSocket) -> None:
             text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
         except (TimeoutError, Disconnected):
             raise ProtocolError(ClientCode.INIT_TIMEOUT, "no session.init received", close_code=CLOSE_POLICY) from None
-        init = backend.parse_init(backend.loads(text), e.limits)
+        init = await off_loop(len(text), _read_init, text, e.limits)  # its voice references decoded too
         charge = e.voices.charger(who, address(ws))
         refs = backend.voice_refs(init)
         for ref in refs.values():
@@ -194,6 +203,10 @@ async def backend_socket(ws: WebSocket) -> None:
     except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
         log.error("/backend: the opening failed: %s", describe(exc))
         await _close(ws, CLOSE_SERVER_ERROR)
+
+
+def _read_init(text: str, limits: Limits) -> backend.SessionInit:
+    return backend.parse_init(backend.loads(text), limits)
 
 
 async def realtime_socket(ws: WebSocket) -> None:
@@ -213,7 +226,7 @@ async def realtime_socket(ws: WebSocket) -> None:
         check_ready(ws)
         msg: dict[str, Any] | None  # a session.resume to go on with
         if resuming:
-            msg = _as_event(await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults))
+            msg = await _first_event(await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults))
             if msg.get("type") != "session.resume":
                 raise ProtocolError(ClientCode.INVALID_FIRST_MESSAGE,
                                     "with ?resume=1 the first event is session.resume",
@@ -251,7 +264,7 @@ async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions) -> 
         except Disconnected:
             session.detach(ws)
             return None
-        msg = _as_event(text)
+        msg = await _first_event(text)
         if msg.get("type") == "session.resume":
             session.ws = None  # the socket goes on with the resumed session
             await session.close("resumed_elsewhere", emit=False)
@@ -267,7 +280,7 @@ async def _minicpm_session(e: Edge, ws: WebSocket, mode: str, who: str) -> dict[
         await ws.send_text(json.dumps(minicpm.QueueDone(session_id).encode()))
         text = early if early is not None else await receive_text(ws, e.settings.init_timeout_s,
                                                                   e.settings.test_faults)
-        msg = _as_event(text)
+        msg = await _first_event(text)
         if msg.get("type") == "session.resume":
             return msg
         state = minicpm.MiniCPMRealtimeState(session_id, mode=mode, limits=e.limits,
@@ -291,6 +304,10 @@ def _as_event(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return msg if isinstance(msg, dict) else {}
+
+
+async def _first_event(text: str) -> dict[str, Any]:
+    return await off_loop(len(text), _as_event, text)  # a large one off the event loop
 
 
 async def _refuse(ws: WebSocket, event: dict[str, Any], code: int) -> None:

@@ -47,6 +47,9 @@ class Settings:
     test_faults: bool = setting(False, f"tests only: on when set to `{TEST_FAULTS_PHRASE}`")
     # Access (docs/security.md): no keys means an open server (every caller is one anonymous principal).
     api_keys: tuple[str, ...] = setting((), "API keys, comma-separated (and MINICPMO_API_KEYS_FILE: one a line)")
+    operator_keys: tuple[str, ...] = setting(
+        (), "operator keys for /admin (drain), comma-separated, apart from the API keys; empty: /admin answers "
+            "loopback callers only")
     allowed_origins: tuple[str, ...] = setting(
         (), "browsers' Origins, comma-separated; empty: any (requests without Origin always pass)")
     max_sessions_per_key: int = setting(16, "live sessions per key, with keys configured (0: only max_sessions)")

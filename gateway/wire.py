@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from .codes import ClientCode
+
+T = TypeVar("T")
 
 # WebSocket close codes
 CLOSE_NORMAL = 1000
@@ -76,7 +81,52 @@ class Usage:
 # ---- JSON limits: every client frame is parsed here, by every dialect ----
 JSON_MAX_DEPTH = 32  # arrays/objects inside one another; no event of any dialect needs more than 6
 JSON_MAX_NUMBER_CHARS = 100  # characters of one number literal (a float64 needs under 25)
+# Commas and opening brackets outside strings, counted before the parser runs: a frame holds at most about twice as
+# many values. Parsing costs per value (16 MiB of `[0,0,...]` is 8 M of them: seconds of the one event loop's time),
+# and no event of any dialect comes near it (a turn of 256 messages with images is under 3,000; audio and images
+# travel as base64 strings).
+JSON_MAX_ITEMS = 8192
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# A frame this long is read (parsed, its base64 decoded) in a worker thread, off the event loop (`off_loop`); a
+# step's append of a second of audio (85 kB of base64 float32 at 16 kHz) stays on it, where a hand-off would only
+# make it later.
+LARGE_FRAME_BYTES = 1 << 20
+_COMMA, _OPEN_ARRAY, _OPEN_OBJECT, _QUOTE, _BACKSLASH = (ord(c) for c in ',[{"\\')
+
+
+def _items(data: bytes) -> int:
+    """Commas and opening brackets of a JSON text outside its strings, in a few passes of numpy over its bytes (which
+    leave the GIL to the event loop): a string holds any of them as text. Where the text is not JSON the count may be
+    off past the first error, where the parser stops."""
+    arr = np.frombuffer(data, np.uint8)
+    structural = (arr == _COMMA) | (arr == _OPEN_ARRAY) | (arr == _OPEN_OBJECT)
+    rough = int(np.count_nonzero(structural))
+    if rough <= JSON_MAX_ITEMS:
+        return rough  # strings and all: under the bound anyway
+    if np.any(arr == _BACKSLASH):  # escaped backslashes, then escaped quotes: every quote left delimits a string
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        arr = np.frombuffer(data, np.uint8)
+        structural = (arr == _COMMA) | (arr == _OPEN_ARRAY) | (arr == _OPEN_OBJECT)
+    in_string = np.cumsum(arr == _QUOTE, dtype=np.uint8) & 1  # parity of the quotes so far (wraps evenly)
+    return int(np.count_nonzero(structural & (in_string == 0)))
+
+
+def check_items(text: str | bytes) -> None:
+    """ValueError when a JSON text holds more than JSON_MAX_ITEMS commas and opening brackets outside its strings
+    (its cost to parse), found before it is parsed."""
+    if len(text) <= JSON_MAX_ITEMS:
+        return  # cannot hold more
+    data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    if (items := _items(data)) > JSON_MAX_ITEMS:
+        raise ValueError(f"{items} values (commas and brackets) in one message (at most {JSON_MAX_ITEMS})")
+
+
+async def off_loop(size: int, read: Callable[..., T], *args: Any) -> T:
+    """`read(*args)`, in a worker thread when what it reads is LARGE_FRAME_BYTES or more (its parsing and decoding
+    would hold every session's event loop), else here. What it raises is raised here."""
+    if size < LARGE_FRAME_BYTES:
+        return read(*args)
+    return await asyncio.to_thread(read, *args)
 
 
 def _number(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -94,7 +144,7 @@ def _check_tree(value: Any) -> None:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
+            if not item.isascii() and _SURROGATE.search(item):  # isascii is O(1): a 16 MiB base64 is not searched
                 raise ValueError("a string holds a lone UTF-16 surrogate (not Unicode text)")
             continue
         if not isinstance(item, (dict, list)):
@@ -113,13 +163,15 @@ def json_object(message: dict[str, Any], key: str) -> dict[str, Any]:
 
 def parse_json(text: str | bytes) -> Any:
     """A client frame's JSON within the limits above; ValueError (its message for the client) otherwise.
-    The parser's own recursion guard stops very deep input early (RecursionError, reported as too deep);
-    a frame's size is bounded before it gets here (the server's `ws_max_size`)."""
+    Its values are counted before it is parsed (`check_items`); the parser's own recursion guard stops very deep
+    input early (RecursionError, reported as too deep); a frame's size is bounded before it gets here (the server's
+    `ws_max_size`). A large frame is parsed off the event loop (`off_loop`)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    check_items(text)
     try:
         # NaN and Infinity pass (Python's reading of them): the settings' range checks refuse them by name.
         value = json.loads(text, parse_int=_number(int), parse_float=_number(float))

@@ -4,6 +4,7 @@ docs/deploy.md on small inputs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -158,18 +159,34 @@ def test_operator_routes_need_a_key_or_loopback() -> None:
     from gateway.routes import create_app
     from gateway.settings import Settings
 
-    keyed = TestClient(create_app(Settings(triton_url="127.0.0.1:9", api_keys=("k" * 32,))))
+    client, operator = {"Authorization": f"Bearer {'k' * 32}"}, {"Authorization": f"Bearer {'o' * 32}"}
+    keyed = TestClient(create_app(Settings(triton_url="127.0.0.1:9", api_keys=("k" * 32,),
+                                           operator_keys=("o" * 32,))))
     assert keyed.get("/ready").status_code == 503  # nothing listens there: no endpoint takes sessions
     assert keyed.get("/metrics").status_code == 401
-    metrics = keyed.get("/metrics", headers={"Authorization": f"Bearer {'k' * 32}"})
+    metrics = keyed.get("/metrics", headers=client)
     assert metrics.status_code == 200 and 'minicpmo_gateway_sessions{endpoint="127.0.0.1:9"} 0' in metrics.text
     assert keyed.post("/admin/endpoints/drain", json={"endpoint": "127.0.0.1:9"}).status_code == 401
-    drained = keyed.post("/admin/endpoints/drain", json={"endpoint": "127.0.0.1:9"},
-                         headers={"Authorization": f"Bearer {'k' * 32}"}).json()
+    # a client's key opens no admin call: any caller of the service could drain it
+    for route in ("/admin/endpoints", "/admin/endpoints/drain"):
+        refused = keyed.post(route, json={"endpoint": "127.0.0.1:9"}, headers=client) if route.endswith("drain") \
+            else keyed.get(route, headers=client)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized", route
+    assert keyed.get("/admin/endpoints", headers=operator).status_code == 200
+    drained = keyed.post("/admin/endpoints/drain", json={"endpoint": "127.0.0.1:9"}, headers=operator).json()
     assert drained["ok"] and drained["draining"]
-    unknown = keyed.post("/admin/endpoints/drain", json={"endpoint": "elsewhere:1"},
-                         headers={"Authorization": f"Bearer {'k' * 32}"})
-    assert unknown.status_code == 404
+    unknown = keyed.post("/admin/endpoints/drain", json={"endpoint": "elsewhere:1" + "x" * 1000}, headers=operator)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_endpoint"
+    assert len(unknown.text) < 400  # the name is not echoed whole
+    # bodies: bounded before they are read, parsed with the JSON limits: a coded 4xx, never a 500
+    huge = keyed.post("/admin/endpoints/drain", content=json.dumps({"endpoint": "e" * (1 << 20)}), headers=operator)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "input_too_large" and len(huge.text) < 400
+    nested = keyed.post("/admin/endpoints/drain", content="[" * 2000 + "]" * 2000, headers=operator)
+    assert nested.status_code == 400 and nested.json()["error"]["code"] == "invalid_json"
+    shape = keyed.post("/admin/endpoints/drain", json={"endpoint": ["127.0.0.1:9"]}, headers=operator)
+    assert shape.status_code == 400 and shape.json()["error"]["code"] == "invalid_payload"
+    unkeyed = TestClient(create_app(Settings(triton_url="127.0.0.1:9", api_keys=("k" * 32,))))
+    assert unkeyed.get("/admin/endpoints", headers=client).status_code == 401  # no operator keys: loopback only
     open_server = TestClient(create_app(Settings(triton_url="127.0.0.1:9")))  # its client is not on loopback
     assert open_server.get("/metrics").status_code == 200
     assert open_server.get("/admin/endpoints").status_code == 401

@@ -26,7 +26,7 @@ from gateway.auth import (
 from gateway.settings import api_keys
 from gateway.triton import launcher
 from gateway.triton.launcher import CONTROL_KEY_ENV, TritonInstall, TritonPorts, control_refusal, server_command
-from gateway.wire import JSON_MAX_DEPTH, JSON_MAX_NUMBER_CHARS, ProtocolError, parse_json
+from gateway.wire import JSON_MAX_DEPTH, JSON_MAX_ITEMS, JSON_MAX_NUMBER_CHARS, ProtocolError, parse_json
 from minicpmo_triton.errors import describe
 
 from .helpers import init_message
@@ -98,17 +98,30 @@ def test_per_key_counts_and_the_resume_rate() -> None:
 
 @pytest.mark.parametrize("text, message", [
     ("[" * (JSON_MAX_DEPTH + 1) + "]" * (JSON_MAX_DEPTH + 1), "nested deeper"),
-    ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+    ("[" * 100_000 + "]" * 100_000, "values"),  # past the count too, which is read first
     ('{"a": ' + "9" * (JSON_MAX_NUMBER_CHARS + 1) + "}", "a number of"),
     ('{"a": 1.' + "5" * 50_000 + "}", "a number of"),
     ('{"a": "\\ud800"}', "surrogate"),
     ('{"\\udfff": 1}', "surrogate"),
     (b"\xff\xfe{}", "not UTF-8"),
     ("{'a': 1}", "Expecting"),
+    ("[" + "0," * JSON_MAX_ITEMS + "0]", "values"),
+    ("[" + "{}," * JSON_MAX_ITEMS + "{}]", "values"),
+    ('{"a": ["\\\\", ' + '"",' * JSON_MAX_ITEMS + '""]}', "values"),  # an escaped backslash ends no string
+    ('["\\"",' + "0," * JSON_MAX_ITEMS + "0]", "values"),  # an escaped quote ends no string; the next one does
 ])
 def test_json_limits(text: str | bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_json(text)
+
+
+def test_json_values_are_counted_before_parsing(monkeypatch) -> None:
+    """16 MiB of small values (8 M numbers: seconds of parsing on the event loop) is refused by its count, read in a
+    few numpy passes over its bytes, before the parser sees it."""
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("parsed"))
+    for text in ("[" + "0," * (8 << 20) + "0]", b'{"a": [' + b'"",' * (4 << 20) + b'""]}'):
+        with pytest.raises(ValueError, match="values"):
+            parse_json(text)
 
 
 def test_json_within_the_limits() -> None:
@@ -116,6 +129,10 @@ def test_json_within_the_limits() -> None:
     for _ in range(JSON_MAX_DEPTH - 2):
         nested = [nested]
     assert parse_json(json.dumps({"a": nested, "n": 1.5e300, "s": "\U0001f600"}))["n"] == 1.5e300
+    # commas and brackets inside strings are text, not values, however many, escaped quotes and backslashes or not
+    text = ',[{"\\' * (JSON_MAX_ITEMS // 2)
+    assert parse_json(json.dumps({"t": text, "u": [text, "\\" + text]}))["u"][1] == "\\" + text
+    assert len(parse_json("[" + "0," * (JSON_MAX_ITEMS - 1) + "0]")) == JSON_MAX_ITEMS
 
 
 def test_a_log_line_of_an_exception_never_holds_its_message() -> None:

@@ -26,7 +26,7 @@ from minicpmo_triton.duplex_options import DuplexOptions
 
 from ..codes import ClientCode
 from ..limits import Limits
-from ..wire import ProtocolError, Usage
+from ..wire import LARGE_FRAME_BYTES, ProtocolError, Usage
 
 STEP_SAMPLES = 16_000  # the caller audio of one duplex step: 1 s at 16 kHz
 
@@ -100,9 +100,9 @@ class DialectState:
     events reach the client, however late they arrive."""
 
     # A client frame of this many bytes or more (characters: JSON carrying base64 audio is ASCII) is read in a
-    # worker thread by the shell, its reading holding the event loop longer than the hand-off costs;
-    # None: every frame is cheap to read.
-    offload_frame_bytes: ClassVar[int | None] = None
+    # worker thread by the shell, its reading holding the event loop longer than the hand-off costs (by default a
+    # large one: a 16 MiB frame's parsing and base64 decoding; None: every frame is read on the loop).
+    offload_frame_bytes: ClassVar[int | None] = LARGE_FRAME_BYTES
 
     session_id: str
     epoch: int = 0
