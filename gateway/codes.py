@@ -9,8 +9,8 @@ from enum import StrEnum
 class ClientCode(StrEnum):
     """Every code a client is refused with (`ProtocolError.code`; on the wire, the value). Members, never strings:
     a misspelt member fails where it is named; tests/test_errors.py checks no `ProtocolError("...")` is left.
-    The stages' client and retryable errors (`minicpmo_triton.errors.CLIENT_ERRORS`, `RETRYABLE`) keep their values
-    here."""
+    The stages' client errors and admission refusals (`minicpmo_triton.errors.CLIENT_ERRORS`, `ADMISSION_REFUSALS`)
+    keep their values here; a stage Triton could not run is `backend_unavailable`."""
 
     ADDRESS_SESSION_LIMIT = "address_session_limit"
     ALREADY_INITIALIZED = "already_initialized"

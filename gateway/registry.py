@@ -12,6 +12,8 @@ import time
 from collections import Counter, deque
 from typing import Protocol
 
+from minicpmo_triton.errors import describe
+
 from . import peers
 from .settings import Settings
 from .stage_health import OwnedTriton, StageHealth
@@ -165,18 +167,23 @@ class Gateway:
         await asyncio.gather(self.pool.run(), self._watch_stages())
 
     async def _watch_stages(self) -> None:
-        """One `StageHealth` per listed endpoint, started as endpoints join the list and stopped as they leave."""
+        """One `StageHealth` per listed endpoint, started as endpoints join the list and stopped as they leave (and
+        started again should one ever end: logged)."""
         s = self.settings
         watches: dict[str, asyncio.Task[None]] = {}
         try:
             while True:
+                for url, task in [(u, t) for u, t in watches.items() if t.done()]:
+                    log.error("endpoint %s: its stage watch ended (%s); starting it again", url,
+                              "cancelled" if task.cancelled() else describe(task.exception() or RuntimeError()))
+                    del watches[url]
                 for url in self.pool.endpoints.keys() - watches.keys():
                     health = StageHealth(url, s.health_period_s, s.health_timeout_s, s.step_timeout_s,
                                          functools.partial(self._stages_are, url),
                                          functools.partial(self._endpoint_down, url),
                                          owned=self.owned.get(url),
                                          reloads_before_restart=s.reloads_before_restart,
-                                         control_key=s.triton_control_key)
+                                         control_key=s.triton_control_key, deadline_s=s.heal_deadline_s)
                     watches[url] = asyncio.get_running_loop().create_task(health.watch())
                 for url in watches.keys() - self.pool.endpoints.keys():
                     watches.pop(url).cancel()

@@ -80,6 +80,9 @@ class Settings:
                                            "--grpc-restricted-protocol); gateway.serve makes one for its own Triton")
     reloads_before_restart: int = setting(3, "broken-stage reloads before a Triton the gateway owns is restarted "
                                              "whole instead (each reload leaves the dead stub's memory mapped)")
+    heal_deadline_s: float = setting(180.0, "a reload (or restart) that has not healed a broken endpoint in this long: "
+                                            "the next attempt (a reload stuck loading: Triton restarted); above your "
+                                            "models' load time")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
 
     @classmethod

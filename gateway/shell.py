@@ -48,6 +48,7 @@ from .wire import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAI
 log = logging.getLogger("gateway")
 
 QUEUE_UPDATE_S = 3.0
+END_TIMEOUT_S = 10.0  # a session's END on a Triton that answers
 SOCKET_CLOSE_S = 30.0  # a slow consumer's close handshake: the library gives up on it well before
 
 T = TypeVar("T")
@@ -343,7 +344,7 @@ class Session:
                 code = ev.code or Code.STAGE_ERROR
                 if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
                     await self.apply(await self.in_order(self.state.on_step_error, step, ClientCode(code), ev.message))
-                elif code in RETRYABLE:  # the server has no room now (its KV pool): told as a refusal to retry
+                elif code in RETRYABLE:  # no room now (its KV pool), or a stage Triton could not run: retry
                     err = ProtocolError(ClientCode(CLOSE_REASONS[code]), ev.message, close_code=CLOSE_TRY_AGAIN,
                                         error_type="server_error", retryable=True)
                     await self.emit([self.state.error_event(err)])
@@ -439,7 +440,9 @@ class Session:
             if asyncio.current_task() is not self._worker:
                 await self._stop_worker()
             try:
-                await self.triton.close()  # ends the Triton sequence: state is freed before we answer
+                # ends the Triton sequence: state is freed before we answer; a lost backend is not waited for (a hung
+                # Triton would hold the close 10 s): its sequence is ENDed once the endpoint answers again
+                await self.triton.close(timeout_s=0.0 if self._lost else END_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 (logged; the session still ends)
                 log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
             if emit:
@@ -483,6 +486,7 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
                             error_type="server_error") from exc
     session = Session(state, triton, gw.settings, resumable, owner, awaiting_first)
     triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
+    triton.on_unended = lambda: gw.pool.orphaned(url, corr_id)  # ENDed everywhere once the endpoint answers
     gw.add(session)
     try:
         await session.attach(ws)

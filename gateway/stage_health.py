@@ -3,22 +3,25 @@
 Every `health_period_s`:
 - liveness: Triton's server-live and each model's readiness (its HTTP/gRPC front end answers these itself: a
   stopped or hung Triton answers nothing);
-- one probe per stage model (a request its Python stub must answer: a no-op START+END for the stateful stages, a
-  tenth of a second of silence for the audio encoder, no images for the vision encoder, an empty START+END step
-  for the entry model). A stub killed under the server (the OOM killer's first pick) answers an error while
-  Triton still calls the model ready.
+- one probe per stage model, a request its Python stub must answer, which tells a dead stage from a busy one:
+  the stateful stages (`llm`, `tts`, `token2wav`) get a reserved probe request (`stage_io.PROBE`) that their model
+  answers before any stage work or admission (a full KV pool refuses a new session `pool_full`: a busy stage, not a
+  dead one), the audio encoder a tenth of a second of silence, the vision encoder no images, the entry model an
+  empty START+END step (which starts no stage). A stub killed under the server (the OOM killer's first pick)
+  answers an error while Triton still calls the model ready. An answer that is a retryable refusal (`pool_full`,
+  `queue_full`) is an answer: never a failure.
 
-Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet); `unresponsive` (no liveness answer for
+Verdicts (`Verdict`, pure): `ready`; `loading` (models not ready yet, or a probe failed once: no new sessions,
+nothing healed yet); `unresponsive` (no liveness answer for
 `health_timeout_s`); `broken` (a probe answered an error two rounds in a row, or none answered for
-`step_timeout_s`; probes merely slow behind real work change nothing before that). Unless ready,
-/health says not ready; on broken every live session is told `backend_unavailable` (retryable) and ended, once,
-and the gateway heals, once until the backend is ready again: it reloads the failing stages' models through
-Triton's model control API (gateway/triton/reload.py; any gateway may, Triton in explicit mode); when that is
-refused, or no probe answered at all, a gateway that owns Triton restarts it (`owned`: gateway.serve kills
-Triton's process group, and its supervisor starts a new one); one that does not says why on /health.
-A silent server (unresponsive) is only reported here:
-its sessions are ended by the one silence detector, the endpoint pool's failover (gateway/triton/pool.py,
-`failover_s`), not told a second time by this watch.
+`step_timeout_s`; probes merely slow behind real work change nothing before that). Unless ready, /health says not
+ready; on broken the gateway heals the endpoint, one attempt at a time with deadlines, until it is ready
+(gateway/healing.py, pure: reload the failing stages' models through Triton's model control API,
+gateway/triton/reload.py; restart a Triton this gateway owns; say on /health why it is not healed), telling the
+endpoint's live sessions `backend_unavailable` (retryable) as each attempt begins. A silent server (unresponsive)
+is only reported here: its sessions are ended by the one silence detector, the endpoint pool's failover
+(gateway/triton/pool.py, `failover_s`), not told a second time by this watch. A round that fails is logged and the
+next one comes: the watch does not die.
 """
 
 from __future__ import annotations
@@ -26,39 +29,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 from tritonclient.grpc import aio as grpcaio
 
 from minicpmo_triton.duplex_contract import StepInput
-from minicpmo_triton.stage_io import (
-    DECOUPLED_STAGES,
-    AudioEncoderRequest,
-    LlmRequest,
-    Token2WavRequest,
-    TtsRequest,
-    VisionEncoderRequest,
-    encode,
-)
+from minicpmo_triton.errors import ADMISSION_REFUSALS, Code, describe, from_wire
+from minicpmo_triton.stage_io import PROBE, AudioEncoderRequest, VisionEncoderRequest
 
-from .triton.decoupled import infer_decoupled
+from .healing import Cancel, Effect, Healer, Reload, Restart, TellSessions
+from .triton.decoupled import stage_inputs
 from .triton.reload import ReloadRefused, reload_models
 from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 
 log = logging.getLogger("gateway.health")
 
-STATEFUL_PROBES: dict[str, Any] = {"llm": LlmRequest(decode=False), "tts": TtsRequest(n_tokens=0),
-                                   "token2wav": Token2WavRequest()}
+STATEFUL = ("llm", "tts", "token2wav")  # probed with the reserved probe request, answered before any stage work
 STATELESS_PROBES: dict[str, Any] = {"audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)),
                                     "vision_encoder": VisionEncoderRequest()}
-MODELS = (ENTRY_MODEL, *STATEFUL_PROBES, *STATELESS_PROBES)
-_DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
-           np.dtype(np.object_): "BYTES"}
+MODELS = (ENTRY_MODEL, *STATEFUL, *STATELESS_PROBES)
 
 
 @dataclass(frozen=True)
@@ -100,25 +92,30 @@ class Verdict:
             self.state, self.why = "broken", f"no stage probe answered for {self.hang_s:.0f} s"
         elif now - self._last_live > self.timeout_s:
             self.state, self.why = "unresponsive", f"Triton does not answer (nothing for {self.timeout_s:.0f} s)"
-        elif report.live and report.models_ready and report.probes_answered:
+        elif report.live and report.models_ready and report.probes_answered and not report.failed:
             self.state, self.why = "ready", ""
         elif report.live and report.models_ready:
-            pass  # probes still queued behind real work (a busy server): the state stands until the hang bound
+            # probes still queued behind real work (a busy server): the state stands until the hang bound; a probe
+            # that failed once (a fluke, or a stage that died: the next round says) is not ready either
+            if report.failed and self.state == "ready":
+                self.state, self.why = "loading", "; ".join(f"{m}: {w}" for m, w in sorted(report.failed.items()))
         elif report.live is not None:
             self.state, self.why = "loading", report.why
         return self.state
 
 
-def _inputs(request: Any) -> list[grpcclient.InferInput]:
-    out = []
-    for name, value in encode(request).items():
-        if value.size == 0 and not isinstance(request, VisionEncoderRequest):
-            continue  # optional: the stage's default
-        arr = value[None]
-        t = grpcclient.InferInput(name, list(arr.shape), _DTYPES[arr.dtype])
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
+async def _probe_stub(client: grpcaio.InferenceServerClient, model: str) -> None:
+    """The reserved probe to a stateful stage (decoupled: on a stream), a sequence of its own that starts and ends
+    in it: its model answers it before any stage work (no state made, no room asked of a pool)."""
+    async def one() -> Any:
+        yield {"model_name": model, "inputs": [], "sequence_id": next_correlation_id(), "sequence_start": True,
+               "sequence_end": True, "enable_empty_final_response": True, "parameters": {PROBE: True}}
+
+    async for result, error in client.stream_infer(one()):
+        if error is not None:
+            raise error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return
 
 
 async def _probe(client: grpcaio.InferenceServerClient, url: str, model: str) -> None:
@@ -129,17 +126,22 @@ async def _probe(client: grpcaio.InferenceServerClient, url: str, model: str) ->
         try:
             async for event in session.step(StepInput(), end=True):
                 if event.kind == "error":
-                    raise RuntimeError(f"{event.code}: {event.message}")
+                    raise RuntimeError(f"[{event.code or Code.STAGE_ERROR}] {event.message}")
         finally:
             await session.close()  # its own START+END step ended the sequence
-    elif model in STATEFUL_PROBES:
-        sequence = {"sequence_id": next_correlation_id(), "sequence_start": True, "sequence_end": True}
-        if model in DECOUPLED_STAGES:
-            await infer_decoupled(client, model, _inputs(STATEFUL_PROBES[model]), **sequence)
-        else:
-            await client.infer(model, _inputs(STATEFUL_PROBES[model]), **sequence)
+    elif model in STATEFUL:
+        await _probe_stub(client, model)
     else:
-        await client.infer(model, _inputs(STATELESS_PROBES[model]))
+        await client.infer(model, stage_inputs(STATELESS_PROBES[model]))
+
+
+def failure(exc: Exception) -> str | None:
+    """What a probe's error says of its stage: None when it is an answer after all (a retryable refusal, such as a
+    full KV pool's `pool_full`: the stage is alive and busy), else why it failed (a line, bounded)."""
+    message = str(exc)
+    if from_wire(message.strip(), "probe").code in ADMISSION_REFUSALS:
+        return None
+    return message.splitlines()[0][:200] if message else type(exc).__name__
 
 
 async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: float) -> Report:
@@ -161,8 +163,9 @@ async def check(client: grpcaio.InferenceServerClient, url: str, timeout_s: floa
     async def probe(model: str) -> None:
         try:
             await _probe(client, url, model)
-        except Exception as exc:  # noqa: BLE001 (any answer but success is the stage's failure)
-            failed[model] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 (any answer but success or a retryable refusal is the stage's failure)
+            if (why := failure(exc)) is not None:
+                failed[model] = why
 
     try:
         await asyncio.wait_for(asyncio.gather(*(probe(m) for m in MODELS)), timeout_s)
@@ -180,79 +183,88 @@ class OwnedTriton(Protocol):
 
 
 class StageHealth:
-    """The watch loop: rounds of `check`, the verdict, and what follows from it."""
+    """The watch loop (the I/O around `Verdict` and `Healer`): rounds of `check`, the verdict, and the healing
+    effects carried out. `on_change(state, why)` is told every round (the registry logs each change); `why` says
+    what the healing does or why it has not healed."""
 
     def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
                  on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
-                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "") -> None:
+                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "",
+                 deadline_s: float = 180.0) -> None:
         self.url = url
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.verdict = Verdict(timeout_s, hang_s)
+        self.healer = Healer(deadline_s, owned is not None, reloads_before_restart, self.verdict.failed_rounds)
         self.on_change = on_change
         self.tell_sessions = tell_sessions
         self.owned = owned
         self.control_key = control_key
-        # Triton 2.51's Python backend never frees a reloaded model's old instance once a request has failed on its
-        # dead stub (the stub a zombie, its shared-memory region mapped): past this many, a Triton the gateway owns
-        # is restarted whole, which frees them all
-        self.reloads_before_restart = reloads_before_restart
-        self.reloads = 0
-        self._rounds_began: deque[float] = deque([0.0], maxlen=self.verdict.failed_rounds)  # Unix times
-        self._told = False
-        self._healed = False
+        self.rounds = 0
+        self._reload: asyncio.Task[None] | None = None
 
-    def apply(self, report: Report, now: float) -> bool:
-        """Observe one round; True when the backend is to be healed now (once per episode of brokenness)."""
+    @property
+    def why(self) -> str:
+        return "; ".join(w for w in (self.verdict.why, self.healer.why) if w)
+
+    def apply(self, report: Report, began: float, now: float) -> list[Effect]:
+        """Observe one round (begun at `began`, monotonic); what follows from it."""
         state = self.verdict.observe(report, now)
-        self.on_change(state, self.verdict.why)  # the registry logs each change, with why
-        if report.live is False:
-            self.reloads = 0  # Triton is down: the one that comes next holds no old instances
-        if state == "ready":
-            self._told = self._healed = False
-            return False
-        if state == "broken" and not self._told:  # silence (unresponsive) is the pool's failover's to tell
-            self._told = True
-            self.tell_sessions()
-        if state == "broken" and not self._healed:
-            self._healed = True
-            return True
-        return False
+        effects = self.healer.observe(state, report.failed, began, now, report.live)
+        self.on_change(state, self.why)
+        return effects
 
-    async def heal(self, client: grpcaio.InferenceServerClient, failed: list[str]) -> None:
-        """Reload the failing stages' models; when Triton refuses (or nothing answered: no stage to name), restart
-        Triton if this gateway owns it, else say on /health that someone must."""
-        why = f"no stage named ({self.verdict.why})"
-        if self.owned is not None and self.reloads >= self.reloads_before_restart:
-            why, failed = f"{self.reloads} reloads left their dead stubs' memory mapped", []
-        if failed:
-            try:
-                reloaded = await reload_models(client, self.url, failed, self._rounds_began[0], self.control_key)
-                self.reloads += len(reloaded)
-                if self.owned is not None:
-                    self.owned.note_regions()  # the new stubs' too: reaped with the server
-                log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded
-                            else f"{', '.join(failed)} reloaded by another gateway meanwhile")
-                return
-            except ReloadRefused as exc:
-                why = str(exc)
-        if self.owned is not None:
-            log.error("a stage is broken (%s) and is not reloaded (%s): restarting Triton", self.verdict.why, why)
-            self.reloads = 0
-            self.owned.kill()
+    def carry_out(self, effects: list[Effect], client: grpcaio.InferenceServerClient) -> None:
+        for effect in effects:
+            if isinstance(effect, TellSessions):
+                self.tell_sessions()
+            elif isinstance(effect, Reload):
+                since = time.time() - (time.monotonic() - effect.since)  # the evidence's start, as a Unix time
+                self._reload = asyncio.get_running_loop().create_task(self._reloading(client, effect.models, since))
+            elif isinstance(effect, Restart):
+                assert self.owned is not None
+                log.error("endpoint %s: a stage is broken (%s) and is not reloaded (%s): restarting Triton", self.url,
+                          self.verdict.why, effect.why)
+                self.owned.kill()
+            elif isinstance(effect, Cancel) and self._reload is not None:
+                log.error("endpoint %s: %s", self.url, self.healer.why)
+                self._reload.cancel()
+
+    async def _reloading(self, client: grpcaio.InferenceServerClient, models: tuple[str, ...], since: float) -> None:
+        """A Reload effect: its end goes back to the healer (a cancel, at its deadline, was the healer's own)."""
+        try:
+            reloaded = await reload_models(client, self.url, list(models), since, self.control_key)
+        except ReloadRefused as exc:
+            effects = self.healer.ended(time.monotonic(), refused=str(exc))
+            log.error("endpoint %s: %s", self.url, self.healer.why or str(exc))
+        except Exception as exc:  # noqa: BLE001 (the lock, the client: the attempt failed, the healing goes on)
+            effects = self.healer.ended(time.monotonic(), refused=f"the reload failed: {describe(exc)}")
+            log.error("endpoint %s: %s", self.url, self.healer.why)
         else:
-            self.verdict.why += f"; not healed: {why} (restart this Triton, or start it in explicit model control mode)"
-            self.on_change(self.verdict.state, self.verdict.why)
-            log.error("endpoint %s: a stage is broken and this gateway cannot heal it: %s", self.url, why)
+            effects = self.healer.ended(time.monotonic(), reloaded=reloaded)
+            if self.owned is not None:
+                self.owned.note_regions()  # the new stubs' too: reaped with the server
+            log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded
+                        else f"{', '.join(models)} reloaded by another gateway meanwhile")
+        self.on_change(self.verdict.state, self.why)
+        self.carry_out(effects, client)
+
+    async def round(self, client: grpcaio.InferenceServerClient) -> None:
+        began = time.monotonic()
+        report = await check(client, self.url, self.timeout_s)
+        self.rounds += 1
+        self.carry_out(self.apply(report, began, time.monotonic()), client)
 
     async def watch(self) -> None:
         client = grpcaio.InferenceServerClient(self.url)
         try:
             while True:
-                self._rounds_began.append(time.time())  # the evidence of a broken verdict: its failing rounds
-                report = await check(client, self.url, self.timeout_s)
-                if self.apply(report, time.monotonic()):
-                    await self.heal(client, sorted(report.failed))
+                try:
+                    await self.round(client)
+                except Exception as exc:  # noqa: BLE001 (logged; the next round comes: the watch never dies)
+                    log.error("endpoint %s: a health round failed: %s", self.url, describe(exc))
                 await asyncio.sleep(self.period_s)
         finally:
+            if self._reload is not None:
+                self._reload.cancel()
             await client.close()

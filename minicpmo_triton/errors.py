@@ -1,7 +1,10 @@
 """The one error type that carries a code, from a stage row to the client, and its form inside a Triton error.
 
 A stage answers a bad row with a `StepError` in that row's response; Triton carries only a message, so
-the code travels as a `[code] ` prefix (`to_wire`), which the caller turns back into the error (`from_wire`).
+the code travels as a `[code] ` prefix (`to_wire`; a stage's uncoded failure as `[stage_error] `), which the caller
+turns back into the error (`from_wire`). A message with no prefix is not a stage's answer but Triton's own: the stage
+did not run the call (its stub died, its model is reloading), `stage_unavailable`, which the client is told it may
+retry.
 Codes are `Code` members, never strings: a misspelt member fails where it is named (and `tests/test_errors.py`
 checks every `StepError(...)` in the packages names one), so no typo reaches the client as `backend_error`.
 """
@@ -33,6 +36,7 @@ class Code(StrEnum):
     QUEUE_FULL = "queue_full"  # a stage's queue of work (token2wav's new voices) is full now: retryable
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
+    STAGE_UNAVAILABLE = "stage_unavailable"  # Triton could not run the stage (its stub died, its model reloads)
     INTERNAL_ERROR = "internal_error"
 
     def __str__(self) -> str:  # the value, in f-strings and logs, on every Python version
@@ -41,8 +45,12 @@ class Code(StrEnum):
 
 CLIENT_ERRORS = frozenset({Code.INVALID_CHAT, Code.BAD_IMAGE, Code.BAD_AUDIO})
 CLOSE_REASONS = {Code.CONTEXT_FULL: "context_full", Code.INVALID_CONFIG: "invalid_config",
-                 Code.INVALID_VOICE: "invalid_voice", Code.POOL_FULL: "pool_full", Code.QUEUE_FULL: "queue_full"}
-RETRYABLE = frozenset({Code.POOL_FULL, Code.QUEUE_FULL})  # the same request may succeed later: told to retry
+                 Code.INVALID_VOICE: "invalid_voice", Code.POOL_FULL: "pool_full", Code.QUEUE_FULL: "queue_full",
+                 Code.STAGE_UNAVAILABLE: "backend_unavailable"}
+# A stage's refusal to take more work now (its KV pool, its queue): the stage is alive, and busy.
+ADMISSION_REFUSALS = frozenset({Code.POOL_FULL, Code.QUEUE_FULL})
+# The same request may succeed later (a new session, after a backoff): told to retry.
+RETRYABLE = ADMISSION_REFUSALS | {Code.STAGE_UNAVAILABLE}
 
 STAGE_ERROR = Code.STAGE_ERROR
 _WIRE = re.compile(r"\[([a-z_]+)\] (.*)", re.DOTALL)
@@ -68,14 +76,18 @@ class StepError(Exception):
 def to_wire(exc: Exception) -> str:
     if isinstance(exc, StepError):
         return f"[{exc.code}] {exc}"
-    return f"{type(exc).__name__}: {exc}"
+    return f"[{STAGE_ERROR}] {type(exc).__name__}: {exc}"
 
 
 def from_wire(message: str, source: str) -> StepError:
-    """The error a stage (`source`) answered, its code kept; `stage_error` when it had none."""
+    """The error a stage (`source`) answered, its code kept (`stage_error` for one this build does not know); a
+    message that is no stage's answer (no code) is Triton's: `stage_unavailable`."""
     match = _WIRE.fullmatch(message)
-    code = as_code(match[1]) if match else STAGE_ERROR
-    return StepError(code, f"{source}: {match[2] if match and code is not STAGE_ERROR else message}")
+    if match is None:
+        return StepError(Code.STAGE_UNAVAILABLE, f"{source}: {message}")
+    code = as_code(match[1])
+    known = code is not STAGE_ERROR or match[1] == STAGE_ERROR
+    return StepError(code, f"{source}: {match[2] if known else message}")
 
 
 def describe(exc: BaseException) -> str:

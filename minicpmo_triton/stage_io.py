@@ -25,6 +25,10 @@ _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float32}
 # The stages whose config says `model_transaction_policy { decoupled: true }`: answered through a response
 # sender, so a caller uses a stream (BLS: `exec(decoupled=True)`; gRPC: `stream_infer`), not a unary call.
 DECOUPLED_STAGES = frozenset({"llm", "tts", "token2wav"})
+# A request parameter that makes a request to a stateful stage a liveness probe (the gateway's health watch): its
+# model answers it at once with an empty final response, before any stage work or admission (its stub is alive;
+# a full KV pool would refuse a new sequence `pool_full`, which says nothing of a dead stub).
+PROBE = "minicpmo_probe"
 
 
 def tensor(dtype: type, ndim: int) -> Any:

@@ -28,7 +28,7 @@ from .model_config import load_stage_config
 from .paged.protocol import pick_engine, pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
-from .stage_io import STAGE_IO, decode, encode
+from .stage_io import PROBE, STAGE_IO, decode, encode
 from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall, answer_order
@@ -115,6 +115,11 @@ def _rows(request: Any) -> dict[str, np.ndarray]:
     return {t.name(): t.as_numpy()[0] for t in request.inputs()}
 
 
+def _is_probe(request: Any) -> bool:
+    """The gateway's liveness probe (`stage_io.PROBE`, a request parameter)."""
+    return PROBE in json.loads(request.parameters() or "{}")
+
+
 def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool]:
     corr, start, end = rows.get("CORRID"), rows.get("START"), rows.get("END")
     corr_id = int(corr.reshape(-1)[0]) if corr is not None else int(request.correlation_id())
@@ -154,6 +159,21 @@ class _StatefulStageModel:
             rows = _rows(request)
             calls.append(StageCall(decode(self.request_cls, rows.get), *_control(request, rows)))
         return calls
+
+    def _answer_probes(self, requests: list[Any]) -> list[Any]:
+        """Liveness probes answered at once with an empty final response, before any stage work or admission (the
+        stub is alive; a full KV pool, which would refuse a new sequence, is a busy stage, not a dead one); the
+        other requests, in order."""
+        rest = []
+        for request in requests:
+            if not _is_probe(request):
+                rest.append(request)
+                continue
+            try:
+                request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:  # noqa: BLE001 (a prober gone: nothing to do)
+                pb_utils.Logger.log_warn(f"{self.stage_name}: a probe not answered: {describe(exc)}")
+        return rest
 
     def _send(self, sender: Any, corr_id: int, result: Any) -> None:
         """A decoupled model's one answer to a call, with the final flag."""
@@ -205,6 +225,7 @@ class _InflightStageModel(_StatefulStageModel):
             self.inflight = self._inflight(period, changed)
 
     def execute(self, requests: list[Any]) -> None:
+        requests = self._answer_probes(requests)
         calls = self._calls(requests)
         senders = [request.get_response_sender() for request in requests]
         if self.inflight is not None:
@@ -328,6 +349,7 @@ class Token2WavModel(_StatefulStageModel):
         return stage
 
     def execute(self, requests: list[Any]) -> None:
+        requests = self._answer_probes(requests)
         calls = self._calls(requests)
         answers = [functools.partial(self._send, request.get_response_sender(), call.corr_id)
                    for request, call in zip(requests, calls, strict=True)]

@@ -16,7 +16,16 @@ import pytest
 from gateway.codes import ClientCode
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent, decode_event, encode_event
-from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, RETRYABLE, Code, StepError, from_wire, to_wire
+from minicpmo_triton.errors import (
+    ADMISSION_REFUSALS,
+    CLIENT_ERRORS,
+    CLOSE_REASONS,
+    RETRYABLE,
+    Code,
+    StepError,
+    from_wire,
+    to_wire,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("minicpmo_triton", "gateway", "export")
@@ -74,7 +83,10 @@ def test_every_protocol_error_names_a_client_code_member() -> None:
         ProtocolError("invalid_valeu", "a typo")  # type: ignore[arg-type]
     # a stage's client error, or its retryable refusal, becomes the client's refusal with its code kept
     assert all(ProtocolError(code, "why").code == code for code in CLIENT_ERRORS)
-    assert all(ProtocolError(CLOSE_REASONS[code], "why").code == code for code in RETRYABLE)
+    assert all(ProtocolError(CLOSE_REASONS[code], "why").code == code for code in ADMISSION_REFUSALS)
+    # a stage Triton could not run: the client is told the backend is unavailable (and may retry)
+    assert ProtocolError(CLOSE_REASONS[Code.STAGE_UNAVAILABLE], "why").code == ClientCode.BACKEND_UNAVAILABLE
+    assert all(ClientCode(CLOSE_REASONS[code]) for code in RETRYABLE)
 
 
 def test_a_code_that_is_no_member_is_refused_where_it_is_raised() -> None:
@@ -89,7 +101,12 @@ def test_codes_keep_their_meaning_on_the_way_to_the_gateway() -> None:
         back = decode_event(*encode_event(StepEvent.error(err)).values())
         assert back.code is code and isinstance(back.code, Code)
     assert from_wire("[made_up] why", "llm").code is Code.STAGE_ERROR  # a newer stage's code: the server's fault
-    assert from_wire("IndexError: list index out of range", "llm").code is Code.STAGE_ERROR
+    assert from_wire(to_wire(IndexError("list index out of range")), "llm").code is Code.STAGE_ERROR  # a stage's bug
+    # no stage's answer but Triton's own (the stub died, the model reloads): the stage did not run, the client may
+    # retry (it used to end sessions in flight during a stage death with 1011 backend_error)
+    unavailable = from_wire("Stub process 'llm_0_0' is not healthy.", "llm")
+    assert unavailable.code is Code.STAGE_UNAVAILABLE and unavailable.code in RETRYABLE
+    assert CLOSE_REASONS[Code.STAGE_UNAVAILABLE] == "backend_unavailable"
     # what the gateway does with them: the voice stage's refusal ends the session as invalid_voice
     assert CLOSE_REASONS[Code.INVALID_VOICE] == "invalid_voice" and Code.BAD_AUDIO in CLIENT_ERRORS
 
@@ -130,7 +147,7 @@ def test_an_uncoded_failure_in_a_stage_is_logged_with_its_type_and_place(monkeyp
             bug = exc
         _Logger.lines.clear()
         _, _, error = triton_models._response(bug, "llm")
-        assert error.startswith("IndexError")  # the row's error still goes back to the caller
+        assert error.startswith("[stage_error] IndexError")  # the row's error still goes back to the caller
         [(level, line)] = _Logger.lines
         assert level == "error" and line.startswith("llm: ") and "IndexError" in line
         assert "test_errors.py" in line and "compute" in line  # where it was raised

@@ -10,9 +10,9 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
     {"codes"},
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
+    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page", "healing",
      "triton.endpoints", "triton.placement", "triton.decoupled", "workers"},
-    {"limits", "triton.reload"},
+    {"limits", "triton.reload", "triton.orphans"},
     {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
      "peers", "http_body", "stage_health"},
     {"registry", "fairness"},

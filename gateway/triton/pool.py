@@ -12,6 +12,10 @@ re-read when it changes) may change meanwhile. An endpoint's state:
   not answered for `failover_s` since its first unanswered probe, its sessions still open are ended with
   `backend_unavailable` (retryable): those whose stream broke were told already; this catches a server that
   hangs or a network that splits. From the moment it goes silent: within failover_s + one probe period.
+
+A session that could not END its sequence (its Triton silent, its entry model dead) leaves it here (`orphaned`):
+once the endpoint answers again, the pool ENDs it on every model (gateway/triton/orphans.py), so nothing is left
+live there until the stages' TTL.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from tritonclient.grpc import aio as grpcaio
 
 from . import endpoints, placement
 from .endpoints import EndpointSpec
+from .orphans import end_everywhere
 from .placement import Candidate, Scrape
 
 log = logging.getLogger("gateway.endpoints")
 
 READY, LOADING, DOWN = "ready", "loading", "down"
+MAX_ORPHANS = 10_000  # sequences kept to END per endpoint (the oldest forgotten past it: the TTL frees them)
 # gRPC backs off reconnecting to a server that went away up to 120 s: a server back sooner would stay `down`.
 PROBE_CHANNEL = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                  ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -61,6 +67,8 @@ class Endpoint:
         # gateway/stage_health.py's verdict, set by the registry: ready | loading | unresponsive | broken
         self.stages = LOADING
         self.stages_why = ""  # why not ready, in the stage watch's words (a broken stage not healed: why not)
+        self.orphans: dict[int, None] = {}  # correlation IDs to END once it answers (ordered: the oldest first)
+        self.ending: asyncio.Task[None] | None = None
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -73,6 +81,8 @@ class Endpoint:
     async def close(self) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
+        if self.ending is not None:
+            self.ending.cancel()
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.close()
@@ -191,6 +201,27 @@ class EndpointPool:
         log.warning("endpoint %s: %s by the admin call", url, "draining" if on else "drain lifted")
         return endpoint
 
+    def orphaned(self, url: str, corr_id: int) -> None:
+        """A session on `url` ended without its sequence's END: it is ENDed once the endpoint answers."""
+        endpoint = self.endpoints.get(url)
+        if endpoint is None:
+            return
+        endpoint.orphans[corr_id] = None
+        while len(endpoint.orphans) > MAX_ORPHANS:
+            del endpoint.orphans[next(iter(endpoint.orphans))]
+
+    async def _end_orphans(self, endpoint: Endpoint) -> None:
+        for corr_id in list(endpoint.orphans):
+            try:
+                took = await end_everywhere(endpoint.client, corr_id)
+            except Exception as exc:  # noqa: BLE001 (silent again: the rest waits for its next answer)
+                log.info("endpoint %s: sequence %d not ended yet (%s)", endpoint.url, corr_id, type(exc).__name__)
+                return
+            endpoint.orphans.pop(corr_id, None)
+            if took:
+                log.info("endpoint %s: sequence %d ended on %s (its session could not)", endpoint.url, corr_id,
+                         ", ".join(took))
+
     def suspect(self, url: str) -> None:
         """A session's stream to it broke: no new sessions there until it answers a probe again."""
         endpoint = self.endpoints.get(url)
@@ -243,6 +274,8 @@ class EndpointPool:
             log.debug("endpoint %s: metrics not read: %s", endpoint.url, exc)
             endpoint.scrape = None
         self._set_state(endpoint, READY)
+        if endpoint.orphans and (endpoint.ending is None or endpoint.ending.done()):
+            endpoint.ending = asyncio.get_running_loop().create_task(self._end_orphans(endpoint))
 
     async def _slots(self, endpoint: Endpoint) -> dict[str, int]:
         slots = {}

@@ -2,7 +2,10 @@
 correlation ID, which names its sequence in Triton.
 
 Steps go out in order on the stream; each step's streamed responses are routed back by request id
-until Triton's empty final response. `close()` sends the sequence END exactly once.
+until Triton's empty final response. `close()` sends the sequence END exactly once; one it could not confirm (the
+stream broken, Triton silent, the entry model's state gone) is handed to `on_unended`, which has it ENDed later
+(gateway/triton/orphans.py). A step Triton could not run at all (an error on the stream: the entry model's stub
+died, its model is reloading) is `TritonUnavailable`: the session's state is gone with it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class TritonStream:
                  on_lost: Callable[[], None] | None = None) -> None:
         self.url = url
         self.on_lost = on_lost  # told once when the stream breaks before the sequence ended
+        self.on_unended: Callable[[], None] | None = None  # told when close() could not confirm the END
         self.model = model
         self.corr_id = corr_id or next_correlation_id()
         self._client: grpcaio.InferenceServerClient | None = None
@@ -94,10 +98,11 @@ class TritonStream:
         try:
             async for result, error in stream:
                 if error is not None:
-                    # Triton's stream errors carry no request id: they belong to the oldest open step.
+                    # Triton's stream errors carry no request id: they belong to the oldest open step. Triton could
+                    # not run it (the entry model's own failures are coded events): its state is gone
                     if self._pending:
                         _, oldest = self._pending.popitem(last=False)
-                        oldest.put_nowait(TritonStreamError(str(error)))
+                        oldest.put_nowait(TritonUnavailable(f"Triton could not run the step: {error}"))
                     continue
                 response = result.get_response()
                 q = self._pending.get(response.id)
@@ -155,14 +160,18 @@ class TritonStream:
                 pass
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """End the Triton sequence (once) and close the stream."""
+        """End the Triton sequence (once, waiting at most `timeout_s`; 0: not even tried, Triton being gone) and close
+        the stream. An END not confirmed goes to `on_unended`."""
+        confirmed = not self.started or self.ended
         try:
-            if self.started and not self.ended and self._broken is None:
-                async def drain() -> None:
-                    async for _ in self.step(StepInput(), end=True):
-                        pass
-                await asyncio.wait_for(drain(), timeout_s)
+            if not confirmed and self._broken is None and timeout_s > 0:
+                async def drain() -> bool:
+                    errors = [ev for ev in [e async for e in self.step(StepInput(), end=True)] if ev.kind == "error"]
+                    return not errors  # e.g. the entry model no longer holds the sequence: its stages may
+                confirmed = await asyncio.wait_for(drain(), timeout_s)
         finally:
+            if not confirmed and self.on_unended is not None:
+                self.on_unended()
             self.ended = True
             self._outbox.put_nowait(None)
             if self._reader is not None:
