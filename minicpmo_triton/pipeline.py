@@ -80,6 +80,7 @@ class DuplexSession:
     voice_sent: np.ndarray | None = None  # the reference token2wav has for this session (None: the default)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     cancels: int = 0  # bumped by a cancel; a step that sees it change stops making output
+    kv_length: int = 0  # the LLM's cache after its last call (what a turn's new tokens join)
 
 
 Emit = Callable[[StepEvent], Awaitable[None]]
@@ -152,6 +153,7 @@ class DuplexPipeline:
                     for chunk in leading:
                         done.append(await self._stage(state, "llm", corr_id, chunk, self.llm_meet.pass_through))
             result = await self._stage(state, "llm", corr_id, last, member.arrive if member is not None else None)
+            state.kv_length = result.kv_length
             if not done:
                 return result
             # the call's prefill as one: all of its tokens, what was cached before its first chunk
@@ -451,6 +453,13 @@ class DuplexPipeline:
                 parts.append([tk.audio_start, *([tk.audio_placeholder] * len(emb)), tk.audio_end])
             ids += [*_lines(parts, enc), tk.im_end, *enc("\n")]
         ids += [tk.im_start, *enc("assistant\n")]
+        # A history past the context is refused here, counted, before its prefill (the LLM refuses it only at the
+        # chunk that overflows, seconds of prefill later): what the LLM holds, the turn, its first chunk's tokens
+        held = state.kv_length if "llm" in state.started else 0
+        need = held + len(ids) + min(CHAT_CHUNK_TOKENS, max_new_tokens)
+        if need > self.preset.duplex.context_tokens:
+            raise StepError(Code.CONTEXT_FULL, f"context full: the turn needs {need} tokens with the {held} held, "
+                                               f"past the context's {self.preset.duplex.context_tokens}")
         usage = {"input_text_tokens": len(ids) - n_audio - n_vision, "input_audio_tokens": n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": 0, "output_speech_tokens": 0}
         metrics = StepMetrics(backend="triton")

@@ -132,6 +132,27 @@ async def test_a_chunked_chat_history_answers_as_the_unchunked_one(stages: InPro
     _same(whole, chunked)
 
 
+async def test_a_chat_history_past_the_context_is_refused_before_its_prefill(stages: InProcessStages) -> None:
+    """Counted up front: no prefill chunk runs (the LLM used to take it chunk by chunk, ~3.7 s of prefill, until the
+    chunk that overflowed)."""
+    from minicpmo_triton.errors import StepError
+
+    context = stages.preset.duplex.context_tokens
+    history = [ChatMessage("user" if i % 2 == 0 else "assistant", "x" * 2048) for i in range(context // 2048 + 1)]
+    turn = ChatInput([*history, ChatMessage("user", "And now?")], max_new_tokens=20,
+                     options=DuplexOptions.from_config(GREEDY))
+    recorder = LlmRecorder(stages)
+    pipeline = DuplexPipeline(recorder, stages.preset, stages.tokenizer, 600.0, prefill_chunk_tokens=128)
+
+    async def emit(ev: StepEvent) -> None:
+        pass
+
+    with pytest.raises(StepError) as info:
+        await pipeline.step(65, True, True, turn, emit)
+    assert info.value.code == "context_full"
+    assert not any(recorder.prefills), recorder.prefills  # no call brought a token (an END may have gone)
+
+
 class ShapeRecorder:
     """An engine that records each forward's (rows, new tokens, past length)."""
 

@@ -340,7 +340,7 @@ async def test_callers_in_flight_when_a_stage_dies_are_told_to_retry(served) -> 
     triton = current_triton(log)
     ws, feed = await feeding(port)
     await recv_until(ws, lambda e: e.get("chunk_usage") is not None, 30)
-    [stub] = stubs_of(triton, "tts")  # the stage a step in flight meets
+    [stub] = stubs_of(triton, "llm")  # the stage every step meets
     DEAD_STUB_REGIONS.update(regions_of(stub))
     os.kill(stub, signal.SIGKILL)
     late = await websockets.connect(f"ws://127.0.0.1:{port}/backend")  # before the health rounds call it broken
