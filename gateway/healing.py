@@ -15,7 +15,9 @@ passed without the stages ready (a load that never finishes: a stub killed while
 (`Cancel`). It escalates: a reload that was refused or did not heal in time is followed by a restart where the
 gateway owns Triton (else by the reload again); a restart by another restart. Past `reloads_before_restart`
 reloads since Triton last started, an owned Triton is restarted rather than reloaded (each reload leaves the dead
-stub's old instance mapped in Triton 2.51). Sessions are told (`TellSessions`) as each attempt begins.
+stub's old instance mapped in Triton 2.51). Sessions are told (`TellSessions`) as each attempt begins, unless every
+failing stage is `stateless`: a reload of one loses no session's state, and a session whose step meets it dead is told
+by that step (the retryable `stage_unavailable`), so a dead vision encoder ends no audio-only call.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Healer:
     owned: bool  # this gateway started the Triton: it may restart it
     reloads_before_restart: int = 3
     failed_rounds: int = 2  # fresh failing rounds in a row that call for the next attempt (one may be a fluke)
+    stateless: frozenset[str] = frozenset()  # models that keep no session state (their reload ends no session)
     why: str = ""  # what it is doing, or why the endpoint is not healed (/health's stages_why)
     reloads: int = 0  # reloads made since Triton last started (an owned one is restarted past the bound)
     attempt: Attempt | None = None
@@ -147,4 +150,5 @@ class Healer:
             return [TellSessions()]
         if not escalate:  # a retry after a refusal keeps saying why it is not healed
             self.why = f"healing: reloading {', '.join(models)}"
-        return [TellSessions(), Reload(models, self._since)]
+        tell: list[Effect] = [] if set(models) <= self.stateless else [TellSessions()]
+        return [*tell, Reload(models, self._since)]

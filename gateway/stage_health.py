@@ -18,7 +18,8 @@ nothing healed yet); `unresponsive` (no liveness answer for
 ready; on broken the gateway heals the endpoint, one attempt at a time with deadlines, until it is ready
 (gateway/healing.py, pure: reload the failing stages' models through Triton's model control API,
 gateway/triton/reload.py; restart a Triton this gateway owns; say on /health why it is not healed), telling the
-endpoint's live sessions `backend_unavailable` (retryable) as each attempt begins. A silent server (unresponsive)
+endpoint's live sessions `backend_unavailable` (retryable) as each attempt begins, unless only the stateless
+encoders failed (their reload loses no session's state). A silent server (unresponsive)
 is only reported here: its sessions are ended by the one silence detector, the endpoint pool's failover
 (gateway/triton/pool.py, `failover_s`), not told a second time by this watch. A round that fails is logged and the
 next one comes: the watch does not die.
@@ -195,7 +196,8 @@ class StageHealth:
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.verdict = Verdict(timeout_s, hang_s)
-        self.healer = Healer(deadline_s, owned is not None, reloads_before_restart, self.verdict.failed_rounds)
+        self.healer = Healer(deadline_s, owned is not None, reloads_before_restart, self.verdict.failed_rounds,
+                             stateless=frozenset(STATELESS_PROBES))
         self.on_change = on_change
         self.tell_sessions = tell_sessions
         self.owned = owned

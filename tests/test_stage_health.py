@@ -151,6 +151,15 @@ def test_past_the_reload_bound_an_owned_triton_is_restarted_whole() -> None:
     assert healer.reloads == 0
 
 
+def test_a_dead_stateless_encoder_is_reloaded_without_ending_anyone() -> None:
+    """Its reload loses no session's state: an audio-only call never meets it; one that does is told by its step."""
+    healer = Healer(deadline_s=60, owned=False, stateless=frozenset({"audio_encoder", "vision_encoder"}))
+    assert run(healer, [broken(2, "vision_encoder")]) == [[Reload(("vision_encoder",), 2)]]
+    healer.ended(3, reloaded=["vision_encoder"])
+    assert run(healer, [broken(4, "llm", "vision_encoder"), broken(5, "llm", "vision_encoder")])[1] == \
+        [TellSessions(), Reload(("llm", "vision_encoder"), 4)]
+
+
 def test_broken_with_no_stage_named_restarts_an_owned_triton_or_says_so() -> None:
     owned = Healer(deadline_s=60, owned=True)
     assert isinstance(run(owned, [broken(2)])[0][-1], Restart)
