@@ -1,13 +1,18 @@
 """Hostile callers beside clean ones: does any caller's cost spill onto the others?
 
-    python -m bench.hostile [--seconds 20] [--only long_prompt long_say]
+    python -m bench.hostile [--seconds 20] [--only long_prompt long_say] [--paged]
 
 Starts tritonserver and the gateway on free ports. Two clean sessions (`/backend` full duplex, espeak-ng speech
 streamed in real time, greedy) run alone, then beside each hostile caller in turn; the table gives the clean
 sessions' per-step latency (append -> the step's first event) p50 / p95 / max, p95 against the solo p95 (the goal:
 at most x2), whether their transcripts equal the solo run's, and what the hostile caller got (its refusals by
 code, bytes received). The hostile callers are the ones a public server meets, each as hard as the limits allow
-(docs/security.md); tests/test_hostile_callers.py runs them too, for the outputs.
+(docs/security.md); tests/test_hostile_callers.py runs them too, for the outputs. Besides them: 15 MiB bodies of
+each shape of JSON (`FLOOD_SHAPES`) on each route and dialect (`flood_*`), heartbeat-only sockets, resumes naming
+another gateway, 12 voice-reference callers, stage stubs killed under the run (`stage_kills`: the encoders the
+clean calls never use), and, with `--paged` (the LLM on the paged engine, a pool of room for eight sessions),
+`pool_filling`: sessions that fill the KV pool beside the clean pair. The stack's first-event deadline is 8 s
+(`INIT_TIMEOUT_S`), so the sockets that send nothing real are cut within a row.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import functools
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import websockets
 
@@ -37,6 +44,8 @@ from minicpmo_client.backend import converse
 
 LIMITS = Limits.default()
 PNG_SIDE = 4096  # the largest image a stage takes
+INIT_TIMEOUT_S = 8  # the stack's first-event deadline (MINICPMO_INIT_TIMEOUT_S), within a row
+PAGED = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "1024"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,14 @@ class Urls:
 
     def connect(self, url: str, **kw: Any) -> Any:
         return websockets.connect(url, additional_headers=list(self.headers), **kw)
+
+    def at(self, address: str) -> Urls:
+        """The same server, reached from another client address."""
+        return Urls(self.backend, self.realtime, (("X-Forwarded-For", address),))
+
+    @property
+    def http(self) -> str:
+        return self.backend.replace("ws://", "http://").rsplit("/", 1)[0]
 
 
 Outcome = Counter  # what a hostile caller got: refusal codes, close reasons, `bytes` received, `turns` done
@@ -232,9 +249,263 @@ async def bogus_resumes(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
         await _events(ws, out, stop, lambda e: e["type"] == "error", timeout_s=5)
 
 
+# ---- 15 MiB bodies of each shape, on each route and dialect ----
+
+# a frame (and a body) is at most 16 MiB, an OpenAI-dialect event 15 MiB: every route parses what it is sent
+FLOOD_BYTES = (15 << 20) - (64 << 10)
+FLOOD_SHAPES = ("numbers", "objects", "strings", "keys", "nested", "text")
+
+
+@functools.cache
+def flood(shape: str) -> str:
+    """A JSON value of ~15 MiB: millions of small values (what costs a parser per value), or one long string."""
+    n = FLOOD_BYTES
+    if shape == "numbers":
+        return "[" + "0," * (n // 2) + "0]"
+    if shape == "objects":
+        return "[" + "{}," * (n // 3) + "{}]"
+    if shape == "strings":
+        return "[" + '"",' * (n // 3) + '""]'
+    if shape == "keys":
+        return "{" + ",".join(f'"{i:x}":0' for i in range(n // 12)) + "}"
+    if shape == "nested":
+        return "[" * (n // 2) + "]" * (n // 2)
+    return '"' + "QUJD" * (n // 4) + '"'  # text: one 15 MiB string (base64-like), the shape a legit frame has
+
+
+def flooded(template: str, shape: str) -> str:
+    return template.replace("SHAPE", flood(shape))
+
+
+async def _refusal(ws: websockets.ClientConnection, out: Outcome, stop: asyncio.Event) -> bool:
+    """The answer to one flood frame (its error code counted); False when the socket closed."""
+    return await _events(ws, out, stop, lambda e: e["type"] == "error", timeout_s=30) is not None
+
+
+@_loop
+async def flood_voices_check(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """`POST /v1/voices/check` with a 15 MiB body of each shape, each sent as soon as the last is answered."""
+    async with httpx.AsyncClient(timeout=60, headers=dict(urls.headers)) as client:
+        for shape in FLOOD_SHAPES:
+            if stop.is_set():
+                return
+            answer = await client.post(f"{urls.http}/v1/voices/check", content=flooded('{"x": SHAPE}', shape))
+            out[f"{answer.status_code}:{answer.json().get('error', {}).get('code', 'ok')}"] += 1
+
+
+@_loop
+async def flood_admin(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """The admin drain call with a 15 MiB body of each shape."""
+    async with httpx.AsyncClient(timeout=60, headers=dict(urls.headers)) as client:
+        for shape in FLOOD_SHAPES:
+            if stop.is_set():
+                return
+            answer = await client.post(f"{urls.http}/admin/endpoints/drain", content=flooded('{"endpoint": SHAPE}',
+                                                                                              shape))
+            out[f"{answer.status_code}:{answer.json().get('error', {}).get('code', 'ok')}"] += 1
+
+
+@_loop
+async def flood_backend_init(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """`/backend` sockets whose `session.init` is 15 MiB of each shape."""
+    for shape in FLOOD_SHAPES:
+        async with urls.connect(urls.backend, max_size=1 << 26) as ws:
+            await ws.send(flooded('{"type": "session.init", "payload": {"mode": "full_duplex", "x": SHAPE}}', shape))
+            await _refusal(ws, out, stop)
+
+
+@_loop
+async def flood_backend_frames(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """A `/backend` session's later frames, 15 MiB of each shape (a refused frame closes it: the next one opens)."""
+    async with urls.connect(urls.backend, max_size=1 << 26) as ws:
+        await ws.send(json.dumps({"type": "session.init", "payload": {"mode": "full_duplex"}}))
+        await _events(ws, out, stop, lambda e: True)
+        for shape in FLOOD_SHAPES:
+            await ws.send(flooded('{"type": "input.append", "input": {"input_id": "x", "audio": SHAPE}}', shape))
+            if not await _refusal(ws, out, stop):
+                return
+
+
+@_loop
+async def flood_openai(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """OpenAI-dialect events of 15 MiB of each shape on one session, each sent as soon as the last is answered."""
+    async with urls.connect(urls.realtime, max_size=1 << 26) as ws:
+        while not stop.is_set():
+            for shape in FLOOD_SHAPES:
+                await ws.send(flooded('{"type": "session.update", "session": {"instructions": SHAPE}}', shape))
+                if not await _refusal(ws, out, stop):
+                    return
+
+
+@_loop
+async def flood_minicpm(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """MiniCPM-o's dialect (`?mode=audio`): a session, then appends of 15 MiB of each shape."""
+    async with urls.connect(urls.realtime.split("?")[0] + "?mode=audio", max_size=1 << 26) as ws:
+        await _events(ws, out, stop, lambda e: e["type"] == "session.queue_done")
+        await ws.send(json.dumps({"type": "session.update", "session": {}}))
+        await _events(ws, out, stop, lambda e: e["type"] == "session.created")
+        for shape in FLOOD_SHAPES:
+            await ws.send(flooded('{"type": "input_audio_buffer.append", "audio": SHAPE}', shape))
+            if not await _refusal(ws, out, stop):
+                return
+
+
+# ---- the slots, resumes, voices ----
+
+@_loop
+async def heartbeat_sockets(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """60 sockets from 4 addresses (15 each, under the per-address bound) that send heartbeats and nothing else: no
+    first event (they used to hold their slots for the 300 s idle timeout: 64 such held every slot)."""
+    sockets = [await urls.at(f"10.66.7.{i % 4}").connect(urls.realtime) for i in range(60)]
+
+    async def beat(ws: websockets.ClientConnection) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while not stop.is_set():
+                await ws.send(json.dumps({"type": "session.heartbeat"}))
+                await asyncio.sleep(1.0)
+
+    beats = [asyncio.create_task(beat(ws)) for ws in sockets]
+    await asyncio.gather(*(_events(ws, out, stop) for ws in sockets))
+    for task in beats:
+        task.cancel()
+    for ws in sockets:
+        await ws.close()
+
+
+@_loop
+async def resumes_elsewhere(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """session.resume with tokens naming another gateway, as fast as answered (they skipped the failure delay and
+    the rate limit: 653/s)."""
+    token = base64.urlsafe_b64encode(b"ws://10.9.9.9:8006").decode().rstrip("=") + ".x"
+    async with urls.connect(urls.realtime + "&resume=1") as ws:
+        await ws.send(json.dumps({"type": "session.resume", "session_id": "sess_bogus", "resume_token": token}))
+        await _events(ws, out, stop, lambda e: e["type"] == "error", timeout_s=5)
+
+
+async def _voice_caller(urls: Urls, stop: asyncio.Event, out: Outcome, seed: int) -> None:
+    """Sessions that each bring a new 30 s voice reference (the LLM's and the TTS's), speak a second, and go; until
+    the caller's budget refuses one, then again once the window allows."""
+    rng = np.random.default_rng(seed)
+    while not stop.is_set():
+        ref = encode_f32_base64((rng.standard_normal(30 * 16_000) * 0.05).astype(np.float32))
+        try:
+            async with urls.connect(urls.backend, max_size=1 << 26) as ws:
+                await ws.send(json.dumps({"type": "session.init", "payload": {
+                    "mode": "full_duplex", "ref_audio_base64": ref, "tts_ref_audio_base64": ref}}))
+                first = await _events(ws, out, stop, lambda e: True)
+                if first is None or first["type"] != "session.created":
+                    await asyncio.sleep(1.0)
+                    continue
+                for i in range(3):
+                    await ws.send(json.dumps({"type": "input.append", "input": {
+                        "input_id": f"in_{i}", "audio": encode_f32_base64(np.zeros(16_000, np.float32))}}))
+                    if await _events(ws, out, stop, lambda e: e.get("chunk_usage") is not None) is None:
+                        break
+                out["voices"] += 1
+        except (websockets.ConnectionClosed, OSError) as exc:
+            out[type(exc).__name__] += 1
+            await asyncio.sleep(0.2)
+
+
+async def voice_callers(urls: Urls, stop: asyncio.Event) -> Outcome:
+    """12 callers, each from its own address (its own voice budget), bringing new voice references at once."""
+    out: Outcome = Counter()
+    await asyncio.gather(*(_voice_caller(urls.at(f"10.77.0.{i}"), stop, out, i) for i in range(12)))
+    return out
+
+
+# ---- the backend ----
+
+def _stubs(model: str) -> list[int]:
+    """The live Python-backend stubs of this model (any Triton on this machine serving the model repository)."""
+    from gateway.triton import DEFAULT_MODEL_REPOSITORY
+
+    marker = f"{DEFAULT_MODEL_REPOSITORY}/{model}/1/model.py".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker in (proc / "cmdline").read_bytes() and (proc / "stat").read_text().split()[2] != "Z":
+                    found.append(int(proc.name))
+    return found
+
+
+async def stage_kills(urls: Urls, stop: asyncio.Event) -> Outcome:
+    """kill -9 of a stage stub every few seconds, the encoders in turn (a clean audio call never uses them): each is
+    reloaded in the same Triton, and the clean calls, which need neither, go on (a dead stage used to end every
+    session on its endpoint)."""
+    import os
+    import signal
+
+    out: Outcome = Counter()
+    await asyncio.sleep(4.0)  # the clean pair is in
+    turn = 0
+    while not stop.is_set():
+        model = ("vision_encoder", "audio_encoder")[turn % 2]
+        turn += 1
+        stubs = _stubs(model)
+        for pid in stubs:
+            os.kill(pid, signal.SIGKILL)
+            out[f"killed:{model}"] += 1
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline and not set(_stubs(model)) - set(stubs):
+            await asyncio.sleep(0.2)
+        if set(_stubs(model)) - set(stubs):
+            out[f"reloaded:{model}"] += 1
+        await asyncio.sleep(4.0)
+    return out
+
+
+@_loop
+async def pool_filling(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """(`--paged`) Sessions until the KV pool refuses one `pool_full`, then two of them closed: the clean pair takes
+    the last room, and the pool is full while every session speaks (the gateway's health probe, refused by the full
+    pool, used to end them all)."""
+    held: list[websockets.ClientConnection] = []
+
+    async def opened() -> websockets.ClientConnection | None:
+        ws = await urls.connect(urls.backend, max_size=1 << 26)
+        await ws.send(json.dumps({"type": "session.init", "payload": {"mode": "full_duplex"}}))
+        await _events(ws, out, stop, lambda e: True)
+        await ws.send(json.dumps({"type": "input.append", "input": {
+            "input_id": "in_0", "audio": encode_f32_base64(np.zeros(16_000, np.float32))}}))
+        answer = await _events(ws, out, stop, lambda e: e.get("chunk_usage") is not None or e["type"] == "error")
+        if answer is None or answer["type"] == "error":
+            await ws.close()
+            return None
+        return ws
+
+    while len(held) < 16 and (ws := await opened()) is not None:
+        held.append(ws)
+    out["held"] = len(held)
+    for ws in held[-2:]:
+        await ws.close()  # room for the clean pair
+    held = held[:-2]
+
+    async def speak(ws: websockets.ClientConnection, i: int) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            second = 1
+            while not stop.is_set():
+                await ws.send(json.dumps({"type": "input.append", "input": {
+                    "input_id": f"in_{second}", "audio": encode_f32_base64(np.full(16_000, 0.01, np.float32))}}))
+                if await _events(ws, out, stop, lambda e: e.get("chunk_usage") is not None) is not None:
+                    out["steps"] += 1
+                second += 1
+                await asyncio.sleep(1.0)
+
+    await asyncio.gather(*(speak(ws, i) for i, ws in enumerate(held)))
+    for ws in held:
+        await ws.close()
+    await stop.wait()  # the run is over (or every session of it was cut: refilling would take the clean pair's room)
+
+
 HOSTILE: dict[str, Hostile] = {f.__name__: f for f in (silent_sockets, heartbeats, long_prompt, long_history,
                                                           voice_echo, long_say, many_images, voice_churn,
-                                                          bogus_resumes)}
+                                                          bogus_resumes, heartbeat_sockets, resumes_elsewhere,
+                                                          voice_callers, flood_voices_check, flood_admin,
+                                                          flood_backend_init, flood_backend_frames, flood_openai,
+                                                          flood_minicpm, stage_kills)}
+PAGED_ONLY: dict[str, Hostile] = {"pool_filling": pool_filling}
 
 
 # ---- the clean sessions ----
@@ -290,7 +561,7 @@ async def run_hostile(name: str, base: str) -> None:
     """The child of `beside_process`: run one hostile caller until stdin closes; print what it got."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task(HOSTILE[name](Urls.of(base), stop))
+    task = asyncio.create_task({**HOSTILE, **PAGED_ONLY}[name](Urls.of(base), stop))
     await loop.run_in_executor(None, sys.stdin.read)
     stop.set()
     print(json.dumps(dict(await task)))
@@ -303,26 +574,38 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=20)
-    parser.add_argument("--only", nargs="*", choices=list(HOSTILE))
+    parser.add_argument("--only", nargs="*", choices=[*HOSTILE, *PAGED_ONLY])
+    parser.add_argument("--paged", action="store_true",
+                        help="the LLM on the paged engine with a small pool (what pool_filling needs)")
     parser.add_argument("--gateway-log", type=Path, help="keep the gateway's log here")
-    parser.add_argument("--hostile", choices=list(HOSTILE), help=argparse.SUPPRESS)  # beside_process's child
+    parser.add_argument("--hostile", choices=[*HOSTILE, *PAGED_ONLY], help=argparse.SUPPRESS)  # the child
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hostile:
         asyncio.run(run_hostile(args.hostile, args.url))
         return
+    triton_env = PAGED if args.paged else {}
+    saved = {k: os.environ.get(k) for k in triton_env}
+    os.environ.update(triton_env)  # tritonserver's environment is this process's
+    gateway_env = {"MINICPMO_INIT_TIMEOUT_S": str(INIT_TIMEOUT_S)}
     with tempfile.TemporaryDirectory() as tmp, serving_stack(DEFAULT_MODEL_REPOSITORY, Path(tmp), 64,
-                                                             gateway_log=args.gateway_log) as stack:
+                                                             env=gateway_env, gateway_log=args.gateway_log) as stack:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
         speech = make_speech(Path(tmp), args.seconds)
         urls = Urls.of(stack.ws_url.rsplit("/", 1)[0])
         solo, _ = asyncio.run(beside_process(urls, speech, None))
         base = pct(solo.latencies_ms, 95)
-        print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny, this machine)\n")
+        engine = ", the LLM on the paged engine (a pool of room for 8 sessions)" if args.paged else ""
+        print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny{engine}, this machine)\n")
         print("| beside | p50 ms | p95 ms | max ms | p95 / solo p95 | same words | the hostile caller got |")
         print("|---|---:|---:|---:|---:|---|---|")
         print(f"| (alone) | {pct(solo.latencies_ms, 50):.0f} | {base:.0f} | {max(solo.latencies_ms):.0f} | 1.00 | "
               "- | - |")
-        for name in args.only or HOSTILE:
+        for name in args.only or (PAGED_ONLY if args.paged else HOSTILE):
             try:
                 run, got = asyncio.run(beside_process(urls, speech, name))
             except Exception as exc:  # noqa: BLE001 (a row that broke says so; the next one runs)

@@ -95,20 +95,28 @@ _COMMA, _OPEN_ARRAY, _OPEN_OBJECT, _QUOTE, _BACKSLASH = (ord(c) for c in ',[{"\\
 
 
 def _items(data: bytes) -> int:
-    """Commas and opening brackets of a JSON text outside its strings, in a few passes of numpy over its bytes (which
-    leave the GIL to the event loop): a string holds any of them as text. Where the text is not JSON the count may be
-    off past the first error, where the parser stops."""
+    """Commas and opening brackets of a JSON text outside its strings (or a number past JSON_MAX_ITEMS), in a few
+    passes of numpy over its bytes, each of which leaves the GIL to the event loop: a string holds any of them as
+    text. Where the text is not JSON the count may be off past the first error, where the parser stops."""
     arr = np.frombuffer(data, np.uint8)
     structural = (arr == _COMMA) | (arr == _OPEN_ARRAY) | (arr == _OPEN_OBJECT)
-    rough = int(np.count_nonzero(structural))
-    if rough <= JSON_MAX_ITEMS:
-        return rough  # strings and all: under the bound anyway
-    if np.any(arr == _BACKSLASH):  # escaped backslashes, then escaped quotes: every quote left delimits a string
+    items = int(np.count_nonzero(structural))
+    if items <= JSON_MAX_ITEMS:
+        return items  # strings and all: under the bound anyway
+    if b"\\" in data:  # escaped backslashes, then escaped quotes: every quote left opens or closes a string
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
         arr = np.frombuffer(data, np.uint8)
         structural = (arr == _COMMA) | (arr == _OPEN_ARRAY) | (arr == _OPEN_OBJECT)
-    in_string = np.cumsum(arr == _QUOTE, dtype=np.uint8) & 1  # parity of the quotes so far (wraps evenly)
-    return int(np.count_nonzero(structural & (in_string == 0)))
+        items = int(np.count_nonzero(structural))
+    is_quote = arr == _QUOTE
+    if (n_quotes := int(np.count_nonzero(is_quote))) > 2 * (2 * JSON_MAX_ITEMS + 1):
+        return n_quotes // 4  # k strings stand apart by a comma or a colon: at least k / 2 items
+    if not n_quotes:
+        return items
+    quotes = np.flatnonzero(is_quote)
+    # from each quote to the next: even spans are inside strings (an unterminated one runs to the end)
+    spans = np.add.reduceat(structural.view(np.uint8), quotes, dtype=np.uint32)
+    return items - int(spans[0::2].sum())
 
 
 def check_items(text: str | bytes) -> None:
@@ -166,12 +174,12 @@ def parse_json(text: str | bytes) -> Any:
     Its values are counted before it is parsed (`check_items`); the parser's own recursion guard stops very deep
     input early (RecursionError, reported as too deep); a frame's size is bounded before it gets here (the server's
     `ws_max_size`). A large frame is parsed off the event loop (`off_loop`)."""
+    check_items(text)
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    check_items(text)
     try:
         # NaN and Infinity pass (Python's reading of them): the settings' range checks refuse them by name.
         value = json.loads(text, parse_int=_number(int), parse_float=_number(float))

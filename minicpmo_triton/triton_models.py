@@ -36,7 +36,7 @@ from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
 from .stages.vision_encoder import VisionEncoderStage
-from .stages.voice_prep import VoicePreparer
+from .stages.voice_prep import VoicePreparer, as_bulk
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
@@ -382,9 +382,13 @@ class _StatelessStageModel:
 
 
 class AudioEncoderModel(_StatelessStageModel):
+    """Whole utterances: voice references (a session's system prompt), a chat turn's audio. A call's steps never wait
+    on it (the duplex stream's audio is encoded in the llm model): its stub runs as bulk work."""
+
     stage_name = "audio_encoder"
 
     def make_stage(self, ctx: _ModelContext) -> AudioEncoderStage:
+        as_bulk(whole_process=True)
         return AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
 
 

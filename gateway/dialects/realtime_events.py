@@ -19,7 +19,7 @@ ClientEvent = dict[str, Any]
 
 def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
     """A client event; `invalid_json` (closing with `bad_json_close`, if set) when it is not JSON at all."""
-    if len(text.encode("utf-8")) > MAX_EVENT_BYTES:
+    if len(text) > MAX_EVENT_BYTES or (not text.isascii() and len(text.encode("utf-8")) > MAX_EVENT_BYTES):
         raise ProtocolError(ClientCode.EVENT_TOO_LARGE, f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
     try:
         msg = parse_json(text)
