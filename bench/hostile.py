@@ -350,6 +350,25 @@ async def flood_minicpm(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
                 return
 
 
+FLOODS = (flood_voices_check, flood_backend_init, flood_backend_frames, flood_openai, flood_minicpm)
+
+
+async def floods(urls: Urls, stop: asyncio.Event) -> Outcome:
+    """Every route's flood in turn, a few seconds each (tests/test_floods.py)."""
+    out: Outcome = Counter()
+    while not stop.is_set():
+        for route in FLOODS:
+            turn = asyncio.Event()
+            task = asyncio.create_task(route(urls, turn))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 3.0)
+            turn.set()
+            out.update({f"{route.__name__}:{k}": v for k, v in (await task).items()})
+            if stop.is_set():
+                break
+    return out
+
+
 # ---- the slots, resumes, voices ----
 
 @_loop
@@ -506,6 +525,7 @@ HOSTILE: dict[str, Hostile] = {f.__name__: f for f in (silent_sockets, heartbeat
                                                           flood_backend_init, flood_backend_frames, flood_openai,
                                                           flood_minicpm, stage_kills)}
 PAGED_ONLY: dict[str, Hostile] = {"pool_filling": pool_filling}
+TESTS_ONLY: dict[str, Hostile] = {"floods": floods}
 
 
 # ---- the clean sessions ----
@@ -561,7 +581,7 @@ async def run_hostile(name: str, base: str) -> None:
     """The child of `beside_process`: run one hostile caller until stdin closes; print what it got."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    task = asyncio.create_task({**HOSTILE, **PAGED_ONLY}[name](Urls.of(base), stop))
+    task = asyncio.create_task({**HOSTILE, **PAGED_ONLY, **TESTS_ONLY}[name](Urls.of(base), stop))
     await loop.run_in_executor(None, sys.stdin.read)
     stop.set()
     print(json.dumps(dict(await task)))
@@ -578,7 +598,7 @@ def main() -> None:
     parser.add_argument("--paged", action="store_true",
                         help="the LLM on the paged engine with a small pool (what pool_filling needs)")
     parser.add_argument("--gateway-log", type=Path, help="keep the gateway's log here")
-    parser.add_argument("--hostile", choices=[*HOSTILE, *PAGED_ONLY], help=argparse.SUPPRESS)  # the child
+    parser.add_argument("--hostile", choices=[*HOSTILE, *PAGED_ONLY, *TESTS_ONLY], help=argparse.SUPPRESS)  # a child
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hostile:

@@ -16,6 +16,9 @@
   a caller's loop of bogus resumes makes a few connections a second, not hundreds.
 - `EventRate`: client events per connection, a token bucket: a flood of small events (create/cancel pairs) costs
   the gateway's one event loop; past the rate each event is refused `rate_limited`, unread.
+- `ByteRate`: client bytes per connection, a token bucket: past it the connection's next frame is read only once
+  the bucket has room again (its sender held back by TCP meanwhile), so a flood of 15 MiB frames costs the server
+  at most the rate's worth of receiving and parsing, whatever the link carries.
 """
 
 from __future__ import annotations
@@ -178,6 +181,27 @@ class EventRate:
         return ProtocolError(ClientCode.RATE_LIMITED, f"at most {self.per_s:g} events per second per connection "
                              f"(bursts of {self.burst}); this one was dropped", error_type="server_error",
                              retryable=True)
+
+
+class ByteRate:
+    """Client bytes on one connection: `per_s` a second on average, `burst` at once; `delay` says how long to wait
+    before reading on. per_s <= 0: no limit."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def delay(self, size: int) -> float:
+        """A frame of `size` bytes came: the seconds until the next one may be read (0: now)."""
+        if self.per_s <= 0:
+            return 0.0
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s) - size
+        self._at = now
+        return max(0.0, -self._tokens / self.per_s)
 
 
 async def paced(events: AsyncIterator[T], gap_s: float) -> AsyncIterator[T]:

@@ -27,6 +27,8 @@ from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
 from .triton.launcher import CONTROL_KEY_ENV, LOOPBACK, is_loopback
 from .triton.supervisor import Supervisor
 
+WS_MAX_QUEUE = 1  # frames the WebSocket library reads ahead of a session (each up to ws_max_size)
+
 
 class GatewayServer(uvicorn.Server):
     """Tells every session `server_shutdown` (and ends its Triton sequence) before uvicorn drops sockets."""
@@ -123,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(settings)
         if supervisor is not None:  # a stage Triton will not reload is healed by a fresh Triton (stage_health)
             app.state.gateway.owned[server.ports.grpc_url] = supervisor.server
+        # ws_max_queue: the frames read ahead of the app per connection (the library holds up to 4 x max_size x
+        # max_queue bytes: 2 GiB at its default of 32); past it, TCP holds the sender back
         config = uvicorn.Config(app, host=args.host, port=args.port, ws_max_size=settings.ws_max_size,
-                                ws_per_message_deflate=settings.ws_deflate, log_level="info")
+                                ws_max_queue=WS_MAX_QUEUE, ws_per_message_deflate=settings.ws_deflate,
+                                log_level="info")
         for name in ("uvicorn.error", "uvicorn.access"):  # their lines carry query strings: ?key= is redacted
             logging.getLogger(name).addFilter(RedactKeys())
         own = None if args.worker_port is None else workers.sockets(args.host, args.port, args.worker_port)

@@ -38,7 +38,7 @@ from .auth import ANONYMOUS
 from .codes import ClientCode
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
 from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
-from .fairness import Activity, EventRate, paced
+from .fairness import Activity, ByteRate, EventRate, paced
 from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
@@ -162,6 +162,7 @@ class Session:
         self._inputs = asyncio.Lock()
         self.offloaded = 0  # client frames read in a worker thread
         self.events = EventRate(settings.max_events_per_s, settings.max_event_burst)
+        self.bytes_in = ByteRate(settings.max_bytes_per_s, 2 * settings.ws_max_size)
         # the idle clock, heartbeats not counted; the first real event is due within init_timeout_s of the start
         # (`awaiting_first`: the dialect has not read it already), whatever heartbeats came before it
         self.activity = Activity(settings.idle_timeout_s, settings.init_timeout_s if awaiting_first else None)
@@ -525,6 +526,8 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return  # another socket took the session over
             activity.heard(text)
             await session.handle(text)
+            if (wait := session.bytes_in.delay(len(text))) > 0:  # past its byte rate: the next frame waits
+                await asyncio.sleep(wait)
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
         log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)

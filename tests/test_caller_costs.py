@@ -21,7 +21,7 @@ from gateway.auth import ANONYMOUS, redact
 from gateway.dialects import backend, minicpm
 from gateway.dialects.openai import OpenAIRealtimeState
 from gateway.dialects.openai_extensions import ALL
-from gateway.fairness import Activity, EventRate, Quotas, ResumeFailures, paced
+from gateway.fairness import Activity, ByteRate, EventRate, Quotas, ResumeFailures, paced
 from gateway.inputs import image_bytes
 from gateway.limits import Limits
 from gateway.settings import Settings
@@ -232,6 +232,16 @@ def test_heartbeats_are_not_activity() -> None:
     now[0] = 30.0
     activity.heard('{"type": "session.heartbeat"}')
     assert activity.remaining_s() == 0.0
+
+
+def test_a_connection_past_its_byte_rate_reads_its_next_frame_later() -> None:
+    now = [0.0]
+    rate = ByteRate(per_s=10 << 20, burst=32 << 20, clock=lambda: now[0])
+    assert [rate.delay(15 << 20) for _ in range(2)] == [0.0, 0.0]  # two frames at once: the burst
+    assert rate.delay(15 << 20) == pytest.approx(1.3)  # a third: 13 MiB past the bucket, at 10 MiB a second
+    now[0] = 10.0
+    assert rate.delay(1 << 20) == 0.0  # refilled (to the burst, never past it)
+    assert ByteRate(per_s=0, burst=0).delay(1 << 30) == 0.0
 
 
 def test_a_heartbeat_is_no_first_event() -> None:
