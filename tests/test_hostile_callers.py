@@ -17,8 +17,9 @@ from .helpers import OTHER_TEXT, SPEAKING_TEXT
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 # All at once but the two whose allowed cost alone saturates 2 CPU cores for seconds at a time (a history of 6000
 # tokens prefilled in one call; a 30 s voice prompt per turn): the bench measures each of them beside the clean
-# pair, and the stage tests show their rows stay isolated.
-AT_ONCE = [name for name in HOSTILE if name not in ("long_history", "voice_churn")]
+# pair, and the stage tests show their rows stay isolated. The floods, the voice callers, the stage kills and the
+# slot holders are the bench's and their own tests' (tests/test_floods.py, test_supervision.py, test_fair_sharing.py).
+AT_ONCE = ["silent_sockets", "heartbeats", "long_prompt", "voice_echo", "long_say", "many_images", "bogus_resumes"]
 
 
 async def test_clean_sessions_beside_hostile_callers_say_what_they_say_alone(gateway_factory, speech) -> None:

@@ -46,7 +46,7 @@ class FakeTriton:
     async def cancel(self) -> None:
         pass
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 10.0) -> None:
         pass
 
 
