@@ -282,27 +282,26 @@ async def _refusal(ws: websockets.ClientConnection, out: Outcome, stop: asyncio.
     return await _events(ws, out, stop, lambda e: e["type"] == "error", timeout_s=30) is not None
 
 
-@_loop
-async def flood_voices_check(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
-    """`POST /v1/voices/check` with a 15 MiB body of each shape, each sent as soon as the last is answered."""
+async def _flood_posts(urls: Urls, path: str, template: str, out: Outcome, stop: asyncio.Event) -> None:
+    """An HTTP body of each shape to `path`, each sent as soon as the last is answered (its status and code counted)."""
     async with httpx.AsyncClient(timeout=60, headers=dict(urls.headers)) as client:
         for shape in FLOOD_SHAPES:
             if stop.is_set():
                 return
-            answer = await client.post(f"{urls.http}/v1/voices/check", content=flooded('{"x": SHAPE}', shape))
+            answer = await client.post(f"{urls.http}{path}", content=flooded(template, shape))
             out[f"{answer.status_code}:{answer.json().get('error', {}).get('code', 'ok')}"] += 1
+
+
+@_loop
+async def flood_voices_check(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
+    """`POST /v1/voices/check` with a 15 MiB body of each shape."""
+    await _flood_posts(urls, "/v1/voices/check", '{"x": SHAPE}', out, stop)
 
 
 @_loop
 async def flood_admin(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
     """The admin drain call with a 15 MiB body of each shape."""
-    async with httpx.AsyncClient(timeout=60, headers=dict(urls.headers)) as client:
-        for shape in FLOOD_SHAPES:
-            if stop.is_set():
-                return
-            answer = await client.post(f"{urls.http}/admin/endpoints/drain", content=flooded('{"endpoint": SHAPE}',
-                                                                                              shape))
-            out[f"{answer.status_code}:{answer.json().get('error', {}).get('code', 'ok')}"] += 1
+    await _flood_posts(urls, "/admin/endpoints/drain", '{"endpoint": SHAPE}', out, stop)
 
 
 @_loop
@@ -314,27 +313,31 @@ async def flood_backend_init(urls: Urls, stop: asyncio.Event, out: Outcome) -> N
             await _refusal(ws, out, stop)
 
 
+async def _flood_frames(ws: websockets.ClientConnection, template: str, out: Outcome, stop: asyncio.Event) -> bool:
+    """A frame of each shape on an open session, each sent once the last is answered; False once it is closed."""
+    for shape in FLOOD_SHAPES:
+        await ws.send(flooded(template, shape))
+        if not await _refusal(ws, out, stop):
+            return False
+    return True
+
+
 @_loop
 async def flood_backend_frames(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
     """A `/backend` session's later frames, 15 MiB of each shape (a refused frame closes it: the next one opens)."""
     async with urls.connect(urls.backend, max_size=1 << 26) as ws:
         await ws.send(json.dumps({"type": "session.init", "payload": {"mode": "full_duplex"}}))
         await _events(ws, out, stop, lambda e: True)
-        for shape in FLOOD_SHAPES:
-            await ws.send(flooded('{"type": "input.append", "input": {"input_id": "x", "audio": SHAPE}}', shape))
-            if not await _refusal(ws, out, stop):
-                return
+        await _flood_frames(ws, '{"type": "input.append", "input": {"input_id": "x", "audio": SHAPE}}', out, stop)
 
 
 @_loop
 async def flood_openai(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
-    """OpenAI-dialect events of 15 MiB of each shape on one session, each sent as soon as the last is answered."""
+    """OpenAI-dialect events of 15 MiB of each shape on one session (it goes on after each refusal)."""
     async with urls.connect(urls.realtime, max_size=1 << 26) as ws:
-        while not stop.is_set():
-            for shape in FLOOD_SHAPES:
-                await ws.send(flooded('{"type": "session.update", "session": {"instructions": SHAPE}}', shape))
-                if not await _refusal(ws, out, stop):
-                    return
+        template = '{"type": "session.update", "session": {"instructions": SHAPE}}'
+        while not stop.is_set() and await _flood_frames(ws, template, out, stop):
+            pass
 
 
 @_loop
@@ -344,10 +347,7 @@ async def flood_minicpm(urls: Urls, stop: asyncio.Event, out: Outcome) -> None:
         await _events(ws, out, stop, lambda e: e["type"] == "session.queue_done")
         await ws.send(json.dumps({"type": "session.update", "session": {}}))
         await _events(ws, out, stop, lambda e: e["type"] == "session.created")
-        for shape in FLOOD_SHAPES:
-            await ws.send(flooded('{"type": "input_audio_buffer.append", "audio": SHAPE}', shape))
-            if not await _refusal(ws, out, stop):
-                return
+        await _flood_frames(ws, '{"type": "input_audio_buffer.append", "audio": SHAPE}', out, stop)
 
 
 FLOODS = (flood_voices_check, flood_backend_init, flood_backend_frames, flood_openai, flood_minicpm)

@@ -158,8 +158,8 @@ class ResumeFailures:
             raise
 
 
-class EventRate:
-    """Client events on one connection: `per_s` a second on average, `burst` at once; past that, refused."""
+class TokenBucket:
+    """`per_s` tokens a second, at most `burst` saved up; per_s <= 0: no limit."""
 
     def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.per_s = per_s
@@ -168,14 +168,21 @@ class EventRate:
         self._tokens = float(burst)
         self._at = clock()
 
+    def _refilled(self) -> float:
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        return self._tokens
+
+
+class EventRate(TokenBucket):
+    """Client events on one connection: `per_s` a second on average, `burst` at once; past that, refused."""
+
     def refusal(self) -> ProtocolError | None:
         """None when this event may go on (it is counted); else the refusal to answer it with. per_s <= 0: no limit."""
         if self.per_s <= 0:
             return None
-        now = self.clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
-        self._at = now
-        if self._tokens >= 1:
+        if self._refilled() >= 1:
             self._tokens -= 1
             return None
         return ProtocolError(ClientCode.RATE_LIMITED, f"at most {self.per_s:g} events per second per connection "
@@ -183,24 +190,15 @@ class EventRate:
                              retryable=True)
 
 
-class ByteRate:
+class ByteRate(TokenBucket):
     """Client bytes on one connection: `per_s` a second on average, `burst` at once; `delay` says how long to wait
-    before reading on. per_s <= 0: no limit."""
-
-    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.per_s = per_s
-        self.burst = burst
-        self.clock = clock
-        self._tokens = float(burst)
-        self._at = clock()
+    before reading on (a frame already read is taken whole: the bucket goes into debt)."""
 
     def delay(self, size: int) -> float:
         """A frame of `size` bytes came: the seconds until the next one may be read (0: now)."""
         if self.per_s <= 0:
             return 0.0
-        now = self.clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s) - size
-        self._at = now
+        self._tokens = self._refilled() - size
         return max(0.0, -self._tokens / self.per_s)
 
 

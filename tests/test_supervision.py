@@ -409,14 +409,20 @@ async def test_a_second_stage_dying_during_a_reload_is_healed(served) -> None:
     assert "reloading the broken model tts" in served.since(mark) and current_triton(log) == triton
 
 
-async def test_a_reloaded_stub_that_dies_again_is_healed(served) -> None:
-    process, port, log = served
-    await asyncio.to_thread(wait_status, port, "ready", 300)
-    triton = current_triton(log)
+async def kill_llm(served: Served) -> tuple[int, int, int]:
+    """kill -9 of the `llm` stub of a ready endpoint: its Triton, the stub, where the log stood before."""
+    await asyncio.to_thread(wait_status, served.port, "ready", 300)
+    triton = current_triton(served.log)
     [first] = stubs_of(triton, "llm")
     DEAD_STUB_REGIONS.update(regions_of(first))
     mark = served.mark()
     os.kill(first, signal.SIGKILL)
+    return triton, first, mark
+
+
+async def test_a_reloaded_stub_that_dies_again_is_healed(served) -> None:
+    process, port, log = served
+    triton, first, mark = await kill_llm(served)
     await asyncio.to_thread(wait_logged, served, mark, "reloaded llm", 60)
     [second] = [pid for pid in stubs_of(triton, "llm") if pid != first]
     DEAD_STUB_REGIONS.update(regions_of(second))
@@ -430,12 +436,7 @@ async def test_a_stub_killed_while_its_model_loads_is_healed_by_a_new_triton(ser
     """Triton stays at `loading` forever, its load never answered: at the heal deadline (15 s here) the gateway gives
     the reload up and restarts the Triton it owns (it used to wait on the load with no deadline)."""
     process, port, log = served
-    await asyncio.to_thread(wait_status, port, "ready", 300)
-    triton = current_triton(log)
-    [first] = stubs_of(triton, "llm")
-    DEAD_STUB_REGIONS.update(regions_of(first))
-    mark = served.mark()
-    os.kill(first, signal.SIGKILL)
+    triton, first, mark = await kill_llm(served)
     await asyncio.to_thread(wait_logged, served, mark, "reloading the broken model llm", 20)
     deadline = time.monotonic() + 30
     while not (loading := [pid for pid in stubs_of(triton, "llm") if pid != first]):
