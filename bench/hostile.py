@@ -10,7 +10,7 @@ code, bytes received). The hostile callers are the ones a public server meets, e
 (docs/security.md); tests/test_hostile_callers.py runs them too, for the outputs. Besides them: 15 MiB bodies of
 each shape of JSON (`FLOOD_SHAPES`) on each route and dialect (`flood_*`), heartbeat-only sockets, resumes naming
 another gateway, 12 voice-reference callers, stage stubs killed under the run (`stage_kills`: the encoders the
-clean calls never use), and, with `--paged` (the LLM on the paged engine, a pool of room for eight sessions),
+clean calls never use), and, with `--paged` (the LLM on the paged engine, a pool of room for four sessions),
 `pool_filling`: sessions that fill the KV pool beside the clean pair. The stack's first-event deadline is 8 s
 (`INIT_TIMEOUT_S`), so the sockets that send nothing real are cut within a row.
 """
@@ -45,7 +45,7 @@ from minicpmo_client.backend import converse
 LIMITS = Limits.default()
 PNG_SIDE = 4096  # the largest image a stage takes
 INIT_TIMEOUT_S = 8  # the stack's first-event deadline (MINICPMO_INIT_TIMEOUT_S), within a row
-PAGED = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "1024"}
+PAGED = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "2048"}
 
 
 @dataclass(frozen=True)
@@ -619,7 +619,7 @@ def main() -> None:
         urls = Urls.of(stack.ws_url.rsplit("/", 1)[0])
         solo, _ = asyncio.run(beside_process(urls, speech, None))
         base = pct(solo.latencies_ms, 95)
-        engine = ", the LLM on the paged engine (a pool of room for 8 sessions)" if args.paged else ""
+        engine = ", the LLM on the paged engine (a pool of room for 4 sessions)" if args.paged else ""
         print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny{engine}, this machine)\n")
         print("| beside | p50 ms | p95 ms | max ms | p95 / solo p95 | same words | the hostile caller got |")
         print("|---|---:|---:|---:|---:|---|---|")
