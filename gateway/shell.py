@@ -43,7 +43,16 @@ from .journal import Journal
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
 from .triton.stream import TritonStream, TritonUnavailable
-from .wire import CLOSE_NORMAL, CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN, ProtocolError, new_id
+from .wire import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_SERVER_ERROR,
+    CLOSE_TRY_AGAIN,
+    LARGE_FRAME_BYTES,
+    LARGE_READS,
+    ProtocolError,
+    new_id,
+)
 
 log = logging.getLogger("gateway")
 
@@ -286,7 +295,9 @@ class Session:
         work: asyncio.Future[Any] | None = None
         try:
             self.offloaded += 1
-            work = asyncio.get_running_loop().run_in_executor(None, self.state.read_frame, text,
+            # a large frame on the one large-frame worker (wire.off_loop), an append's VAD on any
+            executor = LARGE_READS if len(text) >= LARGE_FRAME_BYTES else None
+            work = asyncio.get_running_loop().run_in_executor(executor, self.state.read_frame, text,
                                                               self.state.frame_plan())
             await asyncio.wait({work})
             return self._decide(work.result)  # what the reading raised is raised here: a refusal like any other
