@@ -629,7 +629,8 @@ def main() -> None:
             try:
                 run, got = asyncio.run(beside_process(urls, speech, name))
             except Exception as exc:  # noqa: BLE001 (a row that broke says so; the next one runs)
-                print(f"| {name} | - | - | - | - | - | the clean pair failed: {type(exc).__name__} |", flush=True)
+                print(f"| {name} | - | - | - | - | - | the clean pair failed: {type(exc).__name__}: {str(exc)[:160]} |",
+                      flush=True)
                 continue
             lat = run.latencies_ms
             same = "yes" if run.transcripts == solo.transcripts else "NO"

@@ -414,18 +414,21 @@ class Session:
                 await ws.send_text(text)
 
     def detach(self, ws: WebSocket) -> None:
-        """The socket went away: a resumable session waits `disconnect_grace_s` for a resume, then ends;
-        any other ends now."""
+        """The socket went away: a resumable session waits `disconnect_grace_s` for a resume (one that has sent no
+        real event yet, no longer than its first-event deadline: a silent socket's slot is not held past it by
+        hanging up), then ends; any other ends now."""
         if self.ws is not ws or self.closed:
             return
         self.ws = None
         if self.resumable:
-            self._grace = asyncio.get_running_loop().create_task(self._expire())
+            grace = self.settings.disconnect_grace_s
+            grace = grace if self.activity.started else min(grace, self.activity.remaining_s())
+            self._grace = asyncio.get_running_loop().create_task(self._expire(grace))
         else:
             self._spawn(self.close("client_disconnected", emit=False))
 
-    async def _expire(self) -> None:
-        await asyncio.sleep(self.settings.disconnect_grace_s)
+    async def _expire(self, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
         if self.ws is None:
             await self.close("disconnect_grace_expired")
 

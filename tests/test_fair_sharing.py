@@ -87,6 +87,14 @@ async def test_silent_sockets_are_cut_off_and_leave_room(gateway_factory) -> Non
     assert all(e.get("type") == "session.closed" and e["reason"] == "init_timeout" for e in ends[1:]), ends
     assert [ws.close_code for ws in silent] == [1008] * 3
     assert time.monotonic() - started < 6
+    # one that hangs up before saying anything: its slot waits for a resume only until its first-event deadline (it
+    # used to be held for the 30 s grace)
+    hung_up = await opened(gw.realtime + "?extensions=events", "10.0.1.9")
+    await hung_up.close()
+    started = time.monotonic()
+    while gw.health()["active_sessions"] and time.monotonic() - started < 10:
+        await asyncio.sleep(0.2)
+    assert gw.health()["active_sessions"] == 0 and time.monotonic() - started < 4
     clean = await opened(gw.realtime, "10.0.2.1")
     await leave(clean)
 
