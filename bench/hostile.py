@@ -1,6 +1,6 @@
 """Hostile callers beside clean ones: does any caller's cost spill onto the others?
 
-    python -m bench.hostile [--seconds 20] [--only long_prompt long_say] [--paged]
+    python -m bench.hostile [--seconds 20] [--only long_prompt long_say] [--paged] [--paired]
 
 Starts tritonserver and the gateway on free ports. Two clean sessions (`/backend` full duplex, espeak-ng speech
 streamed in real time, greedy) run alone, then beside each hostile caller in turn; the table gives the clean
@@ -597,6 +597,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=[*HOSTILE, *PAGED_ONLY])
     parser.add_argument("--paged", action="store_true",
                         help="the LLM on the paged engine with a small pool (what pool_filling needs)")
+    parser.add_argument("--paired", action="store_true",
+                        help="the clean pair alone again before each row, its ratio against that (a shared machine)")
     parser.add_argument("--gateway-log", type=Path, help="keep the gateway's log here")
     parser.add_argument("--hostile", choices=[*HOSTILE, *PAGED_ONLY, *TESTS_ONLY], help=argparse.SUPPRESS)  # a child
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -620,24 +622,27 @@ def main() -> None:
         solo, _ = asyncio.run(beside_process(urls, speech, None))
         base = pct(solo.latencies_ms, 95)
         engine = ", the LLM on the paged engine (a pool of room for 4 sessions)" if args.paged else ""
-        print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny{engine}, this machine)\n")
-        print("| beside | p50 ms | p95 ms | max ms | p95 / solo p95 | same words | the hostile caller got |")
-        print("|---|---:|---:|---:|---:|---|---|")
-        print(f"| (alone) | {pct(solo.latencies_ms, 50):.0f} | {base:.0f} | {max(solo.latencies_ms):.0f} | 1.00 | "
-              "- | - |")
+        print(f"two clean sessions, {args.seconds} s of speech each, real time, greedy (tiny{engine}, this machine); "
+              f"{'each row against the clean pair alone just before it' if args.paired else ''}\n")
+        print("| beside | p50 ms | p95 ms | max ms | alone p95 ms | p95 / alone p95 | same words | "
+              "the hostile caller got |")
+        print("|---|---:|---:|---:|---:|---:|---|---|")
+        print(f"| (alone) | {pct(solo.latencies_ms, 50):.0f} | {base:.0f} | {max(solo.latencies_ms):.0f} | "
+              f"{base:.0f} | 1.00 | - | - |")
         for name in args.only or (PAGED_ONLY if args.paged else HOSTILE):
+            if args.paired:  # a shared machine's load drifts over a run: each row beside its own baseline
+                base = pct(asyncio.run(beside_process(urls, speech, None))[0].latencies_ms, 95)
             try:
                 run, got = asyncio.run(beside_process(urls, speech, name))
             except Exception as exc:  # noqa: BLE001 (a row that broke says so; the next one runs)
-                print(f"| {name} | - | - | - | - | - | the clean pair failed: {type(exc).__name__}: {str(exc)[:160]} |",
-                      flush=True)
+                print(f"| {name} | - | - | - | - | - | - | the clean pair failed: {type(exc).__name__}: "
+                      f"{str(exc)[:160]} |", flush=True)
                 continue
             lat = run.latencies_ms
             same = "yes" if run.transcripts == solo.transcripts else "NO"
             got_text = ", ".join(f"{k} {v}" for k, v in sorted(got.items()))
-            print(f"| {name} | {pct(lat, 50):.0f} | {pct(lat, 95):.0f} | {max(lat):.0f} | {pct(lat, 95) / base:.2f} | "
-                  f"{same} | {got_text} |", flush=True)
-
+            print(f"| {name} | {pct(lat, 50):.0f} | {pct(lat, 95):.0f} | {max(lat):.0f} | {base:.0f} | "
+                  f"{pct(lat, 95) / base:.2f} | {same} | {got_text} |", flush=True)
 
 if __name__ == "__main__":
     main()
