@@ -354,12 +354,13 @@ FLOODS = (flood_voices_check, flood_backend_init, flood_backend_frames, flood_op
 
 
 async def floods(urls: Urls, stop: asyncio.Event) -> Outcome:
-    """Every route's flood in turn, a few seconds each (tests/test_floods.py)."""
+    """Every route's flood in turn, a few seconds each, each from an address of its own (a caller's bytes are paced
+    across its connections: one caller would have most of its bodies paced, not refused; tests/test_floods.py)."""
     out: Outcome = Counter()
     while not stop.is_set():
-        for route in FLOODS:
+        for i, route in enumerate(FLOODS):
             turn = asyncio.Event()
-            task = asyncio.create_task(route(urls, turn))
+            task = asyncio.create_task(route(urls.at(f"10.66.8.{i}"), turn))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 3.0)
             turn.set()

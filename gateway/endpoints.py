@@ -36,7 +36,7 @@ from .codes import ClientCode
 from .dialects import backend, minicpm, openai
 from .dialects.openai_extensions import ALL, QUERY, STOCK, Extensions
 from .dialects.realtime_events import error_event as realtime_error
-from .fairness import Quotas, ResumeFailures, VoiceBudget
+from .fairness import ByteBudgets, ByteRate, Quotas, ResumeFailures, VoiceBudget
 from .http_body import bounded_body, http_error, json_body, read_json
 from .limits import Limits
 from .registry import Gateway
@@ -59,7 +59,8 @@ log = logging.getLogger("gateway")
 @dataclass(frozen=True)
 class Edge:
     """What every endpoint reads: the gateway (slots, live sessions, readiness), its settings, the cost model per
-    caller, the live sessions per key and per address, failed resume attempts, new voice references per caller."""
+    caller, the live sessions per key and per address, failed resume attempts, new voice references per caller, the
+    bytes each caller sends."""
 
     gateway: Gateway
     settings: Settings
@@ -67,6 +68,7 @@ class Edge:
     quotas: Quotas
     resumes: ResumeFailures
     voices: VoiceBudget
+    bytes_in: ByteBudgets
 
     @classmethod
     def of(cls, settings: Settings) -> Edge:
@@ -74,7 +76,8 @@ class Edge:
                    Quotas(settings.max_sessions_per_key, settings.max_sessions_per_address),
                    ResumeFailures(settings.resume_attempts, settings.resume_window_s,
                                   settings.resume_failure_delay_s),
-                   VoiceBudget(settings.voice_budget_s, settings.voice_window_s))
+                   VoiceBudget(settings.voice_budget_s, settings.voice_window_s),
+                   ByteBudgets(settings.max_bytes_per_s, 2 * settings.ws_max_size))
 
 
 CLOSE_BODY_BYTES = 4096  # POST /sessions/{id}/close: {"reason": ...}, the reason kept to 100 characters
@@ -182,8 +185,9 @@ async def backend_socket(ws: WebSocket) -> None:
     try:
         who = admit(ws)
         check_ready(ws)
+        rate = e.bytes_in.of(who, address(ws))
         try:
-            text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
+            text = await _first_frame(e, ws, rate)
         except (TimeoutError, Disconnected):
             raise ProtocolError(ClientCode.INIT_TIMEOUT, "no session.init received", close_code=CLOSE_POLICY) from None
         init = await off_loop(len(text), _read_init, text, e.limits)  # its voice references decoded too
@@ -195,7 +199,7 @@ async def backend_socket(ws: WebSocket) -> None:
                                      voice=refs, named_voice=init.voice_name, limits=e.limits, charge_voice=charge)
         with e.quotas.held(who, address(ws)):
             async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=False, owner=who,
-                                                         awaiting_first=False) as session:  # its init came
+                                                         awaiting_first=False, bytes_in=rate) as session:
                 await serve(session, ws)
     except ProtocolError as err:
         await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),
@@ -224,16 +228,18 @@ async def realtime_socket(ws: WebSocket) -> None:
         if mode is not None or resuming:  # MiniCPM-o's dialect, and a resume, are ours throughout
             ext = ALL
         check_ready(ws)
+        rate = e.bytes_in.of(who, address(ws))
         msg: dict[str, Any] | None  # a session.resume to go on with
         if resuming:
-            msg = await _first_event(await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults))
+            msg = await _first_event(await _first_frame(e, ws, rate))
             if msg.get("type") != "session.resume":
                 raise ProtocolError(ClientCode.INVALID_FIRST_MESSAGE,
                                     "with ?resume=1 the first event is session.resume",
                                     "type", close_code=CLOSE_POLICY)
         else:
             with e.quotas.held(who, address(ws)):
-                msg = await (_openai_session(e, ws, who, ext) if mode is None else _minicpm_session(e, ws, mode, who))
+                msg = await (_openai_session(e, ws, who, ext, rate) if mode is None
+                             else _minicpm_session(e, ws, mode, who, rate))
         if msg is not None:  # the first event resumed another session: this socket goes on with it
             # a resuming socket counts as a session of its address (bogus ones in parallel are bounded too)
             with e.quotas.held(who, address(ws)):
@@ -251,13 +257,15 @@ async def realtime_socket(ws: WebSocket) -> None:
         await _close(ws, CLOSE_SERVER_ERROR)
 
 
-async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions) -> dict[str, Any] | None:
+async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions,
+                          rate: ByteRate) -> dict[str, Any] | None:
     """Returns the first event when it is `session.resume` (this fresh session is then dropped). A stock client's
     session ends with its socket: only a client that opted into the extensions has the token and seqs to resume."""
     state = openai.OpenAIRealtimeState(new_session_id(), ext=ext, vad=_vad(), limits=e.limits)
-    async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=ext.events, owner=who) as session:
+    async with admitted(e.gateway, ws), running(e.gateway, state, ws, resumable=ext.events, owner=who,
+                                                 bytes_in=rate) as session:
         try:  # the first-event deadline, as every dialect's
-            text = await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults)
+            text = await _first_frame(e, ws, rate)
         except TimeoutError:
             await session.close("init_timeout", ws_code=CLOSE_POLICY)
             return None
@@ -273,21 +281,25 @@ async def _openai_session(e: Edge, ws: WebSocket, who: str, ext: Extensions) -> 
     return None
 
 
-async def _minicpm_session(e: Edge, ws: WebSocket, mode: str, who: str) -> dict[str, Any] | None:
+async def _minicpm_session(e: Edge, ws: WebSocket, mode: str, who: str, rate: ByteRate) -> dict[str, Any] | None:
     """Returns the first event when it is `session.resume` (the slot is given back first)."""
     async with admitted(e.gateway, ws, queue_event=minicpm.queue_position) as early:
         session_id = new_session_id()
         await ws.send_text(json.dumps(minicpm.QueueDone(session_id).encode()))
-        text = early if early is not None else await receive_text(ws, e.settings.init_timeout_s,
-                                                                  e.settings.test_faults)
+        text = early if early is not None else await _first_frame(e, ws, rate)
         msg = await _first_event(text)
         if msg.get("type") == "session.resume":
             return msg
         state = minicpm.MiniCPMRealtimeState(session_id, mode=mode, limits=e.limits,
                                              charge_voice=e.voices.charger(who, address(ws)))
-        async with running(e.gateway, state, ws, resumable=True, owner=who) as session:
+        async with running(e.gateway, state, ws, resumable=True, owner=who, bytes_in=rate) as session:
             await serve(session, ws, text)
     return None
+
+
+async def _first_frame(e: Edge, ws: WebSocket, rate: ByteRate) -> str:
+    """A socket's first frame, within the first-event deadline, paced as the caller's bytes are."""
+    return await receive_text(ws, e.settings.init_timeout_s, e.settings.test_faults, rate)
 
 
 def _vad() -> openai.SpeechProbabilities | None:

@@ -16,9 +16,10 @@
   a caller's loop of bogus resumes makes a few connections a second, not hundreds.
 - `EventRate`: client events per connection, a token bucket: a flood of small events (create/cancel pairs) costs
   the gateway's one event loop; past the rate each event is refused `rate_limited`, unread.
-- `ByteRate`: client bytes per connection, a token bucket: past it the connection's next frame is read only once
-  the bucket has room again (its sender held back by TCP meanwhile), so a flood of 15 MiB frames costs the server
-  at most the rate's worth of receiving and parsing, whatever the link carries.
+- `ByteRate`, `ByteBudgets`: client bytes per caller (key and address; loopback per connection), a token bucket:
+  past it the caller's next frame is read only once the bucket has room again (its sender held back by TCP
+  meanwhile), so a flood of 15 MiB frames costs the server at most the rate's worth of receiving and parsing,
+  whatever the link carries and however often the caller reconnects.
 """
 
 from __future__ import annotations
@@ -200,6 +201,30 @@ class ByteRate(TokenBucket):
             return 0.0
         self._tokens = self._refilled() - size
         return max(0.0, -self._tokens / self.per_s)
+
+    @property
+    def idle(self) -> bool:
+        """Refilled whole: as good as a new one."""
+        return self.per_s <= 0 or self._refilled() >= self.burst
+
+
+class ByteBudgets:
+    """Each caller's `ByteRate` (key and address), shared by its connections: one that hangs up after each flooded
+    frame and comes back gets no fresh burst. Loopback's is per connection (this machine: a benchmark, or a reverse
+    proxy that does not say whose request it forwards, where a shared one would be the server's)."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.clock = clock
+        self._rates: dict[str, ByteRate] = {}
+
+    def of(self, who: str, address: str) -> ByteRate:
+        if _loopback(address):
+            return ByteRate(self.per_s, self.burst, self.clock)
+        for caller in [c for c, rate in self._rates.items() if rate.idle]:
+            del self._rates[caller]  # callers gone quiet: the table stays bounded
+        return self._rates.setdefault(f"{who}@{address}", ByteRate(self.per_s, self.burst, self.clock))
 
 
 async def paced(events: AsyncIterator[T], gap_s: float) -> AsyncIterator[T]:

@@ -59,8 +59,9 @@ class Settings:
     resume_failure_delay_s: float = setting(1.0, "a failed session.resume is answered after this long")
     max_events_per_s: float = setting(100.0, "client events per connection per second, on average (0: no limit) ...")
     max_event_burst: int = setting(200, "... and at once; past either, an event is refused rate_limited")
-    max_bytes_per_s: int = setting(8 << 20, "client bytes per connection per second, on average, bursts of two "
-                                            "frames (ws_max_size); past it the next frame is read later (0: no limit)")
+    max_bytes_per_s: int = setting(8 << 20, "client bytes per caller (key and address; loopback per connection) "
+                                            "per second, on average, bursts of two frames (ws_max_size); past it the "
+                                            "next frame is read later (0: no limit)")
     # The cost model per caller (gateway/limits.py: Limits.of(settings); docs/security.md)
     # 4 KiB: voice-agent frameworks' instructions run to a few KB (a prompt is prefilled once per session); at
     # the bound a prompt still fits the context with `tiny`'s byte tokenizer (a token a byte)

@@ -76,8 +76,10 @@ class InjectedFault(Exception):
     pass
 
 
-async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool = False) -> str:
-    """The next text (or UTF-8 binary) frame; Disconnected when the socket is gone."""
+async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool = False,
+                       rate: ByteRate | None = None) -> str:
+    """The next text (or UTF-8 binary) frame; Disconnected when the socket is gone. Past the caller's byte `rate`,
+    it is handed on late (and the next one read late: the WebSocket library reads one frame ahead)."""
     try:
         message = await asyncio.wait_for(ws.receive(), timeout_s)
     except RuntimeError as exc:  # receiving on a socket that was closed
@@ -88,6 +90,8 @@ async def receive_text(ws: WebSocket, timeout_s: float | None, test_faults: bool
         (message.get("bytes") or b"").decode("utf-8", errors="replace")
     if test_faults and text == FAULT_FRAME:
         raise InjectedFault("a test's fault frame")
+    if rate is not None and (wait := rate.delay(len(text))) > 0:
+        await asyncio.sleep(wait)
     return text
 
 
@@ -153,7 +157,7 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 
 class Session:
     def __init__(self, state: DialectState, triton: TritonStream, settings: Settings, resumable: bool,
-                 owner: str = ANONYMOUS, awaiting_first: bool = True) -> None:
+                 owner: str = ANONYMOUS, awaiting_first: bool = True, bytes_in: ByteRate | None = None) -> None:
         self.state = state
         self.owner = owner
         self.session_id = state.session_id
@@ -171,7 +175,8 @@ class Session:
         self._inputs = asyncio.Lock()
         self.offloaded = 0  # client frames read in a worker thread
         self.events = EventRate(settings.max_events_per_s, settings.max_event_burst)
-        self.bytes_in = ByteRate(settings.max_bytes_per_s, 2 * settings.ws_max_size)
+        # the caller's byte rate (shared by its connections), else the connection's own
+        self.bytes_in = bytes_in or ByteRate(settings.max_bytes_per_s, 2 * settings.ws_max_size)
         # the idle clock, heartbeats not counted; the first real event is due within init_timeout_s of the start
         # (`awaiting_first`: the dialect has not read it already), whatever heartbeats came before it
         self.activity = Activity(settings.idle_timeout_s, settings.init_timeout_s if awaiting_first else None)
@@ -488,7 +493,8 @@ class Session:
 
 @contextlib.asynccontextmanager
 async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bool,
-                  owner: str = ANONYMOUS, awaiting_first: bool = True) -> AsyncIterator[Session]:
+                  owner: str = ANONYMOUS, awaiting_first: bool = True,
+                  bytes_in: ByteRate | None = None) -> AsyncIterator[Session]:
     """A session for `state`, attached to `ws`, its first events sent. However the block ends (a return, an
     exception, a cancel), the session is closed (the Triton sequence ended) and forgotten; a block that
     ends normally first waits for the session to end (a resumable one may outlive this socket)."""
@@ -499,7 +505,7 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
     except Exception as exc:
         raise ProtocolError(ClientCode.BACKEND_UNAVAILABLE, str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
-    session = Session(state, triton, gw.settings, resumable, owner, awaiting_first)
+    session = Session(state, triton, gw.settings, resumable, owner, awaiting_first, bytes_in)
     triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
     triton.on_unended = lambda: gw.pool.orphaned(url, corr_id)  # ENDed everywhere once the endpoint answers
     gw.add(session)
@@ -526,7 +532,7 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
             await session.handle(pending)
         while not session.closed and session.ws is ws:
             try:
-                text = await receive_text(ws, activity.remaining_s(), session.settings.test_faults)
+                text = await receive_text(ws, activity.remaining_s(), session.settings.test_faults, session.bytes_in)
             except TimeoutError:
                 if activity.started:
                     await session.close("timeout")
@@ -540,8 +546,6 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return  # another socket took the session over
             activity.heard(text)
             await session.handle(text)
-            if (wait := session.bytes_in.delay(len(text))) > 0:  # past its byte rate: the next frame waits
-                await asyncio.sleep(wait)
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
         log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)

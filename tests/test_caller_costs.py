@@ -21,7 +21,7 @@ from gateway.auth import ANONYMOUS, redact
 from gateway.dialects import backend, minicpm
 from gateway.dialects.openai import OpenAIRealtimeState
 from gateway.dialects.openai_extensions import ALL
-from gateway.fairness import Activity, ByteRate, EventRate, Quotas, ResumeFailures, paced
+from gateway.fairness import Activity, ByteBudgets, ByteRate, EventRate, Quotas, ResumeFailures, paced
 from gateway.inputs import image_bytes
 from gateway.limits import Limits
 from gateway.settings import Settings
@@ -242,6 +242,20 @@ def test_a_connection_past_its_byte_rate_reads_its_next_frame_later() -> None:
     now[0] = 10.0
     assert rate.delay(1 << 20) == 0.0  # refilled (to the burst, never past it)
     assert ByteRate(per_s=0, burst=0).delay(1 << 30) == 0.0
+
+
+def test_a_callers_byte_rate_is_shared_by_its_connections() -> None:
+    """One that hangs up after each flooded frame and comes back gets no fresh burst; loopback's is per connection."""
+    now = [0.0]
+    budgets = ByteBudgets(per_s=10 << 20, burst=32 << 20, clock=lambda: now[0])
+    first = budgets.of("anonymous", "10.6.6.6")
+    assert first.delay(30 << 20) == 0.0
+    assert budgets.of("anonymous", "10.6.6.6").delay(15 << 20) == pytest.approx(1.3)  # the same caller, reconnected
+    assert budgets.of("anonymous", "10.6.6.7").delay(15 << 20) == 0.0  # another address
+    assert budgets.of("anonymous", "127.0.0.1") is not budgets.of("anonymous", "127.0.0.1")
+    now[0] = 100.0
+    budgets.of("anonymous", "10.6.6.8")
+    assert len(budgets._rates) == 1  # the quiet ones forgotten
 
 
 def test_a_heartbeat_is_no_first_event() -> None:
