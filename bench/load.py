@@ -66,9 +66,12 @@ def metrics(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     with urllib.request.urlopen(url, timeout=5) as resp:
         for line in resp.read().decode().splitlines():
-            m = re.match(r'^(nv_inference_\w+|minicpmo_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
+            m = re.match(r'^(nv_inference_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
             if m:
                 out[(m.group(1), m.group(2))] = float(m.group(3))
+            own = re.match(r'^minicpmo_(\w+?)_(live_sequences) ([\d.e+-]+)$', line)  # a stage's own gauge
+            if own:
+                out[(f"minicpmo_{own.group(2)}", own.group(1))] = float(own.group(3))
     return out
 
 

@@ -106,15 +106,16 @@ class RunningTriton:
         with urllib.request.urlopen(self.server.ports.metrics_url, timeout=5) as resp:
             return resp.read().decode()
 
-    def metric(self, name: str, model: str) -> float:
-        prefix = f'{name}{{model="{model}"'
+    def metric(self, what: str, model: str) -> float:
+        """A model's own series, `minicpmo_<model>_<what>` (minicpmo_triton/triton_models.py stage_metric)."""
+        name = f"minicpmo_{model}_{what}"
         for line in self.metrics_text().splitlines():
-            if line.startswith(prefix):
+            if line.startswith((f"{name} ", f"{name}{{")):
                 return float(line.rsplit(" ", 1)[1])
-        raise KeyError(f"{name} for {model} not on the metrics page")
+        raise KeyError(f"{name} not on the metrics page")
 
     def live(self) -> dict[str, float]:
-        return {m: self.metric("minicpmo_live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
+        return {m: self.metric("live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
 
     def wait_live(self, expected: Callable[[dict[str, float]], bool], timeout_s: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s
