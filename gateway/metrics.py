@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -116,6 +118,9 @@ class Metrics:
         self.failovers = Counter("minicpmo_gateway_failovers", "Times the endpoint's sessions were ended for its "
                                  "silence", e, registry=r)
         self._counted: dict[str, tuple[int, int]] = {}  # endpoint -> (placements, failovers) already counted
+        # The workers' files hold values, not words: their exposition is given each family's HELP from here.
+        self._help = {family.name: family.documentation for collector in vars(self).values()
+                      if isinstance(collector, MetricWrapperBase) for family in collector.describe()}
 
     # ---- where things happen ----
     def step_sent(self, dialect: str, planned_s: float) -> None:
@@ -187,5 +192,18 @@ class Metrics:
         if folder is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, folder)
+        merged.register(_Described(MultiProcessCollector(None, folder), self._help))
         return generate_latest(merged), CONTENT_TYPE_LATEST
+
+
+class _Described:
+    """A collector's families with their own HELP (the multiprocess files keep none: "Multiprocess metric")."""
+
+    def __init__(self, collector: MultiProcessCollector, help_by_name: dict[str, str]) -> None:
+        self.collector = collector
+        self.help_by_name = help_by_name
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.collector.collect():
+            family.documentation = self.help_by_name.get(family.name, family.documentation)
+            yield family
