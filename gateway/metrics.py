@@ -21,10 +21,20 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+
+disable_created_metrics()  # no `*_created` series (a second series per counter; the workers' exposition has none)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STEP_PERIOD_S = 1.0  # a duplex step hears 1 s of the caller: a step answered later than that is a late chunk
@@ -118,6 +128,13 @@ class Metrics:
         self.failovers = Counter("minicpmo_gateway_failovers", "Times the endpoint's sessions were ended for its "
                                  "silence", e, registry=r)
         self._counted: dict[str, tuple[int, int]] = {}  # endpoint -> (placements, failovers) already counted
+        # Every dialect's series from the start, at 0: a rate over a series that appears late misses its first count.
+        for dialect in DIALECTS:
+            for family in (self.step_latency, self.step_queue, self.first_audio, self.barge_in, self.late_chunks,
+                           self.opened, self.resumes):
+                family.labels(dialect)
+        for action in HEALS:
+            self.heals.labels(action)
         # The workers' files hold values, not words: their exposition is given each family's HELP from here.
         self._help = {family.name: family.documentation for collector in vars(self).values()
                       if isinstance(collector, MetricWrapperBase) for family in collector.describe()}

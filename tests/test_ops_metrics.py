@@ -220,6 +220,13 @@ async def test_prometheus_sees_what_the_callers_saw(workers: int, held_triton: R
                            ("minicpmo_gateway_refusals_total", "counter")):
             assert name in metadata and metadata[name][0]["type"] == kind, (name, metadata.get(name))
             assert metadata[name][0]["help"] not in ("", "Multiprocess metric"), metadata[name]  # its own words
+        # every panel of the dashboard asks Prometheus something it answers; the SLO row's have data
+        dashboard = json.loads((REPO / "deploy/grafana/minicpmo.json").read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                result = prom.query(target["expr"].replace("$__rate_interval", "1m"))
+                if panel["gridPos"]["y"] < 16:  # the SLO rows: steps, first audio, late chunks
+                    assert result, (panel["title"], target["expr"])
         # no caller content in any series or label
         series = httpx.get(f"{prom.url}/api/v1/series", params={"match[]": '{__name__=~"minicpmo_.+"}'},
                            timeout=10).json()["data"]
