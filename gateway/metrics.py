@@ -20,6 +20,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -79,54 +80,48 @@ class Metrics:
         self.record = record
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        d = ("dialect",)
-        self.step_latency = Histogram(
-            "minicpmo_gateway_step_latency_seconds", "A duplex step: the append that completed its second, to its "
-            "first event sent to the caller", d, registry=r, buckets=STEP_BUCKETS)
-        self.step_queue = Histogram(
-            "minicpmo_gateway_step_queue_seconds", "A step's wait in the gateway, planned to sent to Triton (behind "
-            "the session's step in flight)", d, registry=r, buckets=SHORT_BUCKETS)
-        self.first_audio = Histogram(
-            "minicpmo_gateway_first_audio_seconds", "A spoken turn: the append of the step that opened it, to its "
-            "first audio sent", d, registry=r, buckets=FIRST_AUDIO_BUCKETS)
-        self.barge_in = Histogram(
-            "minicpmo_gateway_barge_in_seconds", "A barge-in (or a cancel): the caller's frame that carried it, to "
-            "the last audio of the cut reply sent (nothing of it leaves after)", d, registry=r, buckets=SHORT_BUCKETS)
-        self.late_chunks = Counter(
-            "minicpmo_gateway_late_chunks", "Steps answered later than their 1 s period (the caller's audio fell "
-            "behind)", d, registry=r)
-        self.opened = Counter("minicpmo_gateway_sessions_opened", "Sessions opened", d, registry=r)
-        self.closed = Counter("minicpmo_gateway_sessions_closed", "Sessions closed, by reason",
-                              ("dialect", "reason"), registry=r)
-        self.refusals = Counter("minicpmo_gateway_refusals", "Refusals and errors sent to callers, by code",
-                                ("dialect", "code"), registry=r)
-        self.resumes = Counter("minicpmo_gateway_resumes", "Sessions resumed on a new socket", d, registry=r)
-        self.heals = Counter("minicpmo_gateway_heals", "Broken stages healed: a model reloaded, or Triton restarted",
-                             ("action",), registry=r)
-        # Gauges: each worker's value; the exposition sums them (livesum), or takes the worst (livemin) or best
-        # (livemax) view of an endpoint among the workers alive.
-        self.active = Gauge("minicpmo_gateway_active_sessions", "Live sessions, every dialect", registry=r,
-                            multiprocess_mode="livesum")
-        self.max_sessions = Gauge("minicpmo_gateway_max_sessions", "Session slots", registry=r,
-                                  multiprocess_mode="livesum")
-        self.queue_length = Gauge("minicpmo_gateway_queue_length", "Callers waiting for a slot (MiniCPM-o's dialect)",
-                                  registry=r, multiprocess_mode="livesum")
-        self.ready = Gauge("minicpmo_gateway_ready", "1 while some endpoint takes new sessions", registry=r,
-                           multiprocess_mode="livemax")
-        e = ("endpoint",)
-        self.sessions = Gauge("minicpmo_gateway_sessions", "Live sessions per Triton endpoint", e, registry=r,
-                              multiprocess_mode="livesum")
-        self.room = Gauge("minicpmo_gateway_endpoint_room", "New sessions the endpoint has room for (NaN: unknown)",
-                          e, registry=r, multiprocess_mode="livemin")
-        self.endpoint_ready = Gauge("minicpmo_gateway_endpoint_ready", "1 while the endpoint and all its stages answer",
-                                    e, registry=r, multiprocess_mode="livemin")
-        self.draining = Gauge("minicpmo_gateway_endpoint_draining", "1 while the endpoint takes no new sessions",
-                              e, registry=r, multiprocess_mode="livemax")
-        self.queue_ms = Gauge("minicpmo_gateway_endpoint_queue_ms", "The endpoint's stages' mean queue time since "
-                              "the last probe, ms", e, registry=r, multiprocess_mode="livemax")
-        self.placements = Counter("minicpmo_gateway_placements", "Sessions placed on the endpoint", e, registry=r)
-        self.failovers = Counter("minicpmo_gateway_failovers", "Times the endpoint's sessions were ended for its "
-                                 "silence", e, registry=r)
+
+        # One naming scheme: minicpmo_gateway_<what> (docs/deploy.md names each).
+        def histogram(what: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"minicpmo_gateway_{what}_seconds", doc, ("dialect",), registry=r, buckets=buckets)
+
+        def counter(what: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"minicpmo_gateway_{what}", doc, labels, registry=r)
+
+        def gauge(what: str, doc: str, mode: Literal["livesum", "livemin", "livemax"], *labels: str) -> Gauge:
+            # each worker's value; the exposition sums them (livesum), or takes the tightest (livemin) or worst
+            # (livemax) view of an endpoint among the workers alive
+            return Gauge(f"minicpmo_gateway_{what}", doc, labels, registry=r, multiprocess_mode=mode)
+
+        self.step_latency = histogram("step_latency", "A duplex step: the append that completed its second, to its "
+                                      "first event sent to the caller", STEP_BUCKETS)
+        self.step_queue = histogram("step_queue", "A step's wait in the gateway, planned to sent to Triton (behind "
+                                    "the session's step in flight)", SHORT_BUCKETS)
+        self.first_audio = histogram("first_audio", "A spoken turn: the append of the step that opened it, to its "
+                                     "first audio sent", FIRST_AUDIO_BUCKETS)
+        self.barge_in = histogram("barge_in", "A barge-in (or a cancel): the caller's frame that carried it, to the "
+                                  "last audio of the cut reply sent (nothing of it leaves after)", SHORT_BUCKETS)
+        self.late_chunks = counter("late_chunks", "Steps answered later than their 1 s period (the caller's audio "
+                                   "fell behind)", "dialect")
+        self.opened = counter("sessions_opened", "Sessions opened", "dialect")
+        self.closed = counter("sessions_closed", "Sessions closed, by reason", "dialect", "reason")
+        self.refusals = counter("refusals", "Refusals and errors sent to callers, by code", "dialect", "code")
+        self.resumes = counter("resumes", "Sessions resumed on a new socket", "dialect")
+        self.heals = counter("heals", "Broken stages healed: a model reloaded, or Triton restarted", "action")
+        self.active = gauge("active_sessions", "Live sessions, every dialect", "livesum")
+        self.max_sessions = gauge("max_sessions", "Session slots", "livesum")
+        self.queue_length = gauge("queue_length", "Callers waiting for a slot (MiniCPM-o's dialect)", "livesum")
+        self.ready = gauge("ready", "1 while some endpoint takes new sessions", "livemax")
+        self.sessions = gauge("sessions", "Live sessions per Triton endpoint", "livesum", "endpoint")
+        self.room = gauge("endpoint_room", "New sessions the endpoint has room for (NaN: unknown)", "livemin",
+                          "endpoint")
+        self.endpoint_ready = gauge("endpoint_ready", "1 while the endpoint and all its stages answer", "livemin",
+                                    "endpoint")
+        self.draining = gauge("endpoint_draining", "1 while the endpoint takes no new sessions", "livemax", "endpoint")
+        self.queue_ms = gauge("endpoint_queue_ms", "The endpoint's stages' mean queue time since the last probe, ms",
+                              "livemax", "endpoint")
+        self.placements = counter("placements", "Sessions placed on the endpoint", "endpoint")
+        self.failovers = counter("failovers", "Times the endpoint's sessions were ended for its silence", "endpoint")
         self._counted: dict[str, tuple[int, int]] = {}  # endpoint -> (placements, failovers) already counted
         # Every dialect's series from the start, at 0: a rate over a series that appears late misses its first count.
         for dialect in DIALECTS:
