@@ -44,7 +44,7 @@ async def until(triton: RunningTriton, name: str, holds: object, timeout_s: floa
     """Waits for the `llm` model's gauge `name` to satisfy `holds` (an event: a call admitted, blocks freed)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not holds(value := await asyncio.to_thread(triton.metric, name, "llm")):  # type: ignore[operator]
+    while not holds(value := await asyncio.to_thread(triton.stage_metric, name, "llm")):  # type: ignore[operator]
         assert loop.time() < deadline, f"{name} stayed at {value}"
         await asyncio.sleep(0.01)
     return value
@@ -58,7 +58,7 @@ def ok(result: LlmResult | Exception) -> LlmResult:
 async def test_a_session_that_starts_joins_the_running_decode_and_is_answered_first(paged_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_triton.grpc_url)
     try:
-        live = await asyncio.to_thread(paged_triton.metric, "live_sequences", "llm")
+        live = await asyncio.to_thread(paged_triton.stage_metric, "live_sequences", "llm")
         talking = asyncio.create_task(llm_call(client, long_row(), 101, start=True))
         await until(paged_triton, "live_sequences", lambda n: n > live)  # admitted: it is in the loop
         joining = ok(await llm_call(client, LlmRequest(input_ids=SYSTEM_PROMPT, decode=False), 102, start=True))
@@ -76,12 +76,12 @@ async def test_a_session_that_starts_joins_the_running_decode_and_is_answered_fi
 async def test_end_gives_the_sessions_blocks_back(paged_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_triton.grpc_url)
     try:
-        free = await asyncio.to_thread(paged_triton.metric, "kv_free_blocks", "llm")
+        free = await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm")
         ok(await llm_call(client, LlmRequest(input_ids=SYSTEM_PROMPT, decode=False), 201, start=True))
-        held = await asyncio.to_thread(paged_triton.metric, "kv_free_blocks", "llm")
+        held = await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm")
         assert held < free, (held, free)
         ok(await llm_call(client, LlmRequest(decode=False), 201, end=True))  # an END-only call: nothing to decode
-        assert await asyncio.to_thread(paged_triton.metric, "kv_free_blocks", "llm") == free
+        assert await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm") == free
     finally:
         await client.close()
 
@@ -94,7 +94,7 @@ async def test_a_row_that_fails_is_answered_with_its_code_and_the_others_run_on(
         unit = load_stage_config(MODEL_REPOSITORY / "llm" / "1").tokens.unit
         prompt = np.concatenate([SYSTEM_PROMPT, [unit]])  # the first <unit> ends the kept prompt
         ok(await llm_call(client, LlmRequest(input_ids=prompt, decode=False), 301, start=True))
-        live = await asyncio.to_thread(paged_triton.metric, "live_sequences", "llm")
+        live = await asyncio.to_thread(paged_triton.stage_metric, "live_sequences", "llm")
         talking = asyncio.create_task(llm_call(client, long_row(), 302, start=True))
         await until(paged_triton, "live_sequences", lambda n: n > live)
         failed = await llm_call(client, LlmRequest(rollback_to=5, decode=False), 301)

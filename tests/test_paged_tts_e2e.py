@@ -87,7 +87,7 @@ async def test_two_sessions_in_flight_speak_as_each_alone(paged_tts_triton) -> N
 
 async def test_end_mid_turn_gives_the_sessions_blocks_back(paged_tts_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_tts_triton.grpc_url)
-    free_blocks = lambda: asyncio.to_thread(paged_tts_triton.metric, "kv_free_blocks", "tts")  # noqa: E731
+    free_blocks = lambda: asyncio.to_thread(paged_tts_triton.stage_metric, "kv_free_blocks", "tts")  # noqa: E731
     try:
         free = await free_blocks()
         first, second, _ = turn(4, 25, 21, temperature=0.0)
