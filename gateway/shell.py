@@ -363,7 +363,9 @@ class Session:
                 if not answered:
                     answered = True
                     spans.decided("listen" if ev.kind == "listen" else "speak")
-                    if step.epoch == self.state.epoch:  # a step a barge-in fenced off is heard by nobody
+                    # a duplex step against its 1 s period (a chat turn has none); one a barge-in fenced off is heard
+                    # by nobody
+                    if step.kind == "duplex" and step.epoch == self.state.epoch:
                         self.metrics.step_answered(dialect, time.monotonic() - step.planned_at)
                 self._follow_turn(step, ev)
             await self.apply(await self.in_order(self.state.on_step_end, step))
