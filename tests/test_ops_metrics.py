@@ -195,7 +195,7 @@ async def test_prometheus_sees_what_the_callers_saw(workers: int, held_triton: R
 
         late = prom.value("sum(minicpmo_gateway_late_chunks_total)")
         surely, at_all = sum(s > 1.0 + SLACK_S for s in seen), sum(s > 1.0 for s in seen)
-        assert 0 < surely <= late <= at_all < len(seen), (surely, late, at_all, sorted(seen))
+        assert 0 < surely <= late <= at_all, (surely, late, at_all, sorted(seen))
         # the SLO query the dashboard plots: p95 of the loaded steps over 1 s, the quiet ones under
         p95 = prom.value("histogram_quantile(0.95, sum by (le) (rate(minicpmo_gateway_step_latency_seconds_bucket"
                          "[5m])))")
