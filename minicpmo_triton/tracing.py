@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from opentelemetry import trace
@@ -23,12 +23,15 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 SCOPE = "minicpmo.triton"
 TRACEPARENT = "traceparent"  # the request parameter the gateway sends (gateway/triton/stream.py)
 _PROPAGATOR = TraceContextTextMapPropagator()
+_started = False  # this stub exports spans (an endpoint was set)
 
 
 def start(otlp_endpoint: str, service: str = "minicpmo-triton") -> None:
     """This stub's spans go to the collector at `otlp_endpoint` (http://host:4318), in batches; nothing without one."""
+    global _started
     if not otlp_endpoint:
         return
+    _started = True
     from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -47,10 +50,13 @@ def stop() -> None:
         shutdown()
 
 
-def traceparent(parameters: str) -> str | None:
-    """The step's trace context from a request's parameters (Triton's JSON of them), if it came with one."""
+def traceparent(parameters: Callable[[], str]) -> str | None:
+    """The step's trace context from a request's parameters (Triton's JSON of them), if it came with one and this
+    stub exports spans."""
+    if not _started:
+        return None
     try:
-        value = json.loads(parameters or "{}").get(TRACEPARENT)
+        value = json.loads(parameters() or "{}").get(TRACEPARENT)
     except (ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None

@@ -111,7 +111,8 @@ class _LiveGauge:
             self._reported_evictions += new
         for name, count in self._counted().items():
             if name not in self._counters:
-                self._counters[name] = stage_metric(self._model, f"{name}_total", name.replace("_", " "), counter=True)
+                help_text = f"{name.replace('_', ' ').capitalize()} (the {self._model} stage's own count)"
+                self._counters[name] = stage_metric(self._model, f"{name}_total", help_text, counter=True)
             if new := count - self._reported_counts.get(name, 0):
                 self._counters[name].increment(new)
                 self._reported_counts[name] = count
@@ -449,7 +450,7 @@ class DuplexModel:
                 self.gauge.update()  # a sequence started by this step is counted before the client hears of it
                 send(_event_response(event))
 
-            with tracing.step_span(tracing.traceparent(request.parameters()), corr_id):
+            with tracing.step_span(tracing.traceparent(request.parameters), corr_id):
                 await self.pipeline.step(corr_id, start, end, inp, emit)
         except StepError as exc:
             send(_event_response(StepEvent.error(exc)))
