@@ -3,6 +3,8 @@
     python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
                          [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=0]
     python bench/load.py --endpoints 2 --gateways 2 --sessions 8     (bench/fleet.py: placement, per dialect)
+    python bench/load.py --metrics-cost --sessions 8 16 24 [--scrape]  (bench/metrics_cost.py: the gateway's
+                                                                        metrics recorded vs off, MINICPMO_METRICS=0)
 
 Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
 starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
@@ -29,7 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -56,6 +58,7 @@ class LoadResult:
     late: int
     dropped: int
     sent: int
+    latencies: list[float] = field(default_factory=list)  # each chunk's (ms), when asked for
 
     @property
     def real_time(self) -> bool:
@@ -66,9 +69,12 @@ def metrics(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     with urllib.request.urlopen(url, timeout=5) as resp:
         for line in resp.read().decode().splitlines():
-            m = re.match(r'^(nv_inference_\w+|minicpmo_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
+            m = re.match(r'^(nv_inference_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
             if m:
                 out[(m.group(1), m.group(2))] = float(m.group(3))
+            own = re.match(r'^minicpmo_(\w+?)_(live_sequences) ([\d.e+-]+)$', line)  # a stage's own gauge
+            if own:
+                out[(f"minicpmo_{own.group(2)}", own.group(1))] = float(own.group(3))
     return out
 
 
@@ -111,7 +117,7 @@ class RssSampler:
         self._thread.join()
 
 
-async def gateway_load(url: str, n: int, speech: list[np.ndarray]) -> LoadResult:
+async def gateway_load(url: str, n: int, speech: list[np.ndarray], latencies: bool = False) -> LoadResult:
     rng = random.Random(n)
 
     async def caller(i: int) -> object:
@@ -124,7 +130,8 @@ async def gateway_load(url: str, n: int, speech: list[np.ndarray]) -> LoadResult
     fa = [s * 1000 for r in ok for s in r.first_audio_latency_s]
     sent = sum(len(speech[i % len(speech)]) // 16_000 for i in range(n))
     return LoadResult(n, pct(lat, 50), pct(lat, 95), pct(fa, 50), pct(fa, 95),
-                      late=sum(x > CHUNK_MS for x in lat), dropped=sent - len(lat), sent=sent)
+                      late=sum(x > CHUNK_MS for x in lat), dropped=sent - len(lat), sent=sent,
+                      latencies=lat if latencies else [])
 
 
 def _baseline_worker(repository: str, audio: np.ndarray, queue: mp.Queue) -> None:
@@ -237,10 +244,20 @@ def main() -> int:
                         help="one sweep each: default, or MINICPMO_<KEY>=VALUE[,...] for the entry model")
     parser.add_argument("--endpoints", type=int, default=1, help="tritonservers (more than 1: bench/fleet.py)")
     parser.add_argument("--gateways", type=int, default=1, help="gateway processes (more than 1: bench/fleet.py)")
+    parser.add_argument("--metrics-cost", action="store_true",
+                        help="a gateway with its metrics and one without (MINICPMO_METRICS=0), alternating "
+                             "(bench/metrics_cost.py)")
+    parser.add_argument("--rounds", type=int, default=2, help="--metrics-cost: alternating rounds per session count")
+    parser.add_argument("--scrape", action="store_true", help="--metrics-cost: /metrics read every second meanwhile")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="load-"))
     speech = make_speech(work, args.seconds)
+    if args.metrics_cost:
+        import metrics_cost
+
+        metrics_cost.run(args.model_repository, work / "metrics", speech, args.sessions, args.rounds, args.scrape)
+        return 0
     if args.endpoints > 1 or args.gateways > 1:
         import fleet
 

@@ -78,6 +78,11 @@ class Settings:
     reloads_before_restart: int = setting(3, "broken-stage reloads before a Triton the gateway owns is restarted "
                                              "whole instead (each reload leaves the dead stub's memory mapped)")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
+    # Operators (docs/deploy.md, "Metrics" and "Traces")
+    metrics: bool = setting(True, "record the latency histograms and counters on /metrics (off: only to measure "
+                                  "their cost, bench/load.py --metrics)")
+    otlp_endpoint: str = setting("", "an OTLP/HTTP collector (http://host:4318): a trace per duplex step, the "
+                                     "gateway's spans and Triton's (empty: no tracing)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:

@@ -184,8 +184,10 @@ class StageHealth:
 
     def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
                  on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
-                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "") -> None:
+                 owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "",
+                 on_heal: Callable[[str], None] = lambda action: None) -> None:
         self.url = url
+        self.on_heal = on_heal  # told "reload" per model reloaded, "restart" per Triton restarted (the metrics)
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.verdict = Verdict(timeout_s, hang_s)
@@ -229,6 +231,8 @@ class StageHealth:
             try:
                 reloaded = await reload_models(client, self.url, failed, self._rounds_began[0], self.control_key)
                 self.reloads += len(reloaded)
+                for _ in reloaded:
+                    self.on_heal("reload")
                 if self.owned is not None:
                     self.owned.note_regions()  # the new stubs' too: reaped with the server
                 log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded
@@ -239,6 +243,7 @@ class StageHealth:
         if self.owned is not None:
             log.error("a stage is broken (%s) and is not reloaded (%s): restarting Triton", self.verdict.why, why)
             self.reloads = 0
+            self.on_heal("restart")
             self.owned.kill()
         else:
             self.verdict.why += f"; not healed: {why} (restart this Triton, or start it in explicit model control mode)"

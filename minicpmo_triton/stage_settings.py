@@ -76,6 +76,9 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "threads for the BLS calls in flight, all sessions together"),
     StageSetting("voices_dir", "", str, ("duplex",),
                  "named voices: `<voices_dir>/<name>.wav` (empty: none)"),
+    StageSetting("otlp_endpoint", "", str, ("duplex",),
+                 "an OTLP/HTTP collector (http://host:4318) for the spans of the steps the gateway traces; the "
+                 "gateway's MINICPMO_OTLP_ENDPOINT, in tritonserver's environment (empty: none)"),
 )}
 
 

@@ -2,7 +2,8 @@
 
 Stateful stages read the sequence batcher's START / END / CORRID controls, run one batched compute
 over every request of an `execute()`, and publish their live sequence count as the
-`minicpmo_live_sequences{model=...}` gauge on Triton's metrics port.
+`minicpmo_<model>_live_sequences` gauge on Triton's metrics port: every series of a model is named
+`minicpmo_<model>_<what>` (`stage_metric`; docs/deploy.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from . import duplex_contract as contract
+from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
 from .engines import Engine, gpu_available, load_engine
@@ -47,10 +49,17 @@ if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.whisper import PagedWhisper
     from .stages.inflight import InflightLoop
 
-LIVE_METRIC = "minicpmo_live_sequences"
-VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
-EVICTED_METRIC = "minicpmo_evicted_sequences_total"
-KV_FREE_METRIC = "minicpmo_kv_free_blocks"
+_FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
+
+
+def stage_metric(model: str, what: str, description: str, counter: bool = False, **labels: str) -> Any:
+    """One series of a model on Triton's metrics port, named `minicpmo_<model>_<what>` (a counter's `what` ends in
+    `_total`); Triton writes its `# HELP` and `# TYPE`."""
+    name = f"minicpmo_{model}_{what}"
+    if name not in _FAMILIES:
+        kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
+        _FAMILIES[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+    return _FAMILIES[name].Metric(labels=labels)
 
 
 class _ModelContext:
@@ -73,14 +82,15 @@ class _ModelContext:
 class _LiveGauge:
     """Publishes a store's size (and evictions) and sweeps idle state on a timer thread."""
 
-    def __init__(self, model: str, store: SequenceStore[Any], period_s: float, evicts: bool = True) -> None:
-        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-            name=LIVE_METRIC, description="Live per-session state entries", kind=pb_utils.MetricFamily.GAUGE)
-        self._evicted_family = pb_utils.MetricFamily(
-            name=EVICTED_METRIC, description="Session states evicted after the idle TTL",
-            kind=pb_utils.MetricFamily.COUNTER)
-        self._gauge = self._family.Metric(labels={"model": model})
-        self._evicted = self._evicted_family.Metric(labels={"model": model})
+    def __init__(self, model: str, store: SequenceStore[Any], period_s: float, evicts: bool = True,
+                 counted: Callable[[], dict[str, int]] = dict) -> None:
+        self._gauge = stage_metric(model, "live_sequences", "Live per-session state entries")
+        self._evicted = stage_metric(model, "evicted_sequences_total", "Session states evicted after the idle TTL",
+                                     counter=True)
+        self._counted = counted  # the stage's own running counts, by name: published as counters
+        self._counters: dict[str, Any] = {}
+        self._reported_counts: dict[str, int] = {}
+        self._model = model
         self._store = store
         self._reported_evictions = 0
         self._reported_live = -1
@@ -99,6 +109,13 @@ class _LiveGauge:
         if new:
             self._evicted.increment(new)
             self._reported_evictions += new
+        for name, count in self._counted().items():
+            if name not in self._counters:
+                help_text = f"{name.replace('_', ' ').capitalize()} (the {self._model} stage's own count)"
+                self._counters[name] = stage_metric(self._model, f"{name}_total", help_text, counter=True)
+            if new := count - self._reported_counts.get(name, 0):
+                self._counters[name].increment(new)
+                self._reported_counts[name] = count
 
     def _sweep(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
@@ -141,7 +158,7 @@ class _StatefulStageModel:
         ctx = _ModelContext(args)
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"), counted=self.stage.counted)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:  # None: a decoupled model answers by its senders
         results = self.stage.run(self._calls(requests))
@@ -189,13 +206,10 @@ class _InflightStageModel(_StatefulStageModel):
         period = ctx.setting("sweep_period_s")
         paged = getattr(self.stage, "paged", None)
         self.inflight: InflightLoop[Any, Any, Any] | None = None
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None)
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None, counted=self.stage.counted)
         if paged is not None:
             pool = paged.pool
-            self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-                name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
-                kind=pb_utils.MetricFamily.GAUGE)
-            kv_free = self._kv_family.Metric(labels={"model": ctx.name})
+            kv_free = stage_metric(ctx.name, "kv_free_blocks", "Free blocks in the paged engine's KV pool")
 
             def changed() -> None:  # on the engine thread, after a call's admission or its answer
                 self.gauge.update()
@@ -299,10 +313,9 @@ class _VoicePromptCounter:
     """Publishes how many voice prompts were computed and how many sessions reused one."""
 
     def __init__(self, prompts: VoicePrompts) -> None:
-        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-            name=VOICE_PROMPTS_METRIC, description="Voice prompts computed, and reused by a session",
-            kind=pb_utils.MetricFamily.COUNTER)
-        self._metrics = {event: self._family.Metric(labels={"event": event}) for event in ("computed", "reused")}
+        self._metrics = {event: stage_metric("token2wav", "voice_prompts_total", "Voice prompts computed, and reused "
+                                             "by a session", counter=True, event=event)
+                         for event in ("computed", "reused")}
         self._prompts = prompts
         self._reported = {"computed": 0, "reused": 0}
 
@@ -402,6 +415,7 @@ class DuplexModel:
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None
+        tracing.start(ctx.setting("otlp_endpoint"))  # a traced step's spans (the gateway sends their context)
 
     async def execute(self, requests: list[Any]) -> None:
         loop = asyncio.get_running_loop()
@@ -436,7 +450,8 @@ class DuplexModel:
                 self.gauge.update()  # a sequence started by this step is counted before the client hears of it
                 send(_event_response(event))
 
-            await self.pipeline.step(corr_id, start, end, inp, emit)
+            with tracing.step_span(tracing.traceparent(request.parameters), corr_id):
+                await self.pipeline.step(corr_id, start, end, inp, emit)
         except StepError as exc:
             send(_event_response(StepEvent.error(exc)))
         except SequenceNotStarted as exc:
@@ -451,5 +466,6 @@ class DuplexModel:
 
     def finalize(self) -> None:
         self.gauge.close()
+        tracing.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -107,14 +107,23 @@ class RunningTriton:
             return resp.read().decode()
 
     def metric(self, name: str, model: str) -> float:
+        """One of Triton's own series for a model (`nv_inference_count{model="llm",...}`)."""
         prefix = f'{name}{{model="{model}"'
         for line in self.metrics_text().splitlines():
             if line.startswith(prefix):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} for {model} not on the metrics page")
 
+    def stage_metric(self, what: str, model: str) -> float:
+        """A stage's own series, `minicpmo_<model>_<what>` (minicpmo_triton/triton_models.py stage_metric)."""
+        name = f"minicpmo_{model}_{what}"
+        for line in self.metrics_text().splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name} not on the metrics page")
+
     def live(self) -> dict[str, float]:
-        return {m: self.metric("minicpmo_live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
+        return {m: self.stage_metric("live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
 
     def wait_live(self, expected: Callable[[dict[str, float]], bool], timeout_s: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s

@@ -9,7 +9,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"codes"},
+    {"codes", "metrics", "tracing"},
     {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
      "triton.endpoints", "triton.placement", "triton.decoupled", "workers"},
     {"limits", "triton.reload"},

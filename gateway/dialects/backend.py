@@ -22,7 +22,7 @@ from ..codes import ClientCode
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..limits import Limits, identifier
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, json_object, new_response_id, parse_json
-from .state import Closed, DialectState, Effects, EventFields, PlannedStep, ServerEvent
+from .state import Closed, DialectState, Effects, EventFields, PlannedStep, Refusal, ServerEvent
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -302,7 +302,7 @@ class ContextAccepted(BackendEvent, type="input.context.accepted"):
     respond: bool
 
 
-class Error(BackendEvent, type="error"):
+class Error(BackendEvent, Refusal, type="error"):
     session_id: str | None
     error: dict[str, str | bool]
 
@@ -313,6 +313,7 @@ def error_event(code: str, message: str, session_id: str | None = None, retryabl
 
 @dataclass
 class BackendState(DialectState):
+    dialect = "backend"
     mode: str = "full_duplex"
     duplex: DuplexOptions = field(default_factory=DuplexOptions)  # from session.init
     chunk_index: int = 0

@@ -138,6 +138,7 @@ def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEv
 
 @dataclass
 class MiniCPMRealtimeState(DialectState):
+    dialect = "minicpm"
     mode: str = "audio"
     instructions: str = DEFAULT_SYSTEM_PROMPT
     model: dict[str, Any] = field(default_factory=dict)

@@ -77,6 +77,7 @@ __all__ = ["OFFLOAD_FRAME_BYTES", "OpenAIRealtimeState", "Resampling", "SpeechPr
 
 @dataclass
 class OpenAIRealtimeState(DialectState):
+    dialect = "openai"
     offload_frame_bytes: ClassVar[int | None] = OFFLOAD_FRAME_BYTES
     ext: Extensions = STOCK  # what the client opted into (the URL's ?extensions=)
     vad: SpeechProbabilities | None = None

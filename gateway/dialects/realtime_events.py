@@ -10,7 +10,7 @@ from typing import Any
 
 from ..codes import ClientCode
 from ..wire import ProtocolError, new_id, parse_json
-from .state import Closed, EventFields
+from .state import Closed, EventFields, Refusal
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
 
@@ -59,7 +59,7 @@ class RealtimeEvent(EventFields):
         return {"type": self.type, "event_id": new_id("event"), **self.fields()}
 
 
-class Error(RealtimeEvent, type="error"):
+class Error(RealtimeEvent, Refusal, type="error"):
     error: dict[str, Any]
 
 

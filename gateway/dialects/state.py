@@ -14,6 +14,7 @@ A client frame is taken in two parts, so the state machine stays cheap enough to
 from __future__ import annotations
 
 import builtins
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -60,6 +61,16 @@ class EventFields:
         return types.new_class(name, (cls,), {"type": event_type})
 
 
+class Refusal:
+    """Mixed into a dialect's `error` event: its code, which the gateway's metrics count per dialect."""
+
+    error: dict[str, Any]  # the event's error object, its "code" a ClientCode
+
+    @property
+    def code(self) -> str:
+        return str(self.error.get("code", ""))
+
+
 class Closed(EventFields, type="session.closed"):
     """What every dialect says last (each in its envelope)."""
 
@@ -77,6 +88,8 @@ class PlannedStep:
     second: int = -1  # duplex: which second of caller audio it hears (1, 2, ...)
     response_id: str | None = None  # chat: the response it makes
     cause: Any = None  # the client event that asked for it, when the dialect needs it back
+    # when the input that completed it was decided: a step's latency and its queue time count from here
+    planned_at: float = field(default_factory=time.monotonic, compare=False, repr=False)
 
 
 @dataclass
@@ -103,6 +116,7 @@ class DialectState:
     # worker thread by the shell, its reading holding the event loop longer than the hand-off costs;
     # None: every frame is cheap to read.
     offload_frame_bytes: ClassVar[int | None] = None
+    dialect: ClassVar[str] = ""  # its name in the gateway's metrics (gateway/metrics.py DIALECTS)
 
     session_id: str
     epoch: int = 0

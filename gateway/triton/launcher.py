@@ -28,6 +28,7 @@ LOOPBACK = "127.0.0.1"
 # Triton's model control calls (load, unload) need this header with the control key, when one is set
 CONTROL_HEADER = "minicpmo-control-key"
 CONTROL_KEY_ENV = "MINICPMO_TRITON_CONTROL_KEY"
+OTLP_ENDPOINT_ENV = "MINICPMO_OTLP_ENDPOINT"  # the gateway's and the entry model's setting, and Triton's tracer's
 
 
 class TritonNotFound(RuntimeError):
@@ -133,6 +134,7 @@ def server_command(
     address: str = LOOPBACK,
     model_control: str = "explicit",
     control_key: str = "",
+    otlp_endpoint: str = "",
 ) -> list[str]:
     cmd = [
         str(install.binary),
@@ -163,7 +165,18 @@ def server_command(
                 f"--http-restricted-api=model-repository:{CONTROL_HEADER}={control_key}"]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
-    return cmd
+    return cmd + trace_flags(otlp_endpoint)
+
+
+def trace_flags(otlp_endpoint: str) -> list[str]:
+    """Triton's OpenTelemetry tracing, for the requests that carry a trace context only (rate 0: the gateway's
+    traced steps, each on a stream whose headers carry it; docs/deploy.md, "Traces"). None without an endpoint."""
+    if not otlp_endpoint:
+        return []
+    return ["--trace-config=mode=opentelemetry", "--trace-config=level=TIMESTAMPS", "--trace-config=rate=0",
+            "--trace-config=count=-1", f"--trace-config=opentelemetry,url={otlp_endpoint.rstrip('/')}/v1/traces",
+            "--trace-config=opentelemetry,resource=service.name=triton",
+            "--trace-config=opentelemetry,bsp_schedule_delay=1000"]
 
 
 def _die_with_parent() -> None:
@@ -211,8 +224,10 @@ class TritonServer:
         address: str = LOOPBACK,
         model_control: str = "explicit",
         control_key: str | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self.address = address
+        self.otlp_endpoint = os.environ.get(OTLP_ENDPOINT_ENV, "") if otlp_endpoint is None else otlp_endpoint
         self.model_control = model_control
         self.control_key = os.environ.get(CONTROL_KEY_ENV, "") if control_key is None else control_key
         self.model_repository = Path(model_repository).resolve()
@@ -229,7 +244,7 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
         cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose,
-                             self.address, self.model_control, self.control_key)
+                             self.address, self.model_control, self.control_key, self.otlp_endpoint)
         stdout = None
         if self._log_file is not None:
             self._log_file.close()

@@ -294,23 +294,7 @@ class EndpointPool:
         if self._http is not None:
             await self._http.aclose()
 
-    # ---- what /health and /metrics show ----
+    # ---- what /health shows (/metrics: gateway/metrics.py) ----
     def describe(self) -> list[dict[str, Any]]:
         on = self._sessions()
         return [e.describe(on[e.url]) for e in self.endpoints.values()]
-
-    def metrics(self) -> list[str]:
-        """Prometheus samples, one set per endpoint."""
-        on = self._sessions()
-        lines = []
-        for e in self.endpoints.values():
-            label = f'{{endpoint="{e.url}"}}'
-            room = e.room(on[e.url])
-            lines += [f"minicpmo_gateway_sessions{label} {on[e.url]}",
-                      f"minicpmo_gateway_endpoint_ready{label} {int(e.healthy)}",
-                      f"minicpmo_gateway_endpoint_draining{label} {int(e.draining)}",
-                      f"minicpmo_gateway_endpoint_room{label} {'NaN' if room is None else room}",
-                      f"minicpmo_gateway_endpoint_queue_ms{label} {e.queue_ms:.1f}",
-                      f"minicpmo_gateway_placements_total{label} {e.placements}",
-                      f"minicpmo_gateway_failovers_total{label} {e.failovers}"]
-        return lines

@@ -82,6 +82,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         # `context` window: the tokens a dropped unit's text leaves out (StreamDecoder's `_all_special_ids`)
         self.unsaid = tokenizer.special_ids()
         self.marker = tuple(tokenizer.encode(PREVIOUS_MARKER))
+        self.window_slides = 0  # every session's, since load (minicpmo_llm_window_slides_total)
         if self.paged is not None:
             self.paged.use_rules(np.stack([self.forbidden, ~self.chat_allowed]), preset.tokens)  # DUPLEX, CHAT
 
@@ -312,6 +313,9 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         force a terminator)."""
         return bool(np.isfinite(logits[token])) or (self.forcible[token] and np.count_nonzero(np.isfinite(logits)) > 1)
 
+    def counted(self) -> dict[str, int]:
+        return {"window_slides": self.window_slides}
+
     def _slide(self, req: LlmRequest, sess: LlmSession) -> None:
         """The unit the pending tokens close is closed (`finalize_unit`), the window slides if it must, and the
         session's first <unit> marks the end of its kept system prompt."""
@@ -321,6 +325,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
                               req.window_previous, self.marker)
         if slides := sess.units.plan(closed_at, config):
+            self.window_slides += len(slides)
             # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
             # window slides (one more forward for this row, once per slide)
             sess.cache = self._fed(sess.cache, sess.pending)
