@@ -18,7 +18,8 @@ LAYERS = [
     {"registry", "fairness"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
-    {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
+    {"dialects.openai_input", "dialects.openai_response"},
+    {"dialects.openai_states", "dialects.openai_turns"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
     {"endpoints", "admin"},
     {"routes"},
@@ -31,7 +32,7 @@ DIALECTS = {
     "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
                         "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
                         "dialects.openai_input", "dialects.openai_states", "dialects.openai_response",
-                        "dialects.openai_extensions"},
+                        "dialects.openai_extensions", "dialects.openai_turns"},
 }
 
 

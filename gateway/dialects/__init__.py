@@ -4,7 +4,8 @@ the two Realtime dialects share their envelope (`realtime_events`).
 
 OpenAI's dialect is in parts: `openai_events` (its client and server events), `openai_input` (reading a frame:
 decoding, resampling, VAD, before the state is touched), `openai_states` (the response's named states and the
-transition table), `openai_duplex` (duplex caller audio: seconds, barge-in rollback), `openai_response` (a
-response's server events), `openai_config` (session.update), `openai_conversation` (items), and `openai` (the
-state machine that ties them together).
+transition tables), `openai_turns` (turn-taking, one object per mode: duplex, server VAD, manual),
+`openai_duplex` (duplex caller audio: seconds, barge-in rollback), `openai_response` (a response's server
+events), `openai_config` (session.update), `openai_conversation` (items), and `openai` (the state machine that
+ties them together).
 """

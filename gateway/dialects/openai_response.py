@@ -65,24 +65,18 @@ def content_part(config: RealtimeConfig, text: str) -> dict[str, str]:
     return {"type": "audio", "transcript": text} if config.audio_out else {"type": "text", "text": text}
 
 
-def opened(r: Response, previous: str | None, config: RealtimeConfig, ext: Extensions,
-           epoch: int) -> list[ServerEvent]:
+def opened(r: Response, previous: str | None, config: RealtimeConfig, ext: Extensions) -> list[ServerEvent]:
     """What a response says as it opens (its item just added after `previous`)."""
     item = r.item
-    part = content_part(config, "")
-    events: list[ServerEvent] = []
-    if config.duplex and ext.events:
-        events.append(oe.ResponseSpeak(r.id, epoch))
-    events += [
+    return [
         oe.ResponseCreated(response_dict(r, config, ext)),
         oe.ItemAdded(previous, item.to_dict()),
         oe.OutputItemAdded(r.id, 0, item.to_dict()),
-        oe.ContentPartAdded(r.id, item.id, 0, 0, part),
+        oe.ContentPartAdded(r.id, item.id, 0, 0, content_part(config, "")),
     ]
-    return events
 
 
-def finished(r: Response, config: RealtimeConfig, ext: Extensions, epoch: int, status: str,
+def finished(r: Response, config: RealtimeConfig, ext: Extensions, status: str,
              details: dict[str, Any] | None = None) -> list[ServerEvent]:
     """What a response says as it ends with `status` (its item's status already set)."""
     item = r.item
@@ -91,15 +85,13 @@ def finished(r: Response, config: RealtimeConfig, ext: Extensions, epoch: int, s
         events: list[ServerEvent] = [oe.OutputAudioDone(**ids), oe.TranscriptDone(**ids, transcript=item.text)]
     else:
         events = [oe.TextDone(**ids, text=item.text)]
-    events += [
+    return [
+        *events,
         oe.ContentPartDone(**ids, part=content_part(config, item.text)),
         oe.OutputItemDone(r.id, 0, item.to_dict()),
         oe.ItemDone(item.to_dict()),
         oe.ResponseDone(response_dict(r, config, ext, status, details)),
     ]
-    if config.duplex and ext.events:
-        events.append(oe.ResponseListen(r.id, epoch, status == "completed"))
-    return events
 
 
 def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, ext: Extensions, epoch: int, now: float,
