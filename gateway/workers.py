@@ -1,7 +1,7 @@
 """`python -m gateway.serve --workers N`: N gateway processes on one host behind one port (docs/deploy.md).
 
 Each worker binds the public port with SO_REUSEPORT, so the kernel spreads new connections over the workers,
-and a port of its own (the public port + 1 + its index), which its resume tokens name (MINICPMO_GATEWAY_URL): a
+and a port of its own (the public port + 1 + its index), which its resume tokens name (its `gateway_url`): a
 resume the kernel hands to another worker is redirected to that port. The parent starts the Triton server
 unless it was given endpoints, then starts the workers with that list, starts again one that dies (after a
 second), and stops them all when it is stopped.
@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
+
+from .settings import env_name
 
 log = logging.getLogger("gateway.workers")
 RESTART_S = 1.0
@@ -62,14 +64,14 @@ def strip(argv: list[str], *flags: str) -> list[str]:
     return out
 
 
-def run(argv: list[str], host: str, port: int, workers: int, triton_url: str) -> int:
-    """Start the workers and keep them running until this process is stopped."""
+def run(argv: list[str], host: str, port: int, workers: int, triton_url: str, public: str) -> int:
+    """Start the workers and keep them running until this process is stopped; `public`: where clients reach
+    the gateway (its `gateway_url` setting; empty: its host and port)."""
     base = strip(argv, "--workers", "--triton-url", "--worker-port")
-    public = os.environ.get("MINICPMO_GATEWAY_URL", "")
 
     def start(i: int) -> subprocess.Popen[bytes]:
         own = port + 1 + i
-        env = {**os.environ, "MINICPMO_GATEWAY_URL": worker_url(public, host, own)}
+        env = {**os.environ, env_name("gateway_url"): worker_url(public, host, own)}
         return subprocess.Popen([sys.executable, "-m", "gateway.serve", *base, "--triton-url", triton_url,
                                  "--worker-port", str(own)], env=env)
 

@@ -9,9 +9,9 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"codes"},
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
-     "triton.endpoints", "triton.placement", "triton.decoupled", "workers"},
+    {"codes", "settings"},
+    {"wire", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
+     "triton.endpoints", "triton.placement", "triton.decoupled", "workers", "dialects.openai_objects"},
     {"limits", "triton.reload"},
     {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
      "peers", "http_body", "stage_health"},
@@ -32,7 +32,7 @@ DIALECTS = {
     "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
                         "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
                         "dialects.openai_input", "dialects.openai_states", "dialects.openai_response",
-                        "dialects.openai_extensions", "dialects.openai_turns"},
+                        "dialects.openai_extensions", "dialects.openai_turns", "dialects.openai_objects"},
 }
 
 

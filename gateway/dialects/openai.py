@@ -37,9 +37,10 @@ from .openai_conversation import Conversation, InputBuffer, Item
 from .openai_duplex import DuplexInput, Mark
 from .openai_extensions import STOCK, Extensions, status_details
 from .openai_input import CallerAudio, ClientInput, Heard, NewItem, ReadEvent, ReadPlan, Resampling, SpeechProbabilities
+from .openai_objects import Capabilities, RealtimeSession, StatusDetails
 from .openai_response import Response
 from .openai_states import Allowed, Phase, Trigger, allowed, next_phase
-from .openai_turns import TurnTaking, turn_taking
+from .openai_turns import Step, TurnTaking, turn_taking
 from .realtime_events import answering, closed_event, error_event, name_refusals
 from .state import DialectState, Effects, PlannedStep, ServerEvent
 
@@ -49,14 +50,14 @@ from .state import DialectState, Effects, PlannedStep, ServerEvent
 # at 24 kHz (1.5 s at 16 kHz): its VAD outweighs even a slow hand-off. Smaller frames (clients stream
 # 20-100 ms; a barge-in is decided on one) stay inline, where a hand-off would only make them later.
 OFFLOAD_FRAME_BYTES = 64_000
-CAPABILITIES = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
+CAPABILITIES: Capabilities = {"duplex": True, "barge_in": True, "truncate": True, "playback_ack": True, "resume": True,
                 "server_vad": True, "semantic_vad": True, "chunk_period_ms": 1000, "input_rates": [16_000, 24_000]}
 
 __all__ = ["OFFLOAD_FRAME_BYTES", "OpenAIRealtimeState", "Resampling", "SpeechProbabilities"]
 
 
 @dataclass
-class OpenAIRealtimeState(DialectState):
+class OpenAIRealtimeState(DialectState[oe.ResponseCreate]):
     offload_frame_bytes: ClassVar[int | None] = OFFLOAD_FRAME_BYTES
     ext: Extensions = STOCK  # what the client opted into (the URL's ?extensions=)
     vad: SpeechProbabilities | None = None
@@ -66,11 +67,11 @@ class OpenAIRealtimeState(DialectState):
     conversation: Conversation = field(default_factory=Conversation)
     response: Response | None = None  # the latest response, open (phase RESPONDING) or done
     past_responses: set[str] = field(default_factory=set)
-    duplex: DuplexInput = field(default_factory=DuplexInput)  # the caller's audio in duplex
+    duplex: DuplexInput[oe.ResponseCreate] = field(default_factory=DuplexInput)  # the caller's audio in duplex
     buffer: InputBuffer = field(default_factory=InputBuffer)  # uncommitted caller audio (turn-based)
     to_say: Item | None = None  # an assistant message the next response.create voices
     said: set[str] = field(default_factory=set)  # messages voiced by a response (whose item now holds them)
-    decided: PlannedStep | None = None  # the duplex step whose decision was last reported (`duplex.step`)
+    decided: Step | None = None  # the duplex step whose decision was last reported (`duplex.step`)
     config: RealtimeConfig = field(init=False)
     turns: TurnTaking = field(init=False)  # who takes turns: the mode the config names (openai_turns)
     caller_audio: CallerAudio = field(init=False)
@@ -98,14 +99,17 @@ class OpenAIRealtimeState(DialectState):
 
     # ---- session ----
     def created(self) -> list[ServerEvent]:
-        return [oe.SessionCreated(self._session_dict(), CAPABILITIES if self.ext.events else None)]
+        return [oe.SessionCreated(self._session_dict(), self.config.shown_options(self.ext),
+                                  CAPABILITIES if self.ext.events else None)]
 
     def error_event(self, err: ProtocolError) -> ServerEvent:
         return error_event(err)
 
-    def _session_dict(self) -> dict[str, Any]:
+    def _session_dict(self) -> RealtimeSession:
         session = self.config.to_dict(self.session_id, self.ext)
-        return {**session, "epoch": self.epoch} if self.ext.events else session
+        if self.ext.events:
+            session["epoch"] = self.epoch
+        return session
 
     # ---- client events: read (openai_input), then decided here ----
     def frame_plan(self) -> ReadPlan:
@@ -135,12 +139,13 @@ class OpenAIRealtimeState(DialectState):
         self.config, refused = apply_update(self.config, Update(msg.session, self.started, self.ext,
                                                                 self.vad is not None, self.limits))
         self.turns = turn_taking(self.config, self.ext, self.turns.segmenter.position_ms)
-        return Effects([*(error_event(err) for err in refused), oe.SessionUpdated(self._session_dict())])
+        return Effects([*(error_event(err) for err in refused),
+                        oe.SessionUpdated(self._session_dict(), self.config.shown_options(self.ext))])
 
     def _heard(self, heard: Heard) -> Effects:
         return self.turns.hear(self, heard)
 
-    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
+    def prepare(self, step: Step) -> StepInput | ChatInput:
         req = super().prepare(step)
         if isinstance(req, StepInput) and step.kind == "duplex":
             self.duplex.amend(step, req)
@@ -267,7 +272,7 @@ class OpenAIRealtimeState(DialectState):
         return Effects([*self.turns.trim(self, item), *self.turns.opening(r, self.epoch),
                         *responses.opened(r, previous, self.config, self.ext)]), r
 
-    def _finish_response(self, trigger: Trigger, status: str, details: dict[str, Any] | None = None) -> Effects:
+    def _finish_response(self, trigger: Trigger, status: str, details: StatusDetails | None = None) -> Effects:
         """RESPONDING -> IDLE (COMPLETE, INTERRUPT, FAIL) or CLOSED (CLOSE)."""
         r = self.active
         assert r is not None, "only an open response finishes"
@@ -305,7 +310,7 @@ class OpenAIRealtimeState(DialectState):
         return out
 
     # ---- step events ----
-    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def on_step_event(self, step: Step, ev: StepEvent) -> Effects:
         if self.is_stale(step, ev) or self.phase is Phase.CLOSED:
             return Effects()
         if step.kind == "chat":
@@ -332,7 +337,7 @@ class OpenAIRealtimeState(DialectState):
         out.events += responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock(), kv, step.second)
         return out
 
-    def _chat_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def _chat_event(self, step: Step, ev: StepEvent) -> Effects:
         r = self.active
         if r is None or r.id != step.response_id:
             return Effects()
@@ -345,11 +350,11 @@ class OpenAIRealtimeState(DialectState):
             return self._finish_response(Trigger.COMPLETE, "completed")
         return Effects(responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock()))
 
-    def on_step_end(self, step: PlannedStep) -> Effects:
+    def on_step_end(self, step: Step) -> Effects:
         """A duplex session's step was answered: the next ones waiting (a long append's seconds) go out."""
         return Effects(steps=self.duplex.answered()) if step.kind != "chat" else Effects()
 
-    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
+    def on_step_error(self, step: Step, code: ClientCode, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
         out = Effects([error_event(ProtocolError(code, message))])
         if step.epoch == self.epoch and self.active is not None and step.kind == "chat":
@@ -370,7 +375,7 @@ class OpenAIRealtimeState(DialectState):
             return out
         return [*out, closed_event(self.session_id, reason, self.usage.snapshot(), message)]
 
-    def wanted(self, step: PlannedStep) -> bool:
+    def wanted(self, step: Step) -> bool:
         """A chat step whose response was cancelled while it waited need not run."""
         return step.kind != "chat" or (self.active is not None and self.active.id == step.response_id)
 

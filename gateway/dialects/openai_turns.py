@@ -40,6 +40,8 @@ from .openai_response import Response
 from .realtime_events import error_event
 from .state import Effects, PlannedStep, ServerEvent
 
+Step = PlannedStep[oe.ResponseCreate]  # a step of this dialect: its cause, a response.create (duplex)
+
 MIN_COMMIT_MS = 100
 
 
@@ -49,7 +51,7 @@ class Host(Protocol):
     epoch: int
     limits: Limits
     conversation: Conversation
-    duplex: DuplexInput
+    duplex: DuplexInput[oe.ResponseCreate]
     buffer: InputBuffer
     to_say: Item | None
 
@@ -88,7 +90,7 @@ class TurnTaking:
         """Whether a client's item may join the conversation: a `ProtocolError` if not (nothing changed yet)."""
         raise NotImplementedError
 
-    def item_added(self, s: Host, item: Item) -> list[PlannedStep]:
+    def item_added(self, s: Host, item: Item) -> list[Step]:
         """A client's item joined the conversation: the steps it asks for."""
         raise NotImplementedError
 
@@ -142,7 +144,7 @@ class TurnBased(TurnTaking):
     def check_item(self, s: Host, item: Item) -> None:
         pass
 
-    def item_added(self, s: Host, item: Item) -> list[PlannedStep]:
+    def item_added(self, s: Host, item: Item) -> list[Step]:
         return []
 
     def create_response(self, s: Host, msg: oe.ResponseCreate, budget: int) -> Effects:
@@ -265,7 +267,7 @@ class Duplex(TurnTaking):
             raise ProtocolError(ClientCode.INVALID_VALUE, f"at most {MAX_FRAMES} images wait for the next second",
                                 "item")
 
-    def item_added(self, s: Host, item: Item) -> list[PlannedStep]:
+    def item_added(self, s: Host, item: Item) -> list[Step]:
         s.duplex.images += item.images  # seen with the next second of audio
         if not item.text or item.role == "assistant":  # an assistant's words enter the context when said
             return []
