@@ -95,7 +95,7 @@ class Speaker:
         self.limit = codes
         self.rng = rng
 
-    def pick(self, row: int) -> TtsPick | None:
+    def pick(self, row: int) -> TtsPick:
         return TtsPick(self.temperature if row % 2 == 0 else 0.0, self.codes[row][-self.window:], False,
                        float(self.rng.random()))
 

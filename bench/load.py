@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, make_speech, pct, serving_stack
 
 from gateway.triton import DEFAULT_MODEL_REPOSITORY
-from minicpmo_client.backend import converse
+from minicpmo_client.backend import ConversationResult, converse
 
 CHUNK_MS = 1000.0
 STAGES = ("duplex", "audio_encoder", "llm", "tts", "token2wav")
@@ -120,7 +120,7 @@ class RssSampler:
 async def gateway_load(url: str, n: int, speech: list[np.ndarray], latencies: bool = False) -> LoadResult:
     rng = random.Random(n)
 
-    async def caller(i: int) -> object:
+    async def caller(i: int) -> ConversationResult:
         await asyncio.sleep(rng.random() * CHUNK_MS / 1000)  # a phase of its own within the chunk period
         return await converse(url, speech[i % len(speech)], realtime=True, config={"do_sample": False})
 
@@ -185,6 +185,7 @@ def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
     """Per-session state of each stage after one session's worth of steps (in process, same code)."""
     from minicpmo_triton.duplex_options import DuplexOptions
     from minicpmo_triton.inprocess import InProcessStages
+    from minicpmo_triton.kv_batch import KvCache
     from minicpmo_triton.pipeline import StepEvent, StepInput
 
     stages = InProcessStages(repository)
@@ -200,9 +201,11 @@ def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
                                                             options=options), emit)
 
     asyncio.run(run())
-    out = {"llm": stages.llm_stage.store.get(1).cache.nbytes}
-    tts = stages.tts_stage.store.get_or_none(1)
-    out["tts"] = tts.cache.nbytes if tts else 0
+    tts_session = stages.tts_stage.store.get_or_none(1)
+    llm, tts = stages.llm_stage.store.get(1).cache, tts_session.cache if tts_session else None
+    # in process the stages run their ONNX graphs: dense caches (a paged cache's blocks are the pool's)
+    assert isinstance(llm, KvCache) and (tts is None or isinstance(tts, KvCache))
+    out = {"llm": llm.nbytes, "tts": tts.nbytes if tts is not None else 0}
     t2w = stages.t2w_stage.store.get_or_none(1)
     out["token2wav"] = t2w.stream.nbytes if t2w and t2w.stream else 0
     return out

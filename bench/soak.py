@@ -96,7 +96,7 @@ async def minicpm_session(base: str, audio: np.ndarray) -> str:
         return await drain(ws, {"session.closed"}, 120)
 
 
-HOSTILE = [
+HOSTILE: list[tuple[str, str | bytes]] = [
     ("/backend", b"\xff\xfe garbage"),
     ("/backend", "[" * 100_000),
     ("/v1/realtime", '{"type": "session.update", "session": {"instructions": "\\ud800"}}'),

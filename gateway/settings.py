@@ -101,6 +101,15 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def env_setting(name: str, env: Mapping[str, str] = os.environ) -> Any:
+    """One field from MINICPMO_<FIELD> when set, else its default: for code that needs that one setting and not
+    a whole `Settings` (the Triton launcher's control key)."""
+    raw = env.get(env_name(name))
+    if raw is None:
+        return next(f.default for f in fields(Settings) if f.name == name)
+    return _parse(name, typing.get_type_hints(Settings)[name], raw)
+
+
 def _parse(name: str, kind: Any, raw: str) -> Any:
     if name == "test_faults":
         return raw == TEST_FAULTS_PHRASE

@@ -52,10 +52,10 @@ from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 
 log = logging.getLogger("gateway.health")
 
-STATEFUL_PROBES: dict[str, Any] = {"llm": LlmRequest(decode=False), "tts": TtsRequest(n_tokens=0),
-                                   "token2wav": Token2WavRequest()}
-STATELESS_PROBES: dict[str, Any] = {"audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)),
-                                    "vision_encoder": VisionEncoderRequest()}
+STATEFUL_PROBES: dict[str, LlmRequest | TtsRequest | Token2WavRequest] = {
+    "llm": LlmRequest(decode=False), "tts": TtsRequest(n_tokens=0), "token2wav": Token2WavRequest()}
+STATELESS_PROBES: dict[str, AudioEncoderRequest | VisionEncoderRequest] = {
+    "audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)), "vision_encoder": VisionEncoderRequest()}
 MODELS = (ENTRY_MODEL, *STATEFUL_PROBES, *STATELESS_PROBES)
 _DTYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.bool_): "BOOL",
            np.dtype(np.object_): "BYTES"}

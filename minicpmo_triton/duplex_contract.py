@@ -21,7 +21,7 @@ import base64
 import binascii
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -140,7 +140,7 @@ class StepMetrics:
     cost_token2wav_ms: float | None = None
     wall_clock_ms: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
@@ -152,9 +152,12 @@ class StepMetrics:
         return cls(**{k: v for k, v in (value or {}).items() if k in known})
 
 
+EventKind = Literal["listen", "text", "audio", "done", "error"]  # done: a turn-based turn's end
+
+
 @dataclass
 class StepEvent:
-    kind: str  # listen | text | audio | done (turn-based) | error
+    kind: EventKind
     text: str = ""
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
     end_of_turn: bool = False

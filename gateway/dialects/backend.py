@@ -33,7 +33,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 class SessionInit:
     mode: str
     system_prompt: str | None
-    config: dict[str, Any]
+    config: dict[str, object]  # DuplexOptions' keys as the client set them (`init_options` reads them)
     ref_audio_base64: str | None = None
     tts_ref_audio_base64: str | None = None
     voice_name: str = ""  # `voice.name`: a named voice of the model server's voice folder
@@ -254,7 +254,7 @@ class BackendEvent(EventFields):
 class SessionCreated(BackendEvent, type="session.created"):
     session_id: str
     mode: str
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     usage: dict[str, int]
 
 
@@ -269,7 +269,7 @@ class OutputDelta(BackendEvent, type="response.output.delta"):
     session_id: str
     input_id: str | None
     response_id: str | None
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     text: str | None = None
     audio: str | None = None  # base64 float32
     sample_rate: int | None = None
@@ -289,7 +289,7 @@ class ResponseDone(BackendEvent, type="response.done"):
     text: str
     audio: str | None
     reason: str
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     chunk_usage: dict[str, int] | None
     usage: dict[str, int]
 
@@ -312,7 +312,7 @@ def error_event(code: str, message: str, session_id: str | None = None, retryabl
 
 
 @dataclass
-class BackendState(DialectState):
+class BackendState(DialectState[ClientMessage]):
     dialect = "backend"
     mode: str = "full_duplex"
     duplex: DuplexOptions = field(default_factory=DuplexOptions)  # from session.init
@@ -355,27 +355,27 @@ class BackendState(DialectState):
     def error_event(self, err: ProtocolError) -> ServerEvent:
         return error_event(err.code, err.message, self.session_id, err.retryable)
 
-    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
+    def prepare(self, step: PlannedStep[ClientMessage]) -> StepInput | ChatInput:
         self._turn_audio = []
         return super().prepare(step)
 
-    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def on_step_event(self, step: PlannedStep[ClientMessage], ev: StepEvent) -> Effects:
         msg = step.cause
-        if not isinstance(msg, ChatTurn):
-            return Effects([self.delta(msg.input_id, ev)])
+        if not isinstance(msg, ChatTurn):  # every step here has its cause: an append or a context
+            return Effects([self.delta(msg.input_id if msg is not None else None, ev)])
         if ev.kind == "audio":
             self._turn_audio.append(ev.audio)
         whole = encode_f32_base64(np.concatenate(self._turn_audio)) if ev.kind == "done" and self._turn_audio else None
         out = self.chat_event(msg.input_id, step.response_id or "", ev, msg.streaming, whole)
         return Effects([out] if out is not None else [])
 
-    def on_step_end(self, step: PlannedStep) -> Effects:
+    def on_step_end(self, step: PlannedStep[ClientMessage]) -> Effects:
         msg = step.cause
         if not isinstance(msg, InputContext):
             return Effects()
         return Effects([ContextAccepted(self.session_id, msg.input_id, msg.operation_id, msg.kind, msg.respond)])
 
-    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep[ClientMessage], code: ClientCode, message: str) -> Effects:
         return Effects([error_event(code, message, self.session_id)])
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:

@@ -21,14 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..settings import env_name, env_setting
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
 LOOPBACK = "127.0.0.1"
 # Triton's model control calls (load, unload) need this header with the control key, when one is set
 CONTROL_HEADER = "minicpmo-control-key"
-CONTROL_KEY_ENV = "MINICPMO_TRITON_CONTROL_KEY"
-OTLP_ENDPOINT_ENV = "MINICPMO_OTLP_ENDPOINT"  # the gateway's and the entry model's setting, and Triton's tracer's
+CONTROL_KEY_ENV = env_name("triton_control_key")
+OTLP_ENDPOINT_ENV = env_name("otlp_endpoint")  # the gateway's and the entry model's setting, and Triton's tracer's
 
 
 class TritonNotFound(RuntimeError):
@@ -227,9 +229,9 @@ class TritonServer:
         otlp_endpoint: str | None = None,
     ) -> None:
         self.address = address
-        self.otlp_endpoint = os.environ.get(OTLP_ENDPOINT_ENV, "") if otlp_endpoint is None else otlp_endpoint
+        self.otlp_endpoint = env_setting("otlp_endpoint") if otlp_endpoint is None else otlp_endpoint
         self.model_control = model_control
-        self.control_key = os.environ.get(CONTROL_KEY_ENV, "") if control_key is None else control_key
+        self.control_key = env_setting("triton_control_key") if control_key is None else control_key
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports or free_ports()
         self.work_dir = Path(work_dir)
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help=f"serve explicit model control beyond loopback with no {CONTROL_KEY_ENV}")
     args = parser.parse_args(argv)
-    why = control_refusal(args.address, args.model_control_mode, os.environ.get(CONTROL_KEY_ENV, ""), args.insecure)
+    why = control_refusal(args.address, args.model_control_mode, env_setting("triton_control_key"), args.insecure)
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import httpx
 from tritonclient.grpc import aio as grpcaio
@@ -97,13 +97,27 @@ class Endpoint:
     def takes_sessions(self) -> bool:
         return self.healthy and not self.draining
 
-    def describe(self, own_sessions: int) -> dict[str, Any]:
+    def describe(self, own_sessions: int) -> EndpointHealth:
         live = None if self.scrape is None else self.scrape.live.get(placement.ENTRY)
         return {"endpoint": self.url, "state": self.state, "stages": self.stages,
                 "stages_why": self.stages_why, "draining": self.draining,
                 "sessions": own_sessions,
                 "server_sessions": None if live is None else int(live), "room": self.room(own_sessions),
                 "queue_ms": round(self.queue_ms, 1)}
+
+
+class EndpointHealth(TypedDict):
+    """One Triton endpoint as /health (for key holders) and /admin show it."""
+
+    endpoint: str
+    state: str
+    stages: str
+    stages_why: str
+    draining: bool
+    sessions: int  # this gateway's on it
+    server_sessions: int | None  # everyone's, as its metrics count them (None: not scraped yet)
+    room: int | None  # sessions it can still take (None: not known yet)
+    queue_ms: float
 
 
 class EndpointPool:
@@ -295,6 +309,6 @@ class EndpointPool:
             await self._http.aclose()
 
     # ---- what /health shows (/metrics: gateway/metrics.py) ----
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[EndpointHealth]:
         on = self._sessions()
         return [e.describe(on[e.url]) for e in self.endpoints.values()]

@@ -33,7 +33,7 @@ PROMPT_CACHE_MB = 2048
 MIN_VOICE_SAMPLES = SAMPLE_RATE // 2  # the gateway refuses references under 0.5 s
 DEFAULT_KEY = b"default"
 FLUSH_MIN_NEW = 5  # a forced flush leaves a chunk for later while fewer than lookahead + this are buffered
-STEP_SAMPLES = 24_000  # a call's audio, unless the turn ends, is at least 1 s (left-padded with silence)
+MIN_CALL_SAMPLES = 24_000  # a call's audio at 24 kHz, unless the turn ends, is at least 1 s (left-padded with silence)
 
 
 def take_chunks(pending: list[int], d: Token2WavDims, flush: bool = True) -> list[list[int]]:
@@ -208,8 +208,8 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         results = []
         for (req, _), a in zip(items, audio, strict=True):
             wav = np.concatenate(a) if a else np.zeros(0, np.float32)
-            if a and not req.finalize and len(wav) < STEP_SAMPLES:  # the demo's 1 s minimum (:5521-5525)
-                wav = np.pad(wav, (STEP_SAMPLES - len(wav), 0))
+            if a and not req.finalize and len(wav) < MIN_CALL_SAMPLES:  # the demo's 1 s minimum (:5521-5525)
+                wav = np.pad(wav, (MIN_CALL_SAMPLES - len(wav), 0))
             results.append(Token2WavResult(wav))
         return results
 
