@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
               if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():
         if rel.split("/")[0] in args.stages:
+            (args.model_repository / rel).parent.mkdir(parents=True, exist_ok=True)
             (args.model_repository / rel).write_bytes(data)
     from .onnx_export import ParityError, check_parity, export_onnx
 

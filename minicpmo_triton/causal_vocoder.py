@@ -89,12 +89,15 @@ class CausalVocoder:
                              f"{DELAY_FRAMES}")
 
     @classmethod
-    def load(cls, folder: Path) -> CausalVocoder:
-        """On CUDA where torch sees one, as the package runs it (its sine table stays on the CPU there too)."""
+    def load(cls, folder: Path, device: str | None = None) -> CausalVocoder:
+        """On `device`; by default on CUDA where torch sees one, as the package runs it (its sine table stays on the
+        CPU there too)."""
         import torch
 
         model = load_causal_hift(folder)
-        return cls(model.cuda() if torch.cuda.is_available() else model)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(model.to(device))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -105,14 +108,15 @@ class CausalVocoder:
             self.bounded.reset()  # a fresh cache dict, now the session's
             return VocoderState(self.bounded.cache)
 
-    def stream(self, state: VocoderState, mel: np.ndarray, last: bool) -> np.ndarray:
-        """A chunk's fresh mel [80, T] (T may be 0 on the turn's end) -> its audio; `last` flushes the delay."""
+    def stream(self, state: VocoderState, mel: np.ndarray | torch.Tensor, last: bool) -> np.ndarray:
+        """A chunk's fresh mel [80, T] (T may be 0 on the turn's end; host or device) -> its audio; `last` flushes
+        the delay."""
         import torch
 
         with self._lock, torch.inference_mode():
             self.bounded.cache = state.cache
-            fresh = torch.from_numpy(np.ascontiguousarray(mel, np.float32))[None]
-            speech = self.bounded.stream(fresh.to(self.device), finalize=last)
+            fresh = mel if isinstance(mel, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(mel, np.float32))
+            speech = self.bounded.stream(fresh[None].to(self.device, torch.float32), finalize=last)
         wav = speech[0].cpu().numpy().astype(np.float32)
         if not np.isfinite(wav).all():
             raise StepError(Code.INTERNAL_ERROR, "token2wav: the causal vocoder returned non-finite audio")
