@@ -351,7 +351,6 @@ class Token2WavModel(_StatefulStageModel):
     stage: Token2WavStage
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
-        self.placement = ctx.placement(plans=False)
         streamer = None
         if self.placement.engine == "device":
             from .stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
@@ -367,6 +366,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
+        self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")

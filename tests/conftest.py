@@ -74,7 +74,8 @@ def ensure_exported() -> None:
     if not all((MODEL_REPOSITORY / path).exists()
                for path in ("llm/1/model.onnx", "audio_encoder/1/stream.onnx", "token2wav/1/campplus.onnx",
                             "duplex/1/default_ref_audio.wav", "llm/1/weights.safetensors",
-                            "tts/1/weights.safetensors", "audio_encoder/1/weights.safetensors")):
+                            "tts/1/weights.safetensors", "audio_encoder/1/weights.safetensors",
+                            "token2wav/1/torch/flow.pt")):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 

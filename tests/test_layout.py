@@ -11,7 +11,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 LAYERS = [
     {"codes"},
     {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
-     "triton.endpoints", "triton.placement", "triton.decoupled", "workers"},
+     "triton.endpoints", "triton.placement", "triton.decoupled", "triton.devices", "workers"},
     {"limits", "triton.reload"},
     {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
      "peers", "http_body", "stage_health"},

@@ -166,8 +166,10 @@ def _voice(seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
             rng.standard_normal(192).astype(np.float32))
 
 
-PATHS = ["host", "ring", pytest.param("ring-cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                           reason="no CUDA"))]
+# the device path on the CPU: .ci/run's engines step (half a minute); on CUDA where there is one
+PATHS = ["host", pytest.param("ring", marks=pytest.mark.engines),
+         pytest.param("ring-cuda", marks=[pytest.mark.engines, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="no CUDA")])]
 
 
 def path_streamer(assets, path: str):

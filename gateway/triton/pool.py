@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from tritonclient.grpc import aio as grpcaio
 
-from . import endpoints, placement
+from . import devices, endpoints, placement
 from .endpoints import EndpointSpec
 from .placement import Candidate, Scrape
 
@@ -61,6 +61,7 @@ class Endpoint:
         # gateway/stage_health.py's verdict, set by the registry: ready | loading | unresponsive | broken
         self.stages = LOADING
         self.stages_why = ""  # why not ready, in the stage watch's words (a broken stage not healed: why not)
+        self.devices: dict[str, str] = {}  # where each stage model runs, or why it did not load (triton.devices)
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -100,7 +101,7 @@ class Endpoint:
     def describe(self, own_sessions: int) -> dict[str, Any]:
         live = None if self.scrape is None else self.scrape.live.get(placement.ENTRY)
         return {"endpoint": self.url, "state": self.state, "stages": self.stages,
-                "stages_why": self.stages_why, "draining": self.draining,
+                "stages_why": self.stages_why, "draining": self.draining, "devices": self.devices,
                 "sessions": own_sessions,
                 "server_sessions": None if live is None else int(live), "room": self.room(own_sessions),
                 "queue_ms": round(self.queue_ms, 1)}
@@ -229,6 +230,7 @@ class EndpointPool:
             self._set_state(endpoint, LOADING, f"the {placement.ENTRY} model is not ready (still loading, or failed "
                                                "to load)")
             endpoint.slots = {}  # its models may come back with other configs
+            endpoint.devices = await devices.refusals(endpoint.client, self.probe_s)
             return
         try:
             if not endpoint.slots:
@@ -237,11 +239,14 @@ class EndpointPool:
             response = await self._http.get(endpoint.spec.metrics_url)
             response.raise_for_status()
             scrape = placement.parse_metrics(response.text)
+            endpoint.devices = devices.parse_devices(response.text)
             endpoint.queue_ms = placement.queue_ms(endpoint.scrape, scrape)
             endpoint.scrape, endpoint.placed = scrape, 0
         except Exception as exc:  # noqa: BLE001 (no metrics: room is judged from this gateway's own sessions)
             log.debug("endpoint %s: metrics not read: %s", endpoint.url, exc)
             endpoint.scrape = None
+        if set(devices.STAGE_MODELS) - endpoint.devices.keys():  # one did not load: Triton's reason for it
+            endpoint.devices = {**await devices.refusals(endpoint.client, self.probe_s), **endpoint.devices}
         self._set_state(endpoint, READY)
 
     async def _slots(self, endpoint: Endpoint) -> dict[str, int]:

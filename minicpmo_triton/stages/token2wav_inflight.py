@@ -36,7 +36,7 @@ from .token2wav_device import DeviceStreamer, SlotStream
 Reply = Callable[[Any], None]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Open:
     """An admitted call: its chunks, the next one to run and the audio so far."""
 
@@ -88,11 +88,16 @@ class InflightToken2Wav:
                     self._cv.wait(self.sweep_period_s)
                 if self._stop:
                     return
-            with self.streamer.lock:
-                if self.stage.store.evict_expired():  # here: the slots have one user
-                    self.on_change()
-                self._admit()
-                ran = self._iterate()
+            try:
+                with self.streamer.lock:
+                    if self.stage.store.evict_expired():  # here: the slots have one user
+                        self.on_change()
+                    self._admit()
+                    ran = self._iterate()
+            except Exception as exc:  # noqa: BLE001 (a bug in the loop itself: its callers are told, it serves on)
+                for o in list(self._open):
+                    self._fail(o, exc)
+                continue
             if self._open and not ran:  # every open turn waits for a slot: only a new call can free one
                 with self._cv:
                     if not self._queue and not self._stop:
