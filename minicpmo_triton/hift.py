@@ -27,6 +27,17 @@ def build_hift(d: Token2WavDims) -> nn.Module:
 
 
 
+def fold_weight_norm(module: torch.nn.Module) -> torch.nn.Module:
+    """HiFT's weight-normed convs with their weights computed once (the same values each call computed again).
+    Only on a module of its own: a deep copy shares its parametrized classes with the original, which this edits."""
+    from torch.nn.utils import parametrize
+
+    for m in module.modules():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+    return module
+
+
 class VocoderChunk(nn.Module):
     """HiFT on mel [B, 80, Tm] -> speech [B, 480*Tm] and its source [B, 1, 480*Tm].
 

@@ -31,6 +31,16 @@ pytestmark = pytest.mark.engines  # the device path forced on the CPU: .ci/run's
 FOLDER = MODEL_REPOSITORY / "token2wav" / "1"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch on one thread, as the device path's CPU instance runs it (`ort_threads`); two on a shared 2-core
+    machine only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -263,3 +273,60 @@ def test_the_ring_path_on_cuda_streams_as_on_the_cpu() -> None:
                  for c in (1, 2)]
         for w, g in zip(host.run(batch), cuda.run(batch), strict=True):
             assert np.abs(w.waveform - g.waveform).max() < 1e-3
+
+
+def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp_path) -> None:
+    """minicpmo-utils 1.0.7's layout (its causal HiFT streamed by the package's BoundedVocoder): three sessions with
+    two voices, chunks of different lengths side by side, turns ending and starting at different steps and a
+    barge-in; the device path runs the vocoder for every row of a step at once (their histories in slots) and
+    gives today's path's audio (one BoundedVocoder call per session, matched to the package's own Token2wav in
+    tests/test_token2wav_1_0_7.py) within 1e-5."""
+    from export.checkpoint import copy_causal_vocoder, load_token2wav
+    from export.modules.token2wav import graphs
+    from export.torch_engine import TorchEngine
+    from minicpmo_triton.causal_vocoder import FOLDER as CAUSAL
+    from minicpmo_triton.causal_vocoder import CausalVocoder
+    from minicpmo_triton.model_config import Token2WavDims
+    from minicpmo_triton.stages.token2wav import VoicePrompts
+    from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
+    from minicpmo_triton.voice_prompt import VoiceFeatures
+
+    from .helpers import ring_streamer
+    from .test_token2wav_1_0_7 import write_1_0_7_layout
+    from .test_token2wav_parity import _voice
+
+    d = Token2WavDims()
+    write_1_0_7_layout(tmp_path)
+    model = load_token2wav(tmp_path, d)
+    assert model is not None and copy_causal_vocoder(tmp_path, tmp_path)
+    vocoder = CausalVocoder.load(tmp_path / CAUSAL, "cpu")
+    outputs = {"encoder": ["mu", "new_cnn_cache", "new_token_cache", "new_mel_cache"],
+               "estimator": ["velocity", "new_cnn_cache", "new_att_cache"], "vocoder": ["speech", "source"]}
+    host_streamer = Token2WavStreamer({g: TorchEngine(m, outputs[g]) for g, m in graphs(model).items()},
+                                      model.tables(), d, causal=vocoder)
+    ring_streamer_ = ring_streamer(model, d, causal=vocoder)
+    voices = {float(i): VoiceFeatures(*_voice(seed, n)) for i, (seed, n) in enumerate(((1, 20), (2, 60)))}
+    preset = load_stage_config(FOLDER)
+    host, ring = (Token2WavStage(s, VoicePrompts(s, lambda a: voices[float(a[0])], voices[0.0]), preset, ttl_s=60)
+                  for s in (host_streamer, ring_streamer_))
+    refs = [np.full(8000, v, np.float32) for v in voices]
+    script: list[list[tuple[int, int, dict[str, Any]]]] = [
+        [(1, 25, dict(start=True, turn_start=True, voice=refs[0])), (2, 9, dict(start=True, turn_start=True))],
+        [(1, 13, dict(finalize=True)), (2, 40, {}), (3, 31, dict(start=True, turn_start=True, voice=refs[1]))],
+        [(1, 25, dict(turn_start=True)), (2, 7, dict(turn_start=True)), (3, 25, {})],
+        [(1, 0, dict(finalize=True, end=True)), (2, 25, dict(finalize=True, end=True)),
+         (3, 30, dict(finalize=True, end=True))],
+    ]
+    rng = np.random.default_rng(9)
+    worst, heard = 0.0, 0
+    for step, calls in enumerate(script):
+        batch = [call(cid, n, np.random.default_rng(rng.integers(1 << 30)), **kw) for cid, n, kw in calls]
+        for c, w, g in zip(batch, host.run(batch), ring.run(batch), strict=True):
+            assert isinstance(w, Token2WavResult) and isinstance(g, Token2WavResult), (step, c.corr_id, w, g)
+            assert w.waveform.shape == g.waveform.shape, (step, c.corr_id)
+            if len(w.waveform):
+                heard += 1
+                worst = max(worst, float(np.abs(w.waveform - g.waveform).max()))
+    print(f"1.0.7 ring vs today's path over {heard} calls with audio: max |diff| = {worst:.3g}")
+    assert heard >= 9 and worst < 1e-5
+    assert isinstance(ring.streamer, DeviceStreamer) and ring.streamer.turns == 0

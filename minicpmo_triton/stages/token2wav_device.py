@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
-from ..causal_vocoder import CausalVocoder, VocoderState
+from ..causal_vocoder import CausalSlots, CausalTurn, CausalVocoder
 from ..engines import Engine, load_engine
 from ..errors import Code, StepError
-from ..hift import VocoderChunk, build_hift
+from ..hift import VocoderChunk, build_hift, fold_weight_norm
 from ..model_config import Token2WavDims
 from ..official_stepaudio2 import load_flow_yaml
 from ..paged.traffic import Traffic
@@ -90,14 +90,13 @@ class SlotStream:
     source_len: int = 0  # HiFT: source samples carried (left-aligned)
     speech_len: int = 0  # HiFT: held tail samples, to cross-fade (left-aligned)
     first_chunk: bool = True
-    vocoder: VocoderState | None = None  # 1.0.7's causal vocoder state (its turn's)
+    causal: CausalTurn | None = None  # 1.0.7's causal vocoder: its turn's place (its histories in its slot)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     slot_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        vocoder = 0 if self.vocoder is None else self.vocoder.nbytes
-        return (self.slot_bytes if self.slot is not None else 0) + vocoder
+        return self.slot_bytes if self.slot is not None else 0
 
 
 class HiftSlots:
@@ -120,17 +119,6 @@ class HiftSlots:
     @property
     def slot_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.mel, self.source, self.speech))
-
-
-def fold_weight_norm(module: torch.nn.Module) -> torch.nn.Module:
-    """HiFT's weight-normed convs with their weights computed once (the same values each call computed again).
-    Only on a module of its own: a deep copy shares its parametrized classes with the original, which this edits."""
-    from torch.nn.utils import parametrize
-
-    for m in module.modules():
-        if parametrize.is_parametrized(m, "weight"):
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
-    return module
 
 
 def load_flow_modules(folder: Path, d: Token2WavDims, device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -171,7 +159,7 @@ class DeviceStreamer:
         self.d, self.device = d, torch.device(device)
         self.ring = RingFlow(flow, d)
         self.vocoder: Any = hift if isinstance(hift, OnnxVocoder) else VocoderChunk(hift).to(self.device).eval()
-        self.causal = causal
+        self.causal = None if causal is None else CausalSlots(causal, FIRST_SLOTS)
         self.max_slots = max_slots
         self.spk_weight, self.spk_bias = tables["spk_weight"], tables["spk_bias"]
         self.harmonics = int(tables["harmonics"])
@@ -242,7 +230,7 @@ class DeviceStreamer:
         with self.lock:
             self._end_turn(stream)
         stream.pending = [d.silence_token] * d.turn_lead_silence
-        stream.vocoder = None if self.causal is None else self.causal.new_state()
+        stream.causal = None if self.causal is None else CausalTurn()
 
     def close(self, stream: Any) -> None:
         """The session is gone (END, eviction) or changed its voice: its turn's slot and its voice let go."""
@@ -267,9 +255,13 @@ class DeviceStreamer:
             raise StepError(Code.POOL_FULL, f"token2wav: {self.max_slots} turns are speaking (token2wav_slots)")
         stream.slot = self._acquire()
         self.turns += 1
-        stream.slot_bytes = self.pool.slot_bytes() + self.hift.slot_bytes
+        stream.slot_bytes = self.pool.slot_bytes() + (self.hift.slot_bytes if self.causal is None
+                                                      else self.causal.slot_bytes)
         stream.frames = TurnFrames(est_prompt=np.arange(stream.prompt.frames))
         self.pool.copy_conv(stream.prompt.slot, stream.slot)
+        if self.causal is not None:
+            self.causal.reset(stream.slot)
+            stream.causal = CausalTurn()
 
     # ---- the pool ----
     def _acquire(self) -> int:
@@ -279,6 +271,8 @@ class DeviceStreamer:
             count = 2 * self.pool.slots
             self.pool.grow(count, self.pool.frames)
             self.hift.grow(count)
+            if self.causal is not None:
+                self.causal.grow(count)
             self.slots.grow(count)
             slot = self.slots.acquire()
             assert slot is not None
@@ -323,12 +317,13 @@ class DeviceStreamer:
         for width, idx in groups.items():
             for i, mel in zip(idx, self._flow_rows([rows[i] for i in idx], width), strict=True):
                 mels[i] = mel
-        if self.causal is not None:
+        if self.causal is not None:  # 1.0.7: each turn's fresh mel through its causal vocoder stream, batched
             empty = torch.zeros(d.n_mels, 0, device=self.device)
-            for i, (stream, _, last) in enumerate(rows):
-                assert stream.vocoder is not None, "restart() sets a turn's vocoder state"
-                out[i] = self.causal.stream(stream.vocoder, mels.get(i, empty), last)
-                self.traffic.to_host["outputs"] += out[i].nbytes
+            voiced = [(i, s.slot, s.causal) for i, (s, _, _) in enumerate(rows) if s.slot is not None and s.causal]
+            audio = self.causal.stream([(slot, turn, mels.get(i, empty), rows[i][2]) for i, slot, turn in voiced])
+            for (i, _, _), wav in zip(voiced, audio, strict=True):
+                out[i] = wav
+                self.traffic.to_host["outputs"] += wav.nbytes
         else:
             out = self._vocode(rows, mels)
         for stream, _, last in rows:
