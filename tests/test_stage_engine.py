@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.triton.devices import parse_devices, refused
+from gateway.triton.devices import listing
 from minicpmo_triton.errors import Code, StepError
 from minicpmo_triton.stage_engine import Placement, Probe, place
 from minicpmo_triton.stage_settings import STAGE_SETTINGS
@@ -106,11 +106,13 @@ def test_health_lists_each_model_s_device_or_why_it_did_not_load() -> None:
         "# HELP minicpmo_stage_device Where each stage model runs",
         'minicpmo_stage_device{model="token2wav",device="cuda:0 (device path)"} 1',
         'minicpmo_stage_device{device="cpu (onnxruntime)",model="audio_encoder"} 1',
+        'minicpmo_stage_device{model="vision_encoder",device="cpu (onnxruntime)"} 1',  # outlived its unloading
         'minicpmo_live_sequences{model="tts"} 3',
     ])
-    assert parse_devices(page) == {"token2wav": "cuda:0 (device path)", "audio_encoder": "cpu (onnxruntime)"}
-    index = {"models": [{"name": "llm", "version": "1", "state": "READY"},
+    index = {"models": [{"name": "token2wav", "state": "READY"}, {"name": "audio_encoder", "state": "READY"},
+                        {"name": "tts", "state": "READY"}, {"name": "llm", "state": "LOADING"},
                         {"name": "vision_encoder", "version": "1", "state": "UNAVAILABLE",
                          "reason": "[device_unavailable] vision_encoder: Triton gave this instance GPU 0, ..."}]}
-    assert refused(index) == {"vision_encoder": "not loaded: [device_unavailable] vision_encoder: Triton gave this "
-                                                "instance GPU 0, ..."}
+    assert listing(page, index) == {
+        "token2wav": "cuda:0 (device path)", "audio_encoder": "cpu (onnxruntime)", "tts": "loaded", "llm": "loading",
+        "vision_encoder": "not loaded: [device_unavailable] vision_encoder: Triton gave this instance GPU 0, ..."}

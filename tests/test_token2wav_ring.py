@@ -330,3 +330,35 @@ def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp
     print(f"1.0.7 ring vs today's path over {heard} calls with audio: max |diff| = {worst:.3g}")
     assert heard >= 9 and worst < 1e-5
     assert isinstance(ring.streamer, DeviceStreamer) and ring.streamer.turns == 0
+
+
+def test_the_cfm_graphs_padding_streams_as_the_plain_call() -> None:
+    """The CUDA graphs' call (stages/token2wav_graphs.py) without the capture, as the CPU runs it: rows padded to
+    their bucket (3 -> 4, 5 -> 8) with the scratch slot's rows, key lists padded to a block; every row's audio
+    that of the plain call within 1e-6, over chunks that are whole (graphed) and flushed (not)."""
+    from export.modules.token2wav import Token2WavModel
+    from minicpmo_triton.model_config import Token2WavDims
+
+    from .helpers import ring_streamer
+    from .test_token2wav_parity import _voice
+
+    d = Token2WavDims()
+    model = Token2WavModel.random(d, seed=3)
+    plain, padded = ring_streamer(model, d, graphs=False), ring_streamer(model, d, graphs=True)
+    assert padded.graphs is not None and not padded.graphs.capture
+    voices = [_voice(1, 20), _voice(2, 70)]
+    streams = {}
+    for name, streamer in (("plain", plain), ("padded", padded)):
+        prompts = [streamer.setup(*v) for v in voices]
+        streams[name] = [streamer.new_stream(prompts[i % 2], seed=i) for i in range(5)]
+        for s in streams[name]:
+            streamer.restart(s)
+    rng = np.random.default_rng(8)
+    worst = 0.0
+    for rows, width in ((3, 28), (5, 28), (2, 17), (5, 28)):
+        tokens = [rng.integers(0, d.vocab, width).tolist() for _ in range(rows)]
+        want = plain.chunk([(s, t, False) for s, t in zip(streams["plain"][:rows], tokens, strict=True)])
+        got = padded.chunk([(s, t, False) for s, t in zip(streams["padded"][:rows], tokens, strict=True)])
+        worst = max(worst, *(float(np.abs(w - g).max()) for w, g in zip(want, got, strict=True)))
+    assert padded.graphs.calls == 3 and padded.graphs.replays == 0  # the whole chunks; none captured on the CPU
+    assert worst < 1e-6, worst

@@ -2,7 +2,8 @@
 
 A model that loaded publishes `minicpmo_stage_device{model="token2wav",device="cuda:0 (device path)"} 1` on the
 server's metrics page (minicpmo_triton/triton_models.py); one that refused to load (a GPU given and out of reach:
-`device_unavailable`) has none, and Triton keeps its reason in the model repository index: its coded refusal.
+`device_unavailable`) is not ready in the model repository index, where Triton keeps its reason: its coded
+refusal. The index says which models are loaded (a model's samples may outlive its unloading on the page).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 DEVICE_METRIC = "minicpmo_stage_device"
-STAGE_MODELS = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _SAMPLE = re.compile(rf"^{DEVICE_METRIC}\{{([^}}]*)\}} 1(?:\.0*)?$")
 
@@ -29,16 +29,26 @@ def parse_devices(metrics: str) -> dict[str, str]:
     return out
 
 
-def refused(index: Mapping[str, Any]) -> dict[str, str]:
-    """model -> why it is not loaded, for the models of a repository index (`get_model_repository_index`) that
-    Triton could not load."""
-    return {m["name"]: f"not loaded: {m.get('reason') or 'no reason given'}"
-            for m in index.get("models", []) if m.get("state") == "UNAVAILABLE"}
+def listing(metrics: str, index: Mapping[str, Any]) -> dict[str, str]:
+    """model -> where it runs (a loaded model, by its sample on the page), or why it is not loaded (its state, and
+    Triton's reason when it failed), for every model of the repository index (`get_model_repository_index`)."""
+    where = parse_devices(metrics)
+    out = {}
+    for model in index.get("models", []):
+        name, state = model["name"], model.get("state", "")
+        if state == "READY":
+            out[name] = where.get(name, "loaded")
+        elif state == "UNAVAILABLE":
+            out[name] = f"not loaded: {model.get('reason') or 'no reason given'}"
+        else:
+            out[name] = state.lower() or "unknown"
+    return out
 
 
-async def refusals(client: Any, timeout_s: float) -> dict[str, str]:
-    """The refused models of a server (empty when the index cannot be read)."""
+async def read(client: Any, metrics: str, timeout_s: float) -> dict[str, str]:
+    """A server's listing (empty when its index cannot be read: the probe's verdict stands without it)."""
     try:
-        return refused(await client.get_model_repository_index(as_json=True, client_timeout=timeout_s))
-    except Exception:  # noqa: BLE001 (the listing is for the operator; the probe's verdict stands without it)
+        index = await client.get_model_repository_index(as_json=True, client_timeout=timeout_s)
+    except Exception:  # noqa: BLE001 (the listing is for the operator)
         return {}
+    return listing(metrics, index)

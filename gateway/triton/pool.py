@@ -230,7 +230,7 @@ class EndpointPool:
             self._set_state(endpoint, LOADING, f"the {placement.ENTRY} model is not ready (still loading, or failed "
                                                "to load)")
             endpoint.slots = {}  # its models may come back with other configs
-            endpoint.devices = await devices.refusals(endpoint.client, self.probe_s)
+            endpoint.devices = await devices.read(endpoint.client, "", self.probe_s)
             return
         try:
             if not endpoint.slots:
@@ -239,14 +239,12 @@ class EndpointPool:
             response = await self._http.get(endpoint.spec.metrics_url)
             response.raise_for_status()
             scrape = placement.parse_metrics(response.text)
-            endpoint.devices = devices.parse_devices(response.text)
+            endpoint.devices = await devices.read(endpoint.client, response.text, self.probe_s)
             endpoint.queue_ms = placement.queue_ms(endpoint.scrape, scrape)
             endpoint.scrape, endpoint.placed = scrape, 0
         except Exception as exc:  # noqa: BLE001 (no metrics: room is judged from this gateway's own sessions)
             log.debug("endpoint %s: metrics not read: %s", endpoint.url, exc)
             endpoint.scrape = None
-        if set(devices.STAGE_MODELS) - endpoint.devices.keys():  # one did not load: Triton's reason for it
-            endpoint.devices = {**await devices.refusals(endpoint.client, self.probe_s), **endpoint.devices}
         self._set_state(endpoint, READY)
 
     async def _slots(self, endpoint: Endpoint) -> dict[str, int]:

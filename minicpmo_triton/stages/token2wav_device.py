@@ -34,6 +34,7 @@ from ..model_config import Token2WavDims
 from ..official_stepaudio2 import load_flow_yaml
 from ..paged.traffic import Traffic
 from .token2wav_flow import RingFlow
+from .token2wav_graphs import CfmGraphs
 from .token2wav_ring import (
     UP_RATE,
     ChunkPlan,
@@ -154,8 +155,10 @@ class OnnxVocoder:
 class DeviceStreamer:
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module | OnnxVocoder, tables: dict[str, np.ndarray],
                  d: Token2WavDims, device: str = "cpu", max_slots: int = SLOTS,
-                 cache_dtype: torch.dtype = torch.float32, causal: CausalVocoder | None = None) -> None:
-        """Takes `flow` and `hift` as its own; `hift` may be its ONNX graph on the CPU (`OnnxVocoder`)."""
+                 cache_dtype: torch.dtype = torch.float32, causal: CausalVocoder | None = None,
+                 graphs: bool | None = None) -> None:
+        """Takes `flow` and `hift` as its own; `hift` may be its ONNX graph on the CPU (`OnnxVocoder`). `graphs`:
+        whole chunks' CFM through `CfmGraphs` (by default on CUDA, captured; on the CPU, their padded call)."""
         self.d, self.device = d, torch.device(device)
         self.ring = RingFlow(flow, d)
         self.vocoder: Any = hift if isinstance(hift, OnnxVocoder) else VocoderChunk(hift).to(self.device).eval()
@@ -173,6 +176,10 @@ class DeviceStreamer:
         self.hift = HiftSlots(d, FIRST_SLOTS, self.device)
         self.slots = Slots(FIRST_SLOTS)  # voices' and turns' alike
         self.turns = 0  # slots held by turns (at most `max_slots`)
+        self.graphs: CfmGraphs | None = None
+        if graphs if graphs is not None else self.device.type == "cuda":
+            self.graphs = CfmGraphs(self.ring, self.t_span, UP_RATE * d.chunk_tokens, self.device.type == "cuda")
+            self.scratch = self._acquire()  # where the graphs' padding rows write: no turn's, no voice's
         self.chunk_frames = chunk_frames
         self.traffic = Traffic()
         self.lock = threading.RLock()  # the pools: one batch or one voice's setup at a time
@@ -363,7 +370,10 @@ class DeviceStreamer:
         at = self._up("inputs", np.asarray(offsets, np.int64))[:, None] + torch.arange(n, device=self.device)
         x = self.rand_noise.index_select(1, at.flatten()).view(-1, b, n).transpose(0, 1)  # the CFM's noise table
         cond = torch.zeros_like(mu) if cond is None else cond
-        mel, new_est_cnn = self.ring.cfm(mu, x.to(dtype), self._up("inputs", spk), cond, self.t_span, rows, pool)
+        if self.graphs is not None and self.graphs.fits(rows, n):
+            mel, new_est_cnn = self.graphs.run(mu, x.to(dtype), self._up("inputs", spk), cond, rows, pool, self.scratch)
+        else:
+            mel, new_est_cnn = self.ring.cfm(mu, x.to(dtype), self._up("inputs", spk), cond, self.t_span, rows, pool)
         pool["cnn"][rows.own] = new_cnn.to(pool.dtype)
         cfg = torch.cat([2 * rows.own, 2 * rows.own + 1])
         pool["est_cnn"][:, :, cfg] = new_est_cnn.to(pool.dtype)

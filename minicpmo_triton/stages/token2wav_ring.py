@@ -74,6 +74,7 @@ class FlowPool:
                  dtype: torch.dtype) -> None:
         self.d, self.device, self.dtype = d, torch.device(device), dtype
         self.slots, self.frames = 0, 0
+        self.version = 0  # one more at each reallocation (what holds the tensors by address must let go)
         self.tensors: dict[str, torch.Tensor] = {}
         self.grow(slots, frames)
 
@@ -101,6 +102,7 @@ class FlowPool:
                 index[axis] = slice(0, old.shape[axis])
             new[name][tuple(index)] = old
         self.tensors, self.slots, self.frames = new, slots, frames
+        self.version += 1
         return True
 
     def __getitem__(self, name: str) -> torch.Tensor:
