@@ -6,7 +6,8 @@
   this CPU), through its in-flight loop (`InflightToken2Wav`): the same calls submitted at once.
 
 Both on one thread (`ort_threads` 1, torch's too). Each session streams mid-turn chunks (25 tokens) from its own
-voice prompt. Prints ms per chunk at each session count both ways, and the latency of a session's 1-chunk call
+voice prompt, the two paths taking turns round by round (a shared machine's load falls on both). Prints the median
+ms per chunk at each session count both ways, and the latency of a session's 1-chunk call
 submitted beside others' 4-chunk calls (a turn's first flush beside long ones): today it waits for its batch's
 longest call, in flight it is answered when its own chunk is done.
 
@@ -16,6 +17,8 @@ longest call, in flight it is answered when its own chunk is done.
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import threading
 import time
 from typing import Any
@@ -64,11 +67,12 @@ def submit_all(loop: InflightToken2Wav, batch: list[StageCall[Token2WavRequest]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, nargs="*", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=int, default=3, help="mid-turn chunks timed per session")
+    parser.add_argument("--rounds", type=int, default=5, help="mid-turn chunks timed per session (medians)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     preset = load_stage_config(FOLDER)
-    print(f"preset {preset.name}, 3 s voices, {args.rounds} mid-turn chunks (25 tokens) per session, one thread")
+    print(f"preset {preset.name}, 3 s voices, median of {args.rounds} mid-turn chunks (25 tokens) per session, "
+          "the two paths alternated, one thread")
     print("| sessions | today's ms/chunk | in flight ms/chunk | today / in flight |\n|---:|---:|---:|---:|")
     rows = []
     for n in args.sessions:
@@ -80,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             first = calls(n, 25, rng, start=True)  # the voices' setup and the turn's first chunk: not timed
             today.run(first)
             submit_all(loop, first)
-            batches = [calls(n, 25, rng) for _ in range(args.rounds)]
-            t0 = time.perf_counter()
-            for b in batches:
-                today.run(b)
-            today_ms = (time.perf_counter() - t0) * 1000 / (args.rounds * n)
-            t0 = time.perf_counter()
-            for b in batches:
-                submit_all(loop, b)
-            flight_ms = (time.perf_counter() - t0) * 1000 / (args.rounds * n)
+            times: dict[str, list[float]] = {"today": [], "flight": []}
+            for _ in range(args.rounds):  # alternated, so a shared machine's load falls on both alike
+                batch = calls(n, 25, rng)
+                for name, run in (("today", today.run), ("flight", functools.partial(submit_all, loop))):
+                    t0 = time.perf_counter()
+                    run(batch)
+                    times[name].append((time.perf_counter() - t0) * 1000 / n)
+            today_ms, flight_ms = (statistics.median(times[k]) for k in ("today", "flight"))
             if n >= 2:  # one session's 1-chunk call beside the others' 4-chunk calls
                 mixed = calls(n, 100, rng)
                 mixed[0] = calls(1, 25, rng)[0]

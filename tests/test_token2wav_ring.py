@@ -7,8 +7,9 @@ tests/test_token2wav_parity.py."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -220,20 +221,25 @@ def submit_all(loop: InflightToken2Wav, calls: list[StageCall[Token2WavRequest]]
     return answers
 
 
+@contextlib.contextmanager
+def in_flight(stage: Token2WavStage) -> Iterator[InflightToken2Wav]:
+    loop = InflightToken2Wav(stage, sweep_period_s=1)
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
 def test_in_flight_a_short_call_is_answered_before_a_long_one_and_as_the_batch_would() -> None:
     """Submitted together: a call of 4 chunks (80 tokens after the turn's 3 of silence, flushed) and calls of 1:
     the short ones are answered while the long one still runs, each with the audio the synchronous batch gives."""
     host, ring, _ = stages()
-    loop = InflightToken2Wav(ring, sweep_period_s=1)
-    try:
-        rng = np.random.default_rng(3)
-        calls = [call(1, 80, rng, start=True, turn_start=True), call(2, 25, rng, start=True, turn_start=True),
-                 call(3, 9, rng, start=True, turn_start=True)]
-        order: list[int] = []
+    rng = np.random.default_rng(3)
+    calls = [call(cid, n, rng, start=True, turn_start=True) for cid, n in ((1, 80), (2, 25), (3, 9))]
+    order: list[int] = []
+    with in_flight(ring) as loop:
         got = submit_all(loop, calls, order)
-        want = host.run(calls)
-    finally:
-        loop.close()
+    want = host.run(calls)
     assert order[-1] == 1 and sorted(order[:2]) == [2, 3]
     for w, g in zip(want, got, strict=True):
         assert np.abs(w.waveform - g.waveform).max() < 1e-5
@@ -244,19 +250,16 @@ def test_in_flight_a_turn_waits_for_a_slot_and_is_never_refused() -> None:
     """With one slot (token2wav_slots=1): session 1's turn holds it, session 2's turn waits (not refused) until
     session 1's turn ends, then speaks; END gives every slot back."""
     _, ring, _ = stages(max_slots=1)
-    loop = InflightToken2Wav(ring, sweep_period_s=1)
-    try:
-        rng = np.random.default_rng(4)
-        calls = [call(1, 25, rng, start=True, turn_start=True), call(2, 25, rng, start=True, turn_start=True),
-                 call(1, 25, rng, finalize=True, end=True)]
-        order: list[int] = []
+    rng = np.random.default_rng(4)
+    calls = [call(1, 25, rng, start=True, turn_start=True), call(2, 25, rng, start=True, turn_start=True),
+             call(1, 25, rng, finalize=True, end=True)]
+    order: list[int] = []
+    with in_flight(ring) as loop:
         got = submit_all(loop, calls, order)
         assert order == [1, 1, 2]  # session 2's turn started once session 1's had ended
         assert all(len(r.waveform) for r in got)
         [last] = submit_all(loop, [call(2, 0, rng, finalize=True, end=True)])
         assert isinstance(last, Token2WavResult)
-    finally:
-        loop.close()
     streamer = ring.streamer
     assert isinstance(streamer, DeviceStreamer) and streamer.turns == 0
 

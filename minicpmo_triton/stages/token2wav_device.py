@@ -183,6 +183,7 @@ class DeviceStreamer:
         self.chunk_frames = chunk_frames
         self.traffic = Traffic()
         self.lock = threading.RLock()  # the pools: one batch or one voice's setup at a time
+        self.threads: int | None = None  # on the CPU: torch's threads in whichever thread runs the batches
 
     @classmethod
     def load(cls, folder: Path, d: Token2WavDims, device: str, max_slots: int = SLOTS,
@@ -191,11 +192,12 @@ class DeviceStreamer:
         flow, hift = load_flow_modules(folder, d, device)
         vocoder: torch.nn.Module | OnnxVocoder = hift
         if device == "cpu":
-            torch.set_num_threads(threads)
             vocoder = OnnxVocoder(load_engine(folder, threads, name="vocoder"))
         causal = CausalVocoder.load(folder / CAUSAL_FOLDER, device) if (folder / CAUSAL_FOLDER).is_dir() else None
         with np.load(folder / TABLES_FILE) as tables:
-            return cls(flow, vocoder, dict(tables), d, device, max_slots, cache_dtype, causal)
+            streamer = cls(flow, vocoder, dict(tables), d, device, max_slots, cache_dtype, causal)
+        streamer.threads = threads
+        return streamer
 
     # ---- voices ----
     @torch.inference_mode()
@@ -204,6 +206,7 @@ class DeviceStreamer:
         d = self.d
         tokens = prompt_tokens(tokens, mel, d, causal=self.causal is not None)
         frames = len(mel)
+        self._own_threads()
         with self.lock:
             self._room(voice_frames=frames)
             slot = self._acquire()
@@ -307,8 +310,15 @@ class DeviceStreamer:
     @torch.inference_mode()
     def chunk(self, rows: list[tuple[SlotStream, list[int], bool]]) -> list[np.ndarray]:
         """Each row: (stream, tokens with their lookahead, is the turn's last chunk) -> its new audio."""
+        self._own_threads()
         with self.lock:
             return self._chunk(rows)
+
+    def _own_threads(self) -> None:
+        """On the CPU, torch's threads as set at load, in the calling thread (OpenMP's count is per thread: the
+        engine thread's and the voice preparer's are not the loader's)."""
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def _chunk(self, rows: list[tuple[SlotStream, list[int], bool]]) -> list[np.ndarray]:
         d = self.d

@@ -70,15 +70,19 @@ class InflightToken2Wav:
 
     # ---- the public side ----
     def submit(self, call: StageCall[Token2WavRequest], reply: Reply) -> None:
-        with self._cv:
-            self._queue.append((call, reply))
-            self._cv.notify()
+        self._wake(queued=(call, reply))
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._wake(stop=True)
         self._thread.join(timeout=10)
+
+    def _wake(self, queued: tuple[StageCall[Token2WavRequest], Reply] | None = None, stop: bool = False) -> None:
+        """The engine thread told of a call queued, or to stop."""
+        with self._cv:
+            if queued is not None:
+                self._queue.append(queued)
+            self._stop = self._stop or stop
+            self._cv.notify()
 
     # ---- the engine thread ----
     def _serve(self) -> None:
