@@ -7,11 +7,13 @@ The face is `Token2WavStreamer`'s (the ONNX host path's): `setup` a voice, `new_
 (a voice the prompt cache let go). The numbers are the host path's: same modules, same trims, same noise
 (tests/test_token2wav_ring.py holds the two, and through the host path the official streaming, within 1e-5).
 
-Ownership: a turn takes a slot at its first chunk and gives it back in `_end_turn`, the one place a slot is
-released (its last chunk, a restart, `close`); a voice holds a voice slot from its setup until no stream and not
-the prompt cache refer to it (`_unref`, the one place a voice slot is released). What crosses between host and
-device each chunk is counted (`traffic`: tokens and the rows' index arrays up, the audio down; the caches never
-move), flat in a turn's length.
+Ownership: a turn takes a slot of the pool at its first chunk and gives it back in `_end_turn`, the one place a
+turn's slot is released (its last chunk, a restart, `close`); a voice holds a slot of the same pool from its setup
+until no stream and not the prompt cache refer to it (`_unref`, the one place a voice's slot is released). What
+crosses between host and device each chunk is counted (`traffic`: tokens and the rows' key lists up, HiFT's noise
+up, the audio down; the caches never move), flat in a turn's length. On the CPU (a test's placement) HiFT runs its
+ONNX graph (`OnnxVocoder`) and torch the threads set at load; on CUDA a whole chunk's CFM replays a CUDA graph
+(token2wav_graphs).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def cache_dtype(choice: str, device: str) -> torch.dtype:
 
 @dataclass(eq=False)
 class DeviceVoice:
-    """A voice prompt set up on the device: its frames live in `slot` of the streamer's voice pool."""
+    """A voice prompt set up on the device: its frames live in `slot` of the streamer's pool."""
 
     spk: np.ndarray  # [80]: the CAM++ vector, projected
     frames: int  # mel frames of the prompt
