@@ -33,12 +33,25 @@ def dit_input(est: Any, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spk:
               cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The DiT's input for classifier-free guidance's two rows per row: [x; x] with [mu, spk, cond; 0, 0, 0]
     (x, mu, cond [B, 80, n], t [B], spk [B, 80]) -> h [2B, n, hidden] and the time embedding [2B, 1, hidden]."""
+    return packed_input(est, x, mu, spk, cond), est.t_embedder(torch.cat([t, t])).unsqueeze(1)
+
+
+def packed_input(est: Any, x: torch.Tensor, mu: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    """`dit_input`'s h: the DiT's pack([x, mu, spks, cond]) of both guidance rows, projected."""
     b, _, n = x.shape
-    temb = est.t_embedder(torch.cat([t, t])).unsqueeze(1)
     h = torch.cat([torch.cat([x, x]), torch.cat([mu, torch.zeros_like(mu)]),
                    torch.cat([spk, torch.zeros_like(spk)])[:, :, None].expand(2 * b, spk.shape[1], n),
-                   torch.cat([cond, torch.zeros_like(cond)])], dim=1)  # the DiT's pack([x, mu, spks, cond])
-    return est.in_proj(h.transpose(1, 2)), temb
+                   torch.cat([cond, torch.zeros_like(cond)])], dim=1)
+    return est.in_proj(h.transpose(1, 2))
+
+
+@dataclass
+class _Time:
+    """What an Euler step's time alone decides, the same for every row: the DiT's time embedding's adaLN
+    modulations, per block (9 [1, 1, hidden] each) and the final layer's (shift, scale)."""
+
+    blocks: list[tuple[torch.Tensor, ...]]
+    final: tuple[torch.Tensor, ...]
 
 
 def guided(v: torch.Tensor, rate: float) -> torch.Tensor:
@@ -96,6 +109,18 @@ class RingFlow:
                 raise ValueError("token2wav's conformer layers have no macaron feed-forward and no conv module")
         self.modulate = stepaudio2_module("cosyvoice2.flow.decoder_dit").modulate
         self.rate = float(flow.decoder.inference_cfg_rate)
+        self._times: dict[tuple[float, torch.dtype, str], _Time] = {}
+
+    def _time(self, t: float, dtype: torch.dtype, device: torch.device) -> _Time:
+        """A step's modulations, computed once (the schedule's times are fixed): the row-independent part of the
+        DiT, out of every chunk's work."""
+        key = (t, dtype, str(device))
+        if key not in self._times:
+            est = self.flow.decoder.estimator
+            temb = est.t_embedder(torch.full((1,), t, dtype=dtype, device=device)).unsqueeze(1)  # [1, 1, hidden]
+            self._times[key] = _Time([tuple(b.adaLN_modulation(temb).chunk(9, -1)) for b in est.blocks],
+                                     tuple(est.final_layer.adaLN_modulation(temb).chunk(2, -1)))
+        return self._times[key]
 
     # ---- the conformer: tokens -> mu ----
     def conformer(self, tokens: torch.Tensor, n_real: torch.Tensor, rows: FlowRows,
@@ -161,7 +186,6 @@ class RingFlow:
         """mu, x (the noise), cond [B, 80, n]; spk [B, 80] -> mel [B, 80, n] and the new DiT conv caches
         [steps, depth, 2B, 2*hidden, 2] (rows' conditional halves first, then the unconditional). Each step's new
         key/value frames are written to the rows' slots (`rows.est_new`)."""
-        b = x.shape[0]
         cfg = torch.cat([2 * rows.own, 2 * rows.own + 1])  # the rows' conditional, then unconditional, slot rows
         cnn = pool["est_cnn"][:, :, cfg].to(x.dtype)  # [steps, depth, 2B, 2*hidden, 2]
         # the unconditional rows read the same frames one slot row on: (2s + 1) * F
@@ -172,8 +196,8 @@ class RingFlow:
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
             k = step - 1
-            velocity, step_cnn = self._estimator(x, mu, torch.full((b,), float(t), dtype=x.dtype, device=x.device),
-                                                 spk, cond, cnn[k], pool, k, keys, new, bias)
+            velocity, step_cnn = self._estimator(x, mu, self._time(float(t), x.dtype, x.device), spk, cond, cnn[k],
+                                                 pool, k, keys, new, bias)
             x = x + float(dt) * velocity
             t = t + dt
             if step < len(t_span) - 1:
@@ -181,16 +205,16 @@ class RingFlow:
             new_cnn.append(step_cnn)
         return x, torch.stack(new_cnn)
 
-    def _estimator(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor,
+    def _estimator(self, x: torch.Tensor, mu: torch.Tensor, time: _Time, spk: torch.Tensor, cond: torch.Tensor,
                    cnn: torch.Tensor, pool: FlowPool, step: int, keys: torch.Tensor, new: torch.Tensor,
                    bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One Euler step's velocity: the DiT on [x; x] with [mu, spk, cond; 0, 0, 0], combined by guidance
         (EstimatorStep), its blocks' attention over the rows' keys of this step's caches."""
         est = self.flow.decoder.estimator
-        h, temb = dit_input(est, x, mu, t, spk, cond)
+        h = packed_input(est, x, mu, spk, cond)
         new_cnn = []
         for i, block in enumerate(est.blocks):
-            s_msa, c_msa, g_msa, s_mlp, c_mlp, g_mlp, s_conv, c_conv, g_conv = block.adaLN_modulation(temb).chunk(9, -1)
+            s_msa, c_msa, g_msa, s_mlp, c_mlp, g_mlp, s_conv, c_conv, g_conv = time.blocks[i]
             att = self._plain(block.attn, self.modulate(block.norm1(h), s_msa, c_msa), pool.flat("est", step, i),
                               keys, new, bias)
             h = h + g_msa * att
@@ -198,7 +222,9 @@ class RingFlow:
             h = h + g_conv * h_conv
             h = h + g_mlp * block.mlp(self.modulate(block.norm2(h), s_mlp, c_mlp))
             new_cnn.append(cnn_i)
-        return guided(est.final_layer(h, temb).transpose(1, 2), self.rate), torch.stack(new_cnn)
+        final = est.final_layer  # FinalLayer.forward, its modulation the step's
+        v = final.linear(self.modulate(final.norm_final(h), *time.final)).transpose(1, 2)
+        return guided(v, self.rate), torch.stack(new_cnn)
 
     @staticmethod
     def _plain(attn: Any, x: torch.Tensor, frames: torch.Tensor, keys: torch.Tensor, new: torch.Tensor,
