@@ -14,7 +14,9 @@
 3. memory: the pool's bytes, the weights', the peak allocated;
 4. tts, whisper: the paged TTS and the paged streaming Whisper (bench/gpu_check_speech.py): parity, ms per TTS
    decode iteration and chunk, per Whisper 1 s chunk, at 32 / 64 / 128 sessions, pool GiB; within
-   `--speech-budget-s` together.
+   `--speech-budget-s` together;
+5. token2wav: its device path (bench/gpu_check_token2wav.py): the waveform against the CPU's, ms per iteration at
+   8 / 32 / 64 / 128 speaking sessions, memory per slot; its sizes within `--speech-budget-s` of its parity.
 Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error, and so does one
 size of a stage), a table to stdout; `--stages` runs a subset. `--device cpu --quick` runs the same code at
 small dims to test the script.
@@ -44,6 +46,7 @@ from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
 from minicpmo_triton.sampling import SamplingParams
 
 from .gpu_check_speech import CONDITION, tts_stage, whisper_stage
+from .gpu_check_token2wav import token2wav_stage
 from .gpu_timing import peak_gib, sync, timed
 
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
@@ -56,7 +59,7 @@ SPEAKING = 0.3
 TTS_CHUNK = CONDITION + 26  # a TTS chunk's positions: its condition, then 26 codes
 TTS_HISTORY = 8 * TTS_CHUNK  # a speaking session 8 chunks into its turn
 WHISPER_HISTORY_S = 10.0  # seconds of encoder frames each listening session holds
-STAGES = ("parity", "speed", "tts", "whisper")
+STAGES = ("parity", "speed", "tts", "whisper", "token2wav")
 
 
 def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -277,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
               "speed": lambda: speed(d, args.device, counts, history, repeats, deadline, args.out),
               "tts": lambda: tts_stage(preset, args.device, counts, tts_history, repeats, speech_deadline()),
               "whisper": lambda: whisper_stage(preset, args.device, counts, whisper_history, repeats,
-                                               speech_deadline())}
+                                               speech_deadline()),
+              "token2wav": lambda: token2wav_stage(preset, args.device, [2, 4] if args.quick else [8, 32, 64, 128],
+                                                   repeats, args.speech_budget_s)}
     failed = False
     for name in chosen:
         run = stages[name]

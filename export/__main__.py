@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
               if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():
         if rel.split("/")[0] in args.stages:
+            (args.model_repository / rel).parent.mkdir(parents=True, exist_ok=True)
             (args.model_repository / rel).write_bytes(data)
     from .onnx_export import ParityError, check_parity, export_onnx
 
@@ -158,8 +159,30 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"{graph.name:20s} tensorrt engine written")
     if failures:
         raise ParityError(", ".join(f"{f.stage}: {f.max_abs_diff:.3g}" for f in failures))
+    build_encoder_plans(args.model_repository, preset, args.stages)
     print(f"artefacts in {args.model_repository}")
     return 0
+
+
+def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str]) -> None:
+    """Where a GPU, its driver and TensorRT are: the encoders' TensorRT plans now, as their first load on this GPU
+    would build them (kept by hash: minicpmo_triton/plan_cache.py), so the first serve does not wait for them."""
+    import re
+
+    from .tensorrt_build import NoGpuError, require_gpu
+
+    try:
+        require_gpu()
+    except NoGpuError:
+        return
+    from minicpmo_triton.plan_cache import cached_plan
+
+    for model in ("vision_encoder", "audio_encoder"):
+        if model in stages:
+            config = (repository / model / "config.pbtxt").read_text()
+            max_batch = int(re.search(r"^max_batch_size:\s*(\d+)", config, re.M)[1])  # type: ignore[index]
+            path = cached_plan(version_dir(repository, model), "model", model, preset, max_batch)
+            print(f"{model}: TensorRT plan {path.relative_to(repository)}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from minicpmo_triton.inprocess import InProcessStages
+from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
 
 from .presets import TINY_SEED, tiny
 from .stages import build_modules, stage_graphs
@@ -39,6 +40,7 @@ def torch_stages(repository: Path, seed: int = TINY_SEED) -> InProcessStages:
     stages.llm_stage.engine = TorchEngine(graphs["llm"].module, graphs["llm"].output_names)
     stages.tts_stage.engine = TorchEngine(graphs["tts"].module, graphs["tts"].output_names)
     streamer = stages.t2w_stage.streamer  # token2wav's three graphs (its voice-prompt graphs stay ONNX: not per step)
+    assert isinstance(streamer, Token2WavStreamer), "the in-process stages run the host path"
     streamer.enc, streamer.est, streamer.voc = (TorchEngine(graphs[f"token2wav_{g}"].module,
                                                             graphs[f"token2wav_{g}"].output_names)
                                                 for g in ("encoder", "estimator", "vocoder"))

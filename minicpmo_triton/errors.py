@@ -33,6 +33,7 @@ class Code(StrEnum):
     QUEUE_FULL = "queue_full"  # a stage's queue of work (token2wav's new voices) is full now: retryable
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
+    DEVICE_UNAVAILABLE = "device_unavailable"  # a model given a GPU cannot reach it: it refuses to load (/health)
     INTERNAL_ERROR = "internal_error"
 
     def __str__(self) -> str:  # the value, in f-strings and logs, on every Python version

@@ -52,6 +52,16 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "the paged TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("admit_tokens", "1024", int, ("llm",),
                  "the pool room a new session needs; refused with pool_full (retryable) when there is less"),
+    StageSetting("stage_engine", "auto", str, ("token2wav", "vision_encoder", "audio_encoder"),
+                 "auto (on a GPU instance the device path: token2wav's batched ring-cache path in torch, the encoders' "
+                 "TensorRT bf16 plans, built at first load and kept by hash; ONNX Runtime on a CPU instance), device "
+                 "(the device path on the instance's device: token2wav's in torch on the CPU too) or onnx; a GPU "
+                 "instance that cannot reach its GPU refuses to load (device_unavailable, on /health)"),
+    StageSetting("token2wav_slots", "64", int, ("token2wav",),
+                 "the device path: turns speaking at once per instance (a slot each, its caches preallocated; a "
+                 "turn's first chunk waits while all are taken)"),
+    StageSetting("token2wav_cache_dtype", "auto", str, ("token2wav",),
+                 "the device path's flow caches: auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32"),
     StageSetting("voice_prompt_cache_mb", "2048", float, ("token2wav",),
                  "voice prompts (their flow caches) kept for reuse across sessions, in MiB"),
     StageSetting("voice_prep_queue", "8", int, ("token2wav",),

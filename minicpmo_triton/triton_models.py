@@ -24,12 +24,13 @@ from . import duplex_contract as contract
 from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
-from .engines import Engine, gpu_available, load_engine
+from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
 from .paged.protocol import pick_engine, pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
+from .stage_engine import Placement, Probe, place
 from .stage_io import STAGE_IO, decode, encode
 from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # torch: imported only where the paged engine is built
     from .paged.tts import PagedTtsEngine
     from .paged.whisper import PagedWhisper
     from .stages.inflight import InflightLoop
+    from .stages.token2wav_inflight import InflightToken2Wav
 
 _FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
 
@@ -77,6 +79,23 @@ class _ModelContext:
     def setting(self, key: str) -> Any:
         """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
         return stage_setting(key, self.params)
+
+    def placement(self, plans: bool) -> Placement:
+        """Where this model runs (`stage_engine`); a GPU it was given and cannot reach fails its load, with the
+        coded reason Triton keeps for it (and the gateway's /health shows)."""
+        try:
+            return place(self.name, self.setting("stage_engine"), Probe.machine(self.kind, self.device_id), plans)
+        except StepError as exc:
+            raise RuntimeError(to_wire(exc)) from exc
+
+
+class _DeviceGauge:
+    """Publishes where a model runs: `minicpmo_<model>_device{device} 1` on Triton's metrics port (/health)."""
+
+    def __init__(self, model: str, device: str) -> None:
+        self._metric = stage_metric(model, "device", "Where this model runs (1, labelled with the device)",
+                                    device=device)
+        self._metric.set(1)
 
 
 class _LiveGauge:
@@ -159,6 +178,11 @@ class _StatefulStageModel:
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"), counted=self.stage.counted)
+        self.device_gauge = _DeviceGauge(ctx.name, self.device_label(ctx))
+
+    def device_label(self, ctx: _ModelContext) -> str:
+        """Where the model runs, for /health (the models that choose, by `stage_engine`, say so)."""
+        return _device(ctx)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:  # None: a decoupled model answers by its senders
         results = self.stage.run(self._calls(requests))
@@ -207,6 +231,7 @@ class _InflightStageModel(_StatefulStageModel):
         paged = getattr(self.stage, "paged", None)
         self.inflight: InflightLoop[Any, Any, Any] | None = None
         self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None, counted=self.stage.counted)
+        self.device_gauge = _DeviceGauge(ctx.name, self.device_label(ctx))
         if paged is not None:
             pool = paged.pool
             kv_free = stage_metric(ctx.name, "kv_free_blocks", "Free blocks in the paged engine's KV pool")
@@ -329,16 +354,43 @@ class _VoicePromptCounter:
 
 class Token2WavModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): a call with a new voice reference is answered once its prompt is prepared on a
-    worker of its own (`VoicePreparer`), after execute() has answered the other calls of its batch."""
+    worker of its own (`VoicePreparer`), after execute() has answered the other calls of its batch. On the device
+    path (`stage_engine`) execute() only queues the calls for the engine thread's in-flight loop
+    (`stages.token2wav_inflight`), which answers each when its last chunk is done."""
 
     stage_name = "token2wav"
+    stage: Token2WavStage
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
+        streamer = None
+        if self.placement.engine == "device":
+            from .stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
+
+            streamer = DeviceStreamer.load(ctx.version_dir, ctx.preset.token2wav, self.placement.device,
+                                           ctx.setting("token2wav_slots"),
+                                           cache_dtype(ctx.setting("token2wav_cache_dtype"), self.placement.device),
+                                           _threads(ctx))
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    ctx.setting("voice_prompt_cache_mb"), _device(ctx))
+                                    ctx.setting("voice_prompt_cache_mb"), streamer)
         self.voice_counter = _VoicePromptCounter(stage.prompts)
-        self.voices = VoicePreparer(stage, ctx.setting("voice_prep_queue"))
         return stage
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads
+        self.stage = self.make_stage(ctx)
+        self.request_cls = STAGE_IO[self.stage_name][0]
+        period = ctx.setting("sweep_period_s")
+        device = self.placement.engine == "device"
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=not device)  # else the engine thread
+        self.inflight: InflightToken2Wav | None = None
+        if device:
+            from .stages.token2wav_inflight import InflightToken2Wav  # torch
+
+            self.inflight = InflightToken2Wav(self.stage, period, self._counted)
+        self.voices = VoicePreparer(self.stage, ctx.setting("voice_prep_queue"),
+                                    submit=None if self.inflight is None else self.inflight.submit)
+        self.device_gauge = _DeviceGauge(ctx.name, self.placement.label)
 
     def execute(self, requests: list[Any]) -> None:
         calls = self._calls(requests)
@@ -353,6 +405,8 @@ class Token2WavModel(_StatefulStageModel):
 
     def finalize(self) -> None:
         self.voices.close()
+        if self.inflight is not None:
+            self.inflight.close()
         super().finalize()
 
 
@@ -365,7 +419,10 @@ class _StatelessStageModel:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
-        self.stage = self.make_stage(_ModelContext(args))
+        ctx = _ModelContext(args)
+        self.placement = ctx.placement(plans=True)
+        self.stage = self.make_stage(ctx)
+        self.device_gauge = _DeviceGauge(ctx.name, self.placement.label)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         calls: list[Any] = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
@@ -376,14 +433,29 @@ class AudioEncoderModel(_StatelessStageModel):
     stage_name = "audio_encoder"
 
     def make_stage(self, ctx: _ModelContext) -> AudioEncoderStage:
-        return AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
+        return AudioEncoderStage(_encoder_engine(ctx, self.placement), ctx.preset.samples_per_audio_token)
 
 
 class VisionEncoderModel(_StatelessStageModel):
     stage_name = "vision_encoder"
 
     def make_stage(self, ctx: _ModelContext) -> VisionEncoderStage:
-        return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision)
+        return VisionEncoderStage(_encoder_engine(ctx, self.placement), ctx.preset.vision)
+
+
+def _encoder_engine(ctx: _ModelContext, placement: Placement) -> Engine:
+    """An encoder's graph: its TensorRT bf16 plan on its GPU (built at its first load there, kept by hash:
+    plan_cache.py), or ONNX Runtime on the CPU."""
+    if placement.engine == "onnx":
+        return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))
+    import torch
+
+    from .engines import TensorRTEngine
+    from .plan_cache import cached_plan
+
+    torch.cuda.set_device(placement.device)  # the plan binds on the current device
+    max_batch = int(ctx.config["max_batch_size"])
+    return TensorRTEngine(cached_plan(ctx.version_dir, "model", ctx.name, ctx.preset, max_batch))
 
 
 def _event_response(event: StepEvent) -> Any:

@@ -34,6 +34,19 @@ def test_the_gpu_check_runs_its_stages_on_the_cpu(tmp_path: Path, stages: str) -
         assert all(s["decode_iteration_ms"] > 0 and s["chunk_ms"] > s["decode_iteration_ms"] for s in tts["speed"])
 
 
+def test_the_gpu_check_runs_token2wav_s_stage_on_the_cpu(tmp_path: Path) -> None:
+    """token2wav's device path at tiny's dims: its parity with the CPU's fp32 in both cache dtypes (bf16's
+    difference measured, under its bound), and each size's iteration timed."""
+    assert gpu_check.main(["--device", "cpu", "--quick", "--stages", "token2wav", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())["token2wav"]
+    assert gpu_check.errors(report) == []
+    parity = report["parity"]
+    assert parity["fp32"]["max_abs_diff"] == 0.0  # the same path on the same CPU
+    assert 0 < parity["bf16"]["max_abs_diff"] < parity["bf16"]["bound"]
+    assert [s["sessions"] for s in report["speed"]] == [2, 4]
+    assert all(s["iteration_ms"] > 0 and s["slot_mib"] > 0 and "skipped" not in s for s in report["speed"])
+
+
 def test_a_size_that_fails_is_an_error_of_the_report() -> None:
     assert gpu_check.errors({"tts": {"speed": [{"sessions": 2}, {"sessions": 4, "error": "PoolFull: x"}]}}) == \
         ["PoolFull: x"]

@@ -10,8 +10,8 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
     {"codes", "settings", "metrics", "tracing"},
-    {"wire", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page",
-     "triton.endpoints", "triton.placement", "triton.decoupled", "workers", "dialects.openai_objects"},
+    {"wire", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page", "triton.endpoints",
+     "triton.placement", "triton.decoupled", "triton.devices", "workers", "dialects.openai_objects"},
     {"limits", "triton.reload"},
     {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
      "peers", "http_body", "stage_health"},

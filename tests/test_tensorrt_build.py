@@ -123,3 +123,33 @@ def test_the_build_sets_bf16_and_every_profile(tmp_path: Path, monkeypatch: pyte
     assert fake.flags == ["BF16"] and "FP16" not in fake.flags
     assert fake.profiles == shapes and len(shapes) == 2
     assert (tmp_path / "model.plan").read_bytes() == b"plan"
+
+
+def test_an_encoder_s_plan_is_built_once_and_kept_by_what_it_was_built_from(tmp_path: Path, monkeypatch) -> None:
+    """minicpmo_triton/plan_cache.py: the first load on a GPU builds the plan (TensorRT stands in here), the next
+    finds it; a new graph, another TensorRT or another GPU builds another one beside it."""
+    import torch
+
+    from export import tensorrt_build
+    from minicpmo_triton.plan_cache import cached_plan
+
+    built: list[Path] = []
+
+    def build(onnx: Path, plan: Path, shapes: Any, precision: str = "bf16") -> None:
+        built.append(plan)
+        plan.write_bytes(b"plan of " + onnx.read_bytes())
+
+    monkeypatch.setattr(tensorrt_build, "build_engine", build)
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    (tmp_path / "model.onnx").write_bytes(b"graph one")
+    preset = get_preset("tiny")
+    first = cached_plan(tmp_path, "model", "audio_encoder", preset, 64)
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) == first and len(built) == 1
+    assert first.parent == tmp_path / "plans" and first.read_bytes() == b"plan of graph one"
+    assert not list(tmp_path.glob("plans/*.partial"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA B200")
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) != first
+    (tmp_path / "model.onnx").write_bytes(b"graph two")  # a new export
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) not in (first, built[1])
+    assert len(built) == 3

@@ -28,7 +28,7 @@ from typing import TypedDict
 import httpx
 from tritonclient.grpc import aio as grpcaio
 
-from . import endpoints, placement
+from . import devices, endpoints, placement
 from .endpoints import EndpointSpec
 from .placement import Candidate, Scrape
 
@@ -61,6 +61,7 @@ class Endpoint:
         # gateway/stage_health.py's verdict, set by the registry: ready | loading | unresponsive | broken
         self.stages = LOADING
         self.stages_why = ""  # why not ready, in the stage watch's words (a broken stage not healed: why not)
+        self.devices: dict[str, str] = {}  # where each stage model runs, or why it did not load (triton.devices)
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -100,7 +101,7 @@ class Endpoint:
     def describe(self, own_sessions: int) -> EndpointHealth:
         live = None if self.scrape is None else self.scrape.live.get(placement.ENTRY)
         return {"endpoint": self.url, "state": self.state, "stages": self.stages,
-                "stages_why": self.stages_why, "draining": self.draining,
+                "stages_why": self.stages_why, "draining": self.draining, "devices": self.devices,
                 "sessions": own_sessions,
                 "server_sessions": None if live is None else int(live), "room": self.room(own_sessions),
                 "queue_ms": round(self.queue_ms, 1)}
@@ -118,6 +119,7 @@ class EndpointHealth(TypedDict):
     server_sessions: int | None  # everyone's, as its metrics count them (None: not scraped yet)
     room: int | None  # sessions it can still take (None: not known yet)
     queue_ms: float
+    devices: dict[str, str]  # model -> where it runs, or why it is not loaded (gateway/triton/devices.py)
 
 
 class EndpointPool:
@@ -243,6 +245,7 @@ class EndpointPool:
             self._set_state(endpoint, LOADING, f"the {placement.ENTRY} model is not ready (still loading, or failed "
                                                "to load)")
             endpoint.slots = {}  # its models may come back with other configs
+            endpoint.devices = await devices.read(endpoint.client, "", self.probe_s)
             return
         try:
             if not endpoint.slots:
@@ -251,6 +254,7 @@ class EndpointPool:
             response = await self._http.get(endpoint.spec.metrics_url)
             response.raise_for_status()
             scrape = placement.parse_metrics(response.text)
+            endpoint.devices = await devices.read(endpoint.client, response.text, self.probe_s)
             endpoint.queue_ms = placement.queue_ms(endpoint.scrape, scrape)
             endpoint.scrape, endpoint.placed = scrape, 0
         except Exception as exc:  # noqa: BLE001 (no metrics: room is judged from this gateway's own sessions)
