@@ -22,16 +22,17 @@ import triton_python_backend_utils as pb_utils
 from . import duplex_contract as contract
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
+from .engine.protocol import pick_engine
 from .engines import Engine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
-from .paged.protocol import pick_engine, pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_io import STAGE_IO, decode, encode
 from .stage_settings import stage_setting
-from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
+from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from .stages.base import SequenceStage, StageCall, answer_order
+from .stages.kv import StageKv
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
@@ -41,11 +42,9 @@ from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
 
-if TYPE_CHECKING:  # torch: imported only where the paged engine is built
-    from .paged.engine import PagedLlmEngine
-    from .paged.tts import PagedTtsEngine
-    from .paged.whisper import PagedWhisper
+if TYPE_CHECKING:  # torch: imported only where the device engine is built
     from .stages.inflight import InflightLoop
+    from .tokenizer import Tokenizer
 
 LIVE_METRIC = "minicpmo_live_sequences"
 VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
@@ -176,10 +175,10 @@ def _threads(ctx: _ModelContext) -> int:
 
 class _InflightStageModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): each request is answered through its response sender with the final flag. On the
-    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
+    device engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
     answers each when its row is done; on ONNX it answers its batch before it returns, as a plain model would."""
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
@@ -187,13 +186,13 @@ class _InflightStageModel(_StatefulStageModel):
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
-        paged = getattr(self.stage, "paged", None)
-        self.inflight: InflightLoop[Any, Any, Any] | None = None
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None)
-        if paged is not None:
-            pool = paged.pool
+        core = getattr(getattr(self.stage, "kv", None), "core", None)
+        self.inflight: InflightLoop[Any, Any] | None = None
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=core is None)
+        if core is not None:
+            pool = core.runner.pool
             self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-                name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
+                name=KV_FREE_METRIC, description="Free blocks in the device engine's KV pool",
                 kind=pb_utils.MetricFamily.GAUGE)
             kv_free = self._kv_family.Metric(labels={"model": ctx.name})
 
@@ -227,8 +226,8 @@ class LlmModel(_InflightStageModel):
     stage_name = "llm"
     stage: LlmStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.llm_inflight import InflightLlm  # torch, as the device engine
 
         return InflightLlm(self.stage, period_s, changed)
 
@@ -236,21 +235,22 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        llm = _llm_engine(ctx)  # first: on a GPU its pool's share is of the memory free before the Whisper's
-        encoder = AudioStreamEncoder(_audio_stream_engine(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
+        llm = _llm_kv(ctx, tokenizer)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        encoder = AudioStreamEncoder(_audio_stream_kv(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
                                      ctx.preset.samples_per_audio_token)
         return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
 
 
-def _audio_stream_engine(ctx: _ModelContext, folder: Path) -> Engine | PagedWhisper:
-    """The duplex stream's Whisper: the stream.onnx graph, or the paged encoder (its KV pool on the instance's
+def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
+    """The duplex stream's Whisper: the stream.onnx graph, or the device encoder (its KV pool on the instance's
     device), as `audio_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("audio_engine"), device != "cpu", "audio_engine") == "onnx":
         return load_engine(folder, _threads(ctx), "stream")
-    from .paged.whisper import load_paged_whisper  # torch
+    from .engine.whisper import load_paged_whisper  # torch
 
-    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"))
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
+                              compiled=_compiled(ctx))
 
 
 def _device(ctx: _ModelContext) -> str:
@@ -258,41 +258,54 @@ def _device(ctx: _ModelContext) -> str:
     return f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
 
 
-def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
-    """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
-    device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
-    device = _device(ctx)
-    if pick_llm_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
-        return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.engine import load_paged_engine  # torch
+def _compiled(ctx: _ModelContext) -> bool | None:
+    """`engine_compile`: the device engines' layers and attention compiled (None: on CUDA); 0 turns it off."""
+    return None if ctx.setting("engine_compile") else False
 
-    return load_paged_engine(ctx.version_dir, ctx.preset.llm, device, ctx.preset.duplex.context_tokens,
-                             pool_size=ctx.setting("kv_pool_size"), kv_dtype=ctx.setting("kv_dtype"))
+
+def _core_settings(ctx: _ModelContext) -> dict[str, Any]:
+    """The engine core's settings: its batch rows, CUDA graphs, overlap, compiled layers."""
+    return {"rows": ctx.setting("engine_rows"), "graphs": None if ctx.setting("engine_graphs") else False,
+            "overlap": bool(ctx.setting("engine_overlap")), "compile_layers": _compiled(ctx)}
+
+
+def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
+    """The exported ONNX graph with host caches, or the device engine: the KV pool and the token choice on the
+    instance's device (its GPU for a KIND_GPU instance where CUDA is, else the CPU), as `llm_engine` says."""
+    device = _device(ctx)
+    if pick_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
+        from .engines import OnnxEngine
+
+        return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
+    from .engine.stage_kv import load_llm_kv  # torch
+
+    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
+                       kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
 
 
 class TtsModel(_InflightStageModel):
     stage_name = "tts"
     stage: TtsStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.tts_inflight import InflightTts  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))
+        return TtsStage(_tts_kv(ctx), ctx.preset, _ttl(ctx))
 
 
-def _tts_engine(ctx: _ModelContext) -> Engine | PagedTtsEngine:
-    """ONNX, or the paged TTS (its own KV pool on the instance's device), as `tts_engine` says."""
+def _tts_kv(ctx: _ModelContext) -> Engine | StageKv:
+    """ONNX, or the device TTS (its own KV pool on the instance's device), as `tts_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
         return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.tts import load_paged_tts  # torch
+    from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    return load_paged_tts(ctx.version_dir, ctx.preset.tts, device, pool_size=ctx.setting("tts_pool_size"),
-                          max_tokens=TURN_TOKENS)
+    return load_tts_kv(ctx.version_dir, ctx.preset, device, pool_size=ctx.setting("tts_pool_size"),
+                       max_tokens=TURN_TOKENS, **_core_settings(ctx))
 
 
 class _VoicePromptCounter:
