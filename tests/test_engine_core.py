@@ -27,6 +27,7 @@ from .test_engine_tts import paged as tts_kv
 from .test_engine_tts import weights as tts_weights
 
 __all__ = ["preset", "tts_weights", "weights"]  # the fixtures, used by name
+pytestmark = pytest.mark.engines  # the device engine on the CPU: a .ci/run step of its own (-m engines)
 
 ROWS = {1: {"temperature": 0.0}, 2: {}, 3: {"temperature": 0.0, "length_penalty": 1.3},
         4: {"chat": True, "repetition_penalty": 1.3}, 5: {"forced_ids": np.arange(40, 80)}, 6: {}}

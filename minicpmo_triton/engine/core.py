@@ -73,11 +73,18 @@ class EngineCore:
         return []
 
     def run(self, requests: list[Request]) -> None:
-        """Every request to its end (the stages' synchronous path)."""
-        for req in requests:
-            self.add(req)
-        while any(not r.finished for r in requests):
+        """Every request to its end (the stages' synchronous path: a batch waited for as a whole, so nothing is
+        launched ahead of its last picks: no iteration is run past its end)."""
+        while self._launched is not None:
             self.step()
+        overlap, self.overlap = self.overlap, False
+        try:
+            for req in requests:
+                self.add(req)
+            while any(not r.finished for r in requests) or self._completing:
+                self.step()
+        finally:
+            self.overlap = overlap
 
     def abort(self) -> list[Request]:
         """After an iteration that raised: every request taken in is given up (its row freed, its rng restored),
