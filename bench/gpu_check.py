@@ -57,7 +57,7 @@ from .gpu_check_speech import (
     whisper,
     whisper_stage,
 )
-from .gpu_timing import peak_gib, sync
+from .gpu_timing import iteration_ms, peak_gib, sync
 from .scripted import SpokenChunk, SpokenCodes
 
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
@@ -226,19 +226,6 @@ def failures(out: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- speed
-
-def iteration_ms(core: EngineCore, device: str, repeats: int) -> float:
-    """Median wall ms of the core's step (host work, launch, reading the previous iteration's tokens)."""
-    for _ in range(4):  # the prefill, the eager first iteration of the bucket (compiles), its capture
-        core.step()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        core.step()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
 
 def speed(d: DecoderDims, preset: PresetConfig, device: str, counts: list[int], history: int, repeats: int,
           deadline: float) -> list[dict[str, Any]]:

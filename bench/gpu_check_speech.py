@@ -33,7 +33,7 @@ from minicpmo_triton.engine.whisper import PagedWhisper
 from minicpmo_triton.sampling import SamplingParams, apply_repetition_penalty, sample
 from minicpmo_triton.stages.tts import tts_rules
 
-from .gpu_timing import peak_gib, sync, timed
+from .gpu_timing import iteration_ms, peak_gib, timed
 from .scripted import SpokenCodes
 
 CONDITION = 11  # a chunk's condition: 10 text tokens with their LLM hidden states, then audio_bos
@@ -153,20 +153,12 @@ def tts_measure(preset: PresetConfig, weights: dict[str, torch.Tensor], device: 
             core.step()
 
     chunk_ms = timed(device, whole_chunk, max(1, repeats // 5))
-    reqs = chunk(4 * codes + repeats)  # long rows: every timed iteration decodes all n
-    for _ in range(4):
-        core.step()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        core.step()
-        times.append((time.perf_counter() - t0) * 1000)
+    chunk(4 * codes + repeats)  # long rows: every timed iteration decodes all n
+    decode_ms = iteration_ms(core, device, repeats)
     core.abort()
-    del reqs
     return {"sessions": n, "history": history, "attention": core.runner.model.attention.name,
             "compiled": core.runner.model.compiled, "graphs": core.runner.graphs is not None,
-            "decode_iteration_ms": float(np.median(times)), "chunk_ms": chunk_ms, "chunk_codes": codes + 1,
+            "decode_iteration_ms": decode_ms, "chunk_ms": chunk_ms, "chunk_codes": codes + 1,
             "pool_gib": core.pool.nbytes / 2**30, "block_size": core.pool.shape.block_size,
             "peak_allocated_gib": peak_gib(device)}
 

@@ -18,7 +18,7 @@ from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import PresetConfig
 from ..pcm import pcm_problem
-from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
@@ -355,8 +355,7 @@ class LlmRules:
         self.stage, self.req, self.sess, self.dec, self.params = stage, req, sess, dec, params
         self.hidden: list[np.ndarray] = []
         self.device_hidden: np.ndarray | None = None
-        self._rng_at: Any = None  # the rng before the uniforms drawn ahead
-        self.draws = 0  # of them, used
+        self.ahead = DrawnAhead(sess.rng)
 
     @property
     def decodes(self) -> bool:
@@ -423,9 +422,7 @@ class LlmRules:
         forced = [int(t) for t in self.req.forced_ids[:budget]]
         if chat:
             forced = [t if self.stage.may_force(t) else -1 for t in forced]
-        draws = 0 if params.greedy else (1 if chat else 2) * budget
-        self._rng_at = sess.rng.bit_generator.state
-        uniforms = sess.rng.random(draws)  # the same doubles as that many `random()` calls
+        uniforms = self.ahead.draw(0 if params.greedy else (1 if chat else 2) * budget)
         return LlmRow(CHAT if chat else DUPLEX, params.temperature, params.top_k, params.top_p,
                       params.repetition_penalty, self.req.length_penalty, budget,
                       history[-params.repetition_window:] if params.repetition_penalty != 1.0 else [], forced,
@@ -457,13 +454,10 @@ class LlmRules:
         if flags & NOT_FINITE:
             raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
         if not self.params.greedy:
-            self.draws += uniforms
+            self.ahead.used += uniforms
 
     def done(self) -> None:
-        if self._rng_at is not None:
-            self.sess.rng.bit_generator.state = self._rng_at
-            self.sess.rng.random(self.draws)
-            self._rng_at = None
+        self.ahead.give_back()
 
     def take_hidden(self, hidden: np.ndarray | None) -> None:
         self.device_hidden = hidden

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
-from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
 from .kv import HostKv, KvRow, StageKv
@@ -160,8 +160,7 @@ class ChunkRules:
     def __init__(self, stage: TtsStage, req: TtsRequest, sess: TtsSession, opened: bool) -> None:
         self.stage, self.req, self.sess, self.opened = stage, req, sess, opened
         self.codes: list[int] = []
-        self._rng_at: Any = None
-        self.draws = 0
+        self.ahead = DrawnAhead(sess.rng)
 
     decodes = True
     n_hidden = 0
@@ -200,21 +199,17 @@ class ChunkRules:
     @functools.cached_property
     def row(self) -> TtsRow:
         draws = self.req.n_tokens + 1 if self.req.temperature > 0 else 0  # `sample`'s one draw per code
-        self._rng_at = self.sess.rng.bit_generator.state
-        return TtsRow(self.req.temperature, self.allow_eos, self.req.n_tokens, self.sess.rng.random(draws))
+        return TtsRow(self.req.temperature, self.allow_eos, self.req.n_tokens, self.ahead.draw(draws))
 
     def confirm(self, token: int, flags: int) -> bool:
         if flags & NOT_FINITE:
             raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
         if self.req.temperature > 0:
-            self.draws += 1
+            self.ahead.used += 1
         return self.accept(token) is not None
 
     def done(self) -> None:
-        if self._rng_at is not None:
-            self.sess.rng.bit_generator.state = self._rng_at
-            self.sess.rng.random(self.draws)
-            self._rng_at = None
+        self.ahead.give_back()
 
     def take_hidden(self, hidden: np.ndarray | None) -> None:
         """A TTS chunk keeps no hidden rows."""
