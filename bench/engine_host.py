@@ -114,7 +114,8 @@ def before(rows: int, iterations: int, main: str, token: int) -> dict[str, float
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _core(rows: int) -> tuple[Any, Any]:
+def _core(rows: int, admitted: list[float] | None = None) -> tuple[Any, Any]:
+    """A core of `rows` decoding rows; `admitted`: each row's admission host ms appended."""
     from export.presets import TINY_SEED, tiny
     from export.stages import build_modules
     from minicpmo_triton.engine.stage_kv import llm_kv
@@ -128,13 +129,18 @@ def _core(rows: int) -> tuple[Any, Any]:
     kv = llm_kv(build_modules(preset, TINY_SEED)["llm"].state_dict(), preset, tokenizer, pool_size=0.05,
                 attention="gather", rows=rows, max_sessions=rows + 1)
     stage = LlmStage(kv, preset, tokenizer, 600.0)
+    unit = np.array([preset.tokens.unit] + [preset.tokens.audio_placeholder] * 10, np.int64)
     for r in range(rows):
-        call = StageCall(LlmRequest(input_ids=np.array([preset.tokens.unit], np.int64), max_new_tokens=40,
-                                    seed=r + 1), r + 1, start=True)
+        call = StageCall(LlmRequest(input_ids=unit, embeds=np.zeros((10, preset.llm.hidden), np.float32),
+                                    max_new_tokens=40, seed=r + 1), r + 1, start=True)
+        history = list(np.random.default_rng(r).integers(32, 127, 600))
+        t0 = time.perf_counter()
         sess = stage.enter(call)
-        sess.history = list(np.random.default_rng(r).integers(32, 127, 600))
-        prefill, rules = stage.prepare(call.request, sess, np.zeros((0, preset.llm.hidden), np.float32))
+        sess.history = history
+        prefill, rules = stage.prepare(call.request, sess, call.request.embeds)
         kv.core.add(kv.request(r + 1, sess.cache, prefill, rules))
+        if admitted is not None:
+            admitted.append((time.perf_counter() - t0) * 1000)
     return kv.core, preset
 
 
@@ -162,6 +168,25 @@ def after(rows: int, iterations: int, token: int, eager: bool) -> dict[str, floa
     with SyncLedger() as ledger:
         core.step()
     return {"ms": statistics.median(times), "syncs": ledger.total}
+
+
+def admission_ms(rows: int = 64) -> dict[str, float]:
+    """Host ms per admitted request, outside the iteration: the LLM stage's enter (state, checks, the pool's
+    reservation), prepare (its prefill and rules) and its request (the rules drawn ahead) -- and, apart, the duplex
+    second's mel as the stream computes it on the host today (`audio_mel.MelStream.push`)."""
+    from minicpmo_triton.audio_mel import MelStream, mel_filterbank
+
+    admitted: list[float] = []
+    _core(rows, admitted)
+    filters = mel_filterbank(80)
+    stream = MelStream()
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        stream.push((rng.standard_normal(16_000) * 0.1).astype(np.float32), filters)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        stream.push((rng.standard_normal(16_000) * 0.1).astype(np.float32), filters)
+    return {"request_ms": statistics.median(admitted), "mel_ms": (time.perf_counter() - t0) * 1000 / 20}
 
 
 def roofline_ms(rows: int) -> float:
@@ -194,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         results[rows] = (b, a)
         print(f"{rows:>5} {b['ms']:>10.2f} {b['syncs']:>6} {a['ms']:>9.2f} {a['syncs']:>6} {e['ms']:>15.2f} "
               f"{roofline_ms(rows):>16.2f}", flush=True)
+    adm = admission_ms()
+    print(f"per admitted step, outside the iterations above: its request {adm['request_ms']:.2f} ms (enter, prepare, "
+          f"its rules drawn ahead), its second's mel on the host {adm['mel_ms']:.2f} ms (not yet on the device)")
     if 128 in results:
         b, a = results[128]
         print(f"host ms per iteration at 128 rows: {a['ms']:.2f} (before: {b['ms']:.2f})")

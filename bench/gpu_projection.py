@@ -18,9 +18,11 @@ passes over the logits; token2wav's FLOPs as 2 per parameter per position of eac
 from its modules at the real widths). An iteration's wall time is the larger of its device time and the host's
 work per iteration (overlap: the next iteration is launched before this one's tokens are read), plus each CUDA
 graph's replay launch. The host's work per iteration is MEASURED on this machine by `bench/engine_host.py`'s after
-path (the engine core's step, the decode step's replay stubbed) at 32 / 128 / 256 rows, interpolated; the graphs'
-replay is a constant (`REPLAY_S`, labelled, not measured here: no GPU). Memory: the weights and every pool at 60 s
-of history within 90% of HBM.
+path (the engine core's step, the decode step's replay stubbed) at 32 / 128 / 256 rows, interpolated, plus each
+step admitted in the iteration: its request's host work and its second's mel, which the stream still computes on
+the host on the engine thread (both measured, `engine_host.admission_ms`); the graphs' replay is a constant
+(`REPLAY_S`, labelled, not measured here: no GPU). Memory: the weights and every pool at 60 s of history within
+90% of HBM.
 
     python -m bench.gpu_projection [--sessions 64 128 192 256 320 384 512] [--host-ms 32:x,128:y,256:z]
 
@@ -151,14 +153,16 @@ class Step:
 
 
 class HostCost:
-    """The host's work per iteration, interpolated over the rows decoding (measured points)."""
+    """The host's work per iteration, interpolated over the rows decoding (measured points), plus each arriving
+    step's admission (its request's host work and its second's mel, on the host today: both measured)."""
 
-    def __init__(self, points: dict[int, float]) -> None:
+    def __init__(self, points: dict[int, float], per_arrival_ms: float) -> None:
         self.rows = sorted(points)
         self.ms = [points[r] for r in self.rows]
+        self.per_arrival_ms = per_arrival_ms
 
-    def __call__(self, rows: int) -> float:
-        return float(np.interp(rows, self.rows, self.ms)) / 1000
+    def __call__(self, rows: int, arrivals: int) -> float:
+        return (float(np.interp(rows, self.rows, self.ms)) + arrivals * self.per_arrival_ms) / 1000
 
 
 def simulate(preset: PresetConfig, sessions: int, host: HostCost, t2w: Token2Wav, seed: int = 0) -> dict[str, float]:
@@ -190,7 +194,7 @@ def simulate(preset: PresetConfig, sessions: int, host: HostCost, t2w: Token2Wav
                                  sampler=codes)
                   + t2w.bill(len(t2w_next), preset))
         graphs = 2 * REPLAY_S  # the LLM's and the TTS's decode graphs
-        t += max(roofline(device), host(len(llm_rows) + len(tts_rows))) + graphs
+        t += max(roofline(device), host(len(llm_rows) + len(tts_rows), len(new))) + graphs
         busy += roofline(device)
         iterations += 1
         latencies += [t - s.arrival for s in t2w_next if s.arrival >= 2]  # the audio is out: past the warm-up
@@ -222,30 +226,40 @@ def memory_gib(preset: PresetConfig, sessions: int) -> float:
     return (weights + pools) / 2**30
 
 
-def measured_host() -> dict[int, float]:
-    """The engine core's host work per iteration on this machine (bench/engine_host.py's after path)."""
-    from bench.engine_host import after
+def measured_host() -> tuple[dict[int, float], dict[str, float]]:
+    """The engine core's host work per iteration on this machine (bench/engine_host.py's after path), and per
+    admitted step (its request; its second's mel)."""
+    import torch
 
+    from bench.engine_host import admission_ms, after
+
+    torch.set_num_threads(1)
     token = 97
-    return {rows: after(rows, 8, token, eager=False)["ms"] for rows in (32, 128, 256)}
+    return {rows: after(rows, 8, token, eager=False)["ms"] for rows in (32, 128, 256)}, admission_ms()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, nargs="+", default=[64, 128, 192, 256, 320, 384, 512])
     parser.add_argument("--host-ms", default="", help="rows:ms,... instead of measuring (bench/engine_host.py)")
+    parser.add_argument("--arrival-ms", type=float, default=-1.0, help="host ms per admitted step instead of "
+                        "measuring (its request and its mel)")
     args = parser.parse_args(argv)
     preset = minicpmo45()
-    points = ({int(k): float(v) for k, v in (p.split(":") for p in args.host_ms.split(","))} if args.host_ms
-              else measured_host())
-    host = HostCost(points)
+    if args.host_ms:
+        points = {int(k): float(v) for k, v in (p.split(":") for p in args.host_ms.split(","))}
+        admission = {"request_ms": max(args.arrival_ms, 0.0), "mel_ms": 0.0}
+    else:
+        points, admission = measured_host()
+    host = HostCost(points, admission["request_ms"] + admission["mel_ms"])
     t2w = Token2Wav.of(preset)
     print("PROJECTION (not a measurement): one H200, MiniCPM-o 4.5's dims, bf16; the whole duplex step (Whisper, LLM, "
           f"TTS, token2wav) from counted work at {PEAK_BW / 1e12} TB/s x {BW_EFF:.0%} and {PEAK_FLOPS / 1e12:.0f} "
           f"TFLOP/s x {FLOPS_EFF:.0%}; staggered arrivals, {SPEAKING:.0%} of the steps speaking")
     print("host ms per iteration, MEASURED on this CPU (engine core, decode step's replay stubbed): "
           + ", ".join(f"{r} rows {ms:.2f}" for r, ms in sorted(points.items()))
-          + f"; CUDA graph replay {REPLAY_S * 1e6:.0f} us each (ASSUMED)")
+          + f"; per admitted step: its request {admission['request_ms']:.2f} + its mel on the host "
+          f"{admission['mel_ms']:.2f}; CUDA graph replay {REPLAY_S * 1e6:.0f} us each (ASSUMED)")
     print(f"{'sessions':>8} {'iter/s':>7} {'GPU busy':>9} {'speak p50 ms':>13} {'speak p95 ms':>13} "
           f"{'memory GiB':>11} {'fits':>5}")
     best = 0

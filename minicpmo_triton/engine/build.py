@@ -86,7 +86,9 @@ def llm_core(weights: dict[str, torch.Tensor], dims: DecoderDims, tokens: Specia
              window: int = 512, top_k: int = 20, rows: int = BATCH_ROWS, overlap: bool = True,
              graphs: bool | None = None, **build: object) -> EngineCore:
     """The LLM's core: `forbidden` [DUPLEX / CHAT, vocab] its rule sets' masks, `window` the repetition window,
-    `top_k` the largest k its fixed top-k serves; `build`: `build_decoder`'s settings."""
+    `top_k` the largest k its fixed top-k serves; `build`: `build_decoder`'s settings (the pool's sessions at
+    least the batch's rows: `rows` past 256 where the memory holds them)."""
+    build.setdefault("max_sessions", max(256, rows))
     model = build_decoder(weights, dims, **build)  # type: ignore[arg-type]
     rows = min(rows, model.pool.trash_seq)
     head = LlmHead(model, tokens, forbidden, rows, model.pool.writes, window, top_k=top_k)
@@ -96,6 +98,7 @@ def llm_core(weights: dict[str, torch.Tensor], dims: DecoderDims, tokens: Specia
 def tts_core(weights: dict[str, torch.Tensor], tts: TtsDims, rules: TtsRules, *, rows: int = BATCH_ROWS,
              overlap: bool = True, graphs: bool | None = None, **build: object) -> EngineCore:
     """The TTS's core over its rules' settings; `build`: `build_decoder`'s settings."""
+    build.setdefault("max_sessions", max(256, rows))
     model = build_decoder(weights, tts.decoder, **build)  # type: ignore[arg-type]
     rows = min(rows, model.pool.trash_seq)
     return core_over(TtsHead(model, tts, rules, rows, model.pool.writes), rows, overlap, graphs)
