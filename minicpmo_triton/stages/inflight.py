@@ -156,7 +156,12 @@ class InflightLoop(Generic[RowT, StageT]):
             return
         entered = [row for row in map(self._enter, ready) if row is not None]
         for row in self._prepare(entered):
-            req = self.kv.request(row.queued.call.corr_id, row.sess.cache, row.prefill, row.rules)
+            try:  # its room again (a window slide may have moved the session to a new pool entry): pool_full alone
+                req = self.kv.request(row.queued.call.corr_id, row.sess.cache, row.prefill, row.rules)
+            except Exception as exc:  # noqa: BLE001 (this call fails alone)
+                self._undo(row)
+                self._answer(row.queued, exc)
+                continue
             req.tag = row
             self.core.add(req)
         self.on_change()
