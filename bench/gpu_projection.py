@@ -19,8 +19,9 @@ from its modules at the real widths). An iteration's wall time is the larger of 
 work per iteration (overlap: the next iteration is launched before this one's tokens are read), plus each CUDA
 graph's replay launch. The host's work per iteration is MEASURED on this machine by `bench/engine_host.py`'s after
 path (the engine core's step, the decode step's replay stubbed) at 32 / 128 / 256 rows, interpolated, plus each
-step admitted in the iteration: its request's host work and its second's mel, which the stream still computes on
-the host on the engine thread (both measured, `engine_host.admission_ms`); the graphs' replay is a constant
+step admitted in the iteration: its request's host work and its second's mel's host share (the stream's bookkeeping
+and the samples it stages; the FFT runs on the device: engine/mel.py), both measured (`engine_host.admission_ms`),
+on the engine thread; the graphs' replay is a constant
 (`REPLAY_S`, labelled, not measured here: no GPU). Memory: the weights and every pool at 60 s of history within
 90% of HBM.
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
           f"TFLOP/s x {FLOPS_EFF:.0%}; staggered arrivals, {SPEAKING:.0%} of the steps speaking")
     print("host ms per iteration, MEASURED on this CPU (engine core, decode step's replay stubbed): "
           + ", ".join(f"{r} rows {ms:.2f}" for r, ms in sorted(points.items()))
-          + f"; per admitted step: its request {admission['request_ms']:.2f} + its mel on the host "
+          + f"; per admitted step: its request {admission['request_ms']:.2f} + its mel's host share "
           f"{admission['mel_ms']:.2f}; CUDA graph replay {REPLAY_S * 1e6:.0f} us each (ASSUMED)")
     print(f"{'sessions':>8} {'iter/s':>7} {'GPU busy':>9} {'speak p50 ms':>13} {'speak p95 ms':>13} "
           f"{'memory GiB':>11} {'fits':>5}")

@@ -250,3 +250,31 @@ def test_a_stream_undone_after_its_restart_restarts_again(preset, weights) -> No
     got = new.run([(chunk, stream)])[0]
     assert stream.cache == PagedCache(0, 25)
     np.testing.assert_allclose(got.cpu().numpy(), ref.run([(chunk, twin)])[0], atol=1e-4)
+
+
+def test_the_device_mel_is_the_host_streams(preset) -> None:
+    """The duplex stream's mel on the device (engine/mel.py: every row's frames through one `torch.fft.rfft`, the
+    floor's maxima kept on the device) against `MelStream.push` on the host, chunk for chunk: three streams joining
+    at different chunks (one in 0.5 s chunks), 40 chunks, past the 5 s floor and the 30 s slide, batched together."""
+    from minicpmo_triton.audio_mel import MelStream, mel_filterbank
+    from minicpmo_triton.engine.mel import DeviceMel
+    from minicpmo_triton.engine.staging import DeviceWrites, Staging
+
+    filters = mel_filterbank(preset.audio.n_mels)
+    device = DeviceMel(filters, DeviceWrites(Staging(torch.device("cpu"), Traffic())))
+    joins = {1: (0, 1.0), 2: (3, 1.0), 3: (1, 0.5)}
+    host = {c: MelStream() for c in joins}
+    dev = {c: MelStream() for c in joins}
+    compared = 0
+    for step in range(40):
+        live = [c for c, (first, _) in joins.items() if step >= first]
+        chunks = {c: audio(10 * c + step, joins[c][1]) for c in live}
+        got = device.push([(dev[c], chunks[c]) for c in live])
+        for c, g in zip(live, got, strict=True):
+            want = host[c].push(chunks[c], filters)
+            assert g.first == want.first
+            np.testing.assert_allclose(g.mel.numpy(), want.mel, atol=1e-6, rtol=0, err_msg=f"stream {c} step {step}")
+            np.testing.assert_allclose(dev[c].maxima.numpy(), host[c].maxima, atol=1e-9, rtol=0)
+            compared += 1
+    assert host[1].base_frame > 0, "the 30 s slide was crossed"
+    assert compared == 40 + 37 + 39

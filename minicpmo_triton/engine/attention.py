@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.nn import functional
 
 
 @dataclass
@@ -240,7 +239,3 @@ def pick_attention(device: torch.device, maps: PoolMaps, prefer: str = "auto", c
         return FlexAttention(maps, compiled=device.type == "cuda" if compiled is None else compiled)
     return GatherAttention()
 
-
-def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The rows of a [B, W] table that `rows` [n] names (index_select: no sync)."""
-    return functional.embedding(rows, table)

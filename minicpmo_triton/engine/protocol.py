@@ -7,7 +7,7 @@ per token). A session's place in a pool is a `PagedCache`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,16 +107,6 @@ class TtsRules:
     top_p: float  # 1.0: off
     repetition_penalty: float
     window: int = 16
-
-
-@dataclass
-class Reply:
-    """What the core gives back for a finished request: its new length, the tokens it chose (the host's confirm
-    read them), and the hidden rows it kept (the TTS's condition)."""
-
-    length: int
-    tokens: list[int] = field(default_factory=list)
-    hidden: np.ndarray | None = None
 
 
 def pick_engine(choice: str, cuda: bool, key: str = "llm_engine") -> str:

@@ -48,7 +48,6 @@ class Staging:
         self._used = 0
         self._staged: list[tuple[Staged, np.ndarray]] = []
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)  # the device side
-        self.copies = 0  # flushes that copied something: at most one per iteration
 
     def _host_buffer(self, capacity: int) -> torch.Tensor:
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
@@ -66,8 +65,9 @@ class Staging:
     def pending(self) -> bool:
         return bool(self._staged)
 
-    def flush(self) -> None:
-        """One non-blocking copy of everything staged since the last flush."""
+    def copy(self) -> None:
+        """One non-blocking copy of everything staged since the last one. Only `DeviceWrites.flush` calls it: the
+        writes it queued name places in this copy, and are applied with it."""
         if not self._staged:
             return
         used = self._used
@@ -89,10 +89,9 @@ class Staging:
         self.traffic.to_device["inputs"] += used
         self._turn ^= 1
         self._staged, self._used = [], 0
-        self.copies += 1
 
     def view(self, handle: Staged) -> torch.Tensor:
-        """The staged array on the device (valid until the next flush)."""
+        """The staged array on the device (valid until the next copy)."""
         raw = self.buffer[handle.offset: handle.offset + handle.nbytes]
         return raw.view(handle.dtype).view(handle.shape)
 
@@ -116,7 +115,8 @@ class DeviceWrites:
         return bool(self._queued)
 
     def flush(self) -> None:
-        self.staging.flush()
+        """The one copy, and the queued writes applied from it (a staged input's view is valid until the next)."""
+        self.staging.copy()
         for target, index, values in self._queued:
             target.index_copy_(0, self.staging.view(index), self.staging.view(values))
         self._queued = []

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..model_config import DecoderDims
 
@@ -30,15 +29,6 @@ STATE_NAMES = {"past_key", "past_value", "past_mask", "present_key", "present_va
 class Traffic:
     to_device: Counter[str] = field(default_factory=Counter)
     to_host: Counter[str] = field(default_factory=Counter)
-
-    def upload(self, kind: str, value: np.ndarray | torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-        tensor = torch.as_tensor(value)
-        self.to_device[kind] += tensor.numel() * tensor.element_size()
-        return tensor.to(device, non_blocking=True)
-
-    def download(self, kind: str, tensor: torch.Tensor) -> np.ndarray:
-        self.to_host[kind] += tensor.numel() * tensor.element_size()
-        return tensor.detach().cpu().numpy()
 
     def total(self) -> int:
         return sum(self.to_device.values()) + sum(self.to_host.values())

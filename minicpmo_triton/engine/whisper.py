@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from ..audio_mel import CONTEXT_FRAMES
+from ..audio_mel import CONTEXT_FRAMES, MelChunk, MelStream
 from ..model_config import AudioEncoderDims
 from .attention import PagedAttention, Rows
 from .build import build_pool, load_weights
+from .mel import DeviceMel
 from .pool import KvPool, PoolShape
 from .protocol import PagedCache
 
@@ -55,6 +56,7 @@ class PagedWhisper:
         self.staging = pool.writes.staging
         self.w = {name: t.detach().to(self.device, dtype) for name, t in weights.items()}
         self._restarted: dict[int, int] = {}  # restarts of each pool entry (its frames rewritten from 0)
+        self._mel: DeviceMel | None = None
 
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: AudioEncoderDims, *, block_size: int = 16,
@@ -91,7 +93,23 @@ class PagedWhisper:
             stream.cache = cache.truncated(0)
             stream.restarts = self._restarted[cache.seq] = self._restarted.get(cache.seq, 0) + 1
 
-    def encode(self, streams: list[Any], mel: np.ndarray, mel_mask: np.ndarray) -> torch.Tensor:
+    def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
+        """The chunks' mel on the device, batched (engine/mel.py)."""
+        if self._mel is None:
+            self._mel = DeviceMel(filters, self.pool.writes)
+        return self._mel.push(items)
+
+    def encode(self, streams: list[Any], chunks: list[MelChunk], frames: int) -> torch.Tensor:
+        """The rows' mel laid out on the device (each at the end of `frames`, its missing context masked)."""
+        mel = torch.zeros((len(chunks), self.d.n_mels, frames), device=self.device)
+        mask = torch.ones((len(chunks), frames), dtype=torch.bool, device=self.device)
+        for r, chunk in enumerate(chunks):
+            m = torch.as_tensor(chunk.mel, device=self.device)
+            mel[r, :, frames - m.shape[1]:] = m
+            mask[r, : frames - m.shape[1]] = False
+        return self._encode(streams, mel, mask)
+
+    def _encode(self, streams: list[Any], mel: torch.Tensor, mel_mask: torch.Tensor) -> torch.Tensor:
         caches = [s.cache for s in streams]
         embeds = self.forward([c.seq for c in caches], [c.length for c in caches], mel, mel_mask)
         new = (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2
@@ -126,20 +144,25 @@ class PagedWhisper:
         h = functional.gelu(functional.linear(h, w[p + "fc1.weight"], w[p + "fc1.bias"]))
         return x + functional.linear(h, w[p + "fc2.weight"], w[p + "fc2.bias"])
 
-    def forward(self, seqs: list[int], pasts: list[int], mel: np.ndarray, mel_mask: np.ndarray) -> torch.Tensor:
-        """Rows of equal frames: mel [B, n_mels, F] (a chunk and its context), mel_mask [B, F]; row r's encoder
-        frames go to positions pasts[r] .. of pool session seqs[r]. Returns the embeddings [B, T / pool, H] (fp32,
-        on the device: the LLM splices them in there). Its inputs go in the pool's one staging copy."""
+    def forward(self, seqs: list[int], pasts: list[int], mel: Any, mel_mask: Any) -> torch.Tensor:
+        """Rows of equal frames: mel [B, n_mels, F] (a chunk and its context), mel_mask [B, F], host arrays or
+        device tensors; row r's encoder frames go to positions pasts[r] .. of pool session seqs[r]. Returns the
+        embeddings [B, T / pool, H] (fp32, on the device: the LLM splices them in there). Its host inputs go in the
+        pool's one staging copy."""
         b = len(seqs)
         t = (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2
         for seq, past in zip(seqs, pasts, strict=True):
             self.pool.reserve(seq, past + t)  # a no-op when the stage reserved the chunk at its check
         put = self.staging.put
-        staged = (put(mel.astype(np.float32)), put(mel_mask), put(np.concatenate([np.arange(p, p + t) for p in pasts])),
+        host_mel = isinstance(mel, np.ndarray)
+        staged = (put(np.concatenate([np.arange(p, p + t) for p in pasts])),
                   put(np.concatenate([self.pool.slots(s, p, t) for s, p in zip(seqs, pasts, strict=True)])),
                   put(np.asarray(seqs, np.int64)))
+        if host_mel:
+            mel_h, mask_h = put(np.asarray(mel, np.float32)), put(np.asarray(mel_mask))
         self.pool.flush()
-        mel_t, mask_t, positions, slots, seq_t = (self.staging.view(h) for h in staged)
+        positions, slots, seq_t = (self.staging.view(h) for h in staged)
+        mel_t, mask_t = (self.staging.view(mel_h), self.staging.view(mask_h)) if host_mel else (mel, mel_mask)
         w = self.w
         x = self._stem(mel_t.to(self.dtype), mask_t)
         dim = x.shape[2]

@@ -116,10 +116,16 @@ class StreamKv(Protocol):
         would run out), or when the cache it holds is stale (a device pool's entry restarted after an undo)."""
         ...
 
-    def encode(self, streams: list[AudioStream], mel: np.ndarray, mel_mask: np.ndarray) -> Any:
-        """Rows of equal frames: their embeddings [B, T / pool, H] (a host array, or a device tensor kept where
-        the LLM reads it); each stream's cache advances by its chunk."""
+    def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
+        """Each stream's next chunk's mel (`MelStream.push`: on the host, or on the device, batched)."""
         ...
+
+    def encode(self, streams: list[AudioStream], chunks: list[MelChunk], frames: int) -> Any:
+        """Rows of equal frames (each chunk's mel at the end of `frames`, its missing left context masked):
+        their embeddings [B, T / pool, H] (a host array, or a device tensor kept where the LLM reads it); each
+        stream's cache advances by its chunk."""
+        ...
+
 
 
 class GraphStreamKv:
@@ -141,7 +147,15 @@ class GraphStreamKv:
             d = self.dims
             stream.cache = KvCache.empty(d.layers, d.heads, d.d_model // d.heads)
 
-    def encode(self, streams: list[AudioStream], mel: np.ndarray, mel_mask: np.ndarray) -> np.ndarray:
+    def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
+        return [stream.push(audio, filters) for stream, audio in items]
+
+    def encode(self, streams: list[AudioStream], chunks: list[MelChunk], frames: int) -> np.ndarray:
+        mel = np.zeros((len(chunks), self.dims.n_mels, frames), np.float32)
+        mel_mask = np.ones((len(chunks), frames), bool)
+        for r, chunk in enumerate(chunks):
+            mel[r, :, frames - chunk.mel.shape[1]:] = chunk.mel
+            mel_mask[r, : frames - chunk.mel.shape[1]] = False
         batch = KvBatch([s.cache for s in streams])  # type: ignore[misc]
         new_len = np.full(len(streams), (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2, np.int64)  # encoder frames per row
         feeds = batch.feeds(new_len)
@@ -189,22 +203,19 @@ class AudioStreamEncoder:
     def _run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[Any]:
         results: list[Any] = [None] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
-        chunks: list[MelChunk] = []
-        for i, (audio, stream) in enumerate(items):
+        audios = []
+        for audio, _ in items:
             audio = np.asarray(audio, np.float32).reshape(-1)
             if len(audio) == 0:
                 raise ValueError("audio_encoder got an empty chunk")
-            chunks.append(stream.mel.push(np.pad(audio, (0, -len(audio) % self.samples_per_token)), self.filters))
-            groups[chunks[-1].mel.shape[1] + (CONTEXT_FRAMES if chunks[-1].first else 0)].append(i)
+            audios.append(np.pad(audio, (0, -len(audio) % self.samples_per_token)))
+        chunks = self.kv.mels([(stream.mel, a) for (_, stream), a in zip(items, audios, strict=True)], self.filters)
+        for i, chunk in enumerate(chunks):
+            groups[chunk.mel.shape[1] + (CONTEXT_FRAMES if chunk.first else 0)].append(i)
         for frames, rows in groups.items():
             for i in rows:
                 self._maybe_reset(items[i][1], chunks[i])
-            mel = np.zeros((len(rows), self.dims.n_mels, frames), np.float32)
-            mel_mask = np.ones((len(rows), frames), bool)
-            for r, i in enumerate(rows):
-                mel[r, :, frames - chunks[i].mel.shape[1]:] = chunks[i].mel
-                mel_mask[r, : frames - chunks[i].mel.shape[1]] = False
-            embeds = self.kv.encode([items[i][1] for i in rows], mel, mel_mask)
+            embeds = self.kv.encode([items[i][1] for i in rows], [chunks[i] for i in rows], frames)
             for r, i in enumerate(rows):
                 results[i] = embeds[r]
         return results
