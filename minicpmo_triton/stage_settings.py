@@ -35,7 +35,8 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "how often idle state is swept and the live-sequence gauge published"),
     StageSetting("ort_threads", "1", int, ENGINES, "onnxruntime intra-op threads per model instance"),
     StageSetting("llm_engine", "auto", str, ("llm",),
-                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
+                 "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
     StageSetting("kv_pool_size", "0.5", float, ("llm",),
                  "the paged engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),

@@ -405,10 +405,17 @@ class DuplexModel:
                              min_sessions=ctx.setting("llm_batch_min_sessions"),
                              max_sessions=ctx.setting("llm_batch_max_sessions"),
                              budget_s=ctx.setting("llm_batch_budget_ms") / 1000)
+        gather_s = ctx.setting("llm_gather_ms") / 1000
+        # The door batches steps for an engine that runs a batch at a time (ONNX); the device engine batches in
+        # flight (a step joins the running loop between iterations), where the door would only add its wait. As
+        # the llm model decides it (`llm_engine`: its environment or the default, auto = the device engine where a
+        # GPU is), the door stands aside.
+        if pick_engine(ctx.setting("llm_engine"), gpu_available()) == "paged":
+            gather_s, window = 0.0, BatchWindow()
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.stages = TritonBlsStages()
         self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
+                                       llm_gather_s=gather_s, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
                                        prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))
