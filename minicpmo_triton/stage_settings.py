@@ -38,19 +38,19 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
                  "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
     StageSetting("kv_pool_size", "0.5", float, ("llm",),
-                 "the paged engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),
-                 "the paged engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
+                 "the device engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
     StageSetting("audio_engine", "auto", str, ("llm",),
-                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a paged pool on "
+                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a pool on "
                  "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
     StageSetting("audio_pool_size", "0.3", float, ("llm",),
-                 "the paged Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "the device Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
                  "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts",),
-                 "auto (the paged TTS on a GPU instance, ONNX on the CPU), paged or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
     StageSetting("tts_pool_size", "0.05", float, ("tts",),
-                 "the paged TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("engine_rows", "256", int, ("llm", "tts"),
                  "the device engine's persistent batch: rows decoding at once (its largest CUDA graph bucket)"),
     StageSetting("engine_graphs", "1", int, ("llm", "tts"),

@@ -51,6 +51,8 @@ class PoolKv:
 
     def feed(self, cache: PagedCache, prefill: Any) -> PagedCache:
         """Tokens into one session's cache now, alone (no decode): the core's running rows are not stepped."""
+        if not len(prefill):
+            return cache
         self.core.runner.feed(cache.seq, cache.length, prefill)
         return PagedCache(cache.seq, cache.length + len(prefill))
 

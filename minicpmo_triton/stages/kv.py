@@ -111,6 +111,8 @@ class HostKv:
 
     def feed(self, cache: KvCache, prefill: Any) -> KvCache:
         """Tokens into one session's cache, alone (no decode)."""
+        if not len(prefill):
+            return cache
         batch = KvBatch([cache])
         [feeds] = self.feeds([prefill])
         n = np.array([len(next(iter(feeds.values())))], np.int64)
