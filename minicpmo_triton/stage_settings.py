@@ -38,7 +38,8 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
                  "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
     StageSetting("kv_pool_size", "0.5", float, ("llm",),
-                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "(CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),
                  "the device engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
     StageSetting("audio_engine", "auto", str, ("llm",),
