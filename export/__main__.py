@@ -21,6 +21,7 @@ from .checkpoint import DEFAULT_VOICE, copy_causal_vocoder, copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
+from .tensorrt_build import NOT_BUILT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"({time.perf_counter() - t0:.1f} s)")
         if not parity.ok:
             failures.append(parity)
-        if args.runtime == "tensorrt":
+        if args.runtime == "tensorrt" and graph.name not in NOT_BUILT:
             from .tensorrt_build import build_engine, profiles
 
             build_engine(path, path.with_suffix(".plan"), profiles(graph.name, preset, args.max_batch))

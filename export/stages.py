@@ -302,7 +302,7 @@ def stage_files(preset: PresetConfig, modules: dict[str, nn.Module], seed: int) 
             f"tts/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["tts"])}
 
 
-PAGED_WEIGHTS = "weights.safetensors"  # the paged engines' weights (minicpmo_triton/paged), beside model.onnx
+PAGED_WEIGHTS = "weights.safetensors"  # the device engines' weights (minicpmo_triton/engine), beside model.onnx
 
 
 def paged_weights_bytes(preset: PresetConfig, module: nn.Module) -> bytes:

@@ -35,21 +35,31 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "how often idle state is swept and the live-sequence gauge published"),
     StageSetting("ort_threads", "1", int, ENGINES, "onnxruntime intra-op threads per model instance"),
     StageSetting("llm_engine", "auto", str, ("llm",),
-                 "auto (the paged engine on a GPU instance, ONNX on the CPU), paged or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
+                 "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
     StageSetting("kv_pool_size", "0.5", float, ("llm",),
-                 "the paged engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "(CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),
-                 "the paged engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
+                 "the device engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
     StageSetting("audio_engine", "auto", str, ("llm",),
-                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a paged pool on "
+                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a pool on "
                  "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
     StageSetting("audio_pool_size", "0.3", float, ("llm",),
-                 "the paged Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "the device Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
                  "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts",),
-                 "auto (the paged TTS on a GPU instance, ONNX on the CPU), paged or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
     StageSetting("tts_pool_size", "0.05", float, ("tts",),
-                 "the paged TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+    StageSetting("engine_rows", "256", int, ("llm", "tts"),
+                 "the device engine's persistent batch: rows decoding at once (its largest CUDA graph bucket)"),
+    StageSetting("engine_graphs", "1", int, ("llm", "tts"),
+                 "the device engine's decode step replayed as CUDA graphs per batch bucket (0: eager; the CPU: eager)"),
+    StageSetting("engine_overlap", "1", int, ("llm", "tts"),
+                 "the device engine launches an iteration before reading the previous one's tokens (0: one by one)"),
+    StageSetting("engine_compile", "1", int, ("llm", "tts"),
+                 "the device engines' layers and flex attention torch.compile'd on a GPU (0: eager)"),
     StageSetting("admit_tokens", "1024", int, ("llm",),
                  "the pool room a new session needs; refused with pool_full (retryable) when there is less"),
     StageSetting("stage_engine", "auto", str, ("token2wav", "vision_encoder", "audio_encoder"),

@@ -24,17 +24,18 @@ from . import duplex_contract as contract
 from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
+from .engine.protocol import pick_engine
 from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
 from .model_config import load_stage_config
-from .paged.protocol import pick_engine, pick_llm_engine
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_engine import Placement, Probe, place
 from .stage_io import STAGE_IO, decode, encode
 from .stage_settings import stage_setting
-from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
+from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from .stages.base import SequenceStage, StageCall, answer_order
+from .stages.kv import StageKv
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
 from .stages.tts import TtsStage
@@ -44,12 +45,10 @@ from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
 
-if TYPE_CHECKING:  # torch: imported only where the paged engine is built
-    from .paged.engine import PagedLlmEngine
-    from .paged.tts import PagedTtsEngine
-    from .paged.whisper import PagedWhisper
+if TYPE_CHECKING:  # torch: imported only where the device engine is built
     from .stages.inflight import InflightLoop
     from .stages.token2wav_inflight import InflightToken2Wav
+    from .tokenizer import Tokenizer
 
 _FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
 
@@ -217,10 +216,10 @@ def _threads(ctx: _ModelContext) -> int:
 
 class _InflightStageModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): each request is answered through its response sender with the final flag. On the
-    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
+    device engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
     answers each when its row is done; on ONNX it answers its batch before it returns, as a plain model would."""
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
@@ -228,13 +227,13 @@ class _InflightStageModel(_StatefulStageModel):
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
-        paged = getattr(self.stage, "paged", None)
-        self.inflight: InflightLoop[Any, Any, Any] | None = None
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None, counted=self.stage.counted)
+        core = getattr(getattr(self.stage, "kv", None), "core", None)
+        self.inflight: InflightLoop[Any, Any] | None = None
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=core is None, counted=self.stage.counted)
         self.device_gauge = _DeviceGauge(ctx.name, self.device_label(ctx))
-        if paged is not None:
-            pool = paged.pool
-            kv_free = stage_metric(ctx.name, "kv_free_blocks", "Free blocks in the paged engine's KV pool")
+        if core is not None:
+            pool = core.runner.pool
+            kv_free = stage_metric(ctx.name, "kv_free_blocks", "Free blocks in the device engine's KV pool")
 
             def changed() -> None:  # on the engine thread, after a call's admission or its answer
                 self.gauge.update()
@@ -266,8 +265,8 @@ class LlmModel(_InflightStageModel):
     stage_name = "llm"
     stage: LlmStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.llm_inflight import InflightLlm  # torch, as the device engine
 
         return InflightLlm(self.stage, period_s, changed)
 
@@ -275,21 +274,22 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        llm = _llm_engine(ctx)  # first: on a GPU its pool's share is of the memory free before the Whisper's
-        encoder = AudioStreamEncoder(_audio_stream_engine(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
+        llm = _llm_kv(ctx, tokenizer)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        encoder = AudioStreamEncoder(_audio_stream_kv(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
                                      ctx.preset.samples_per_audio_token)
         return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
 
 
-def _audio_stream_engine(ctx: _ModelContext, folder: Path) -> Engine | PagedWhisper:
-    """The duplex stream's Whisper: the stream.onnx graph, or the paged encoder (its KV pool on the instance's
+def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
+    """The duplex stream's Whisper: the stream.onnx graph, or the device encoder (its KV pool on the instance's
     device), as `audio_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("audio_engine"), device != "cpu", "audio_engine") == "onnx":
         return load_engine(folder, _threads(ctx), "stream")
-    from .paged.whisper import load_paged_whisper  # torch
+    from .engine.whisper import load_paged_whisper  # torch
 
-    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"))
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
+                              compiled=_compiled(ctx))
 
 
 def _device(ctx: _ModelContext) -> str:
@@ -297,41 +297,54 @@ def _device(ctx: _ModelContext) -> str:
     return f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
 
 
-def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
-    """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
-    device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
-    device = _device(ctx)
-    if pick_llm_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
-        return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.engine import load_paged_engine  # torch
+def _compiled(ctx: _ModelContext) -> bool | None:
+    """`engine_compile`: the device engines' layers and attention compiled (None: on CUDA); 0 turns it off."""
+    return None if ctx.setting("engine_compile") else False
 
-    return load_paged_engine(ctx.version_dir, ctx.preset.llm, device, ctx.preset.duplex.context_tokens,
-                             pool_size=ctx.setting("kv_pool_size"), kv_dtype=ctx.setting("kv_dtype"))
+
+def _core_settings(ctx: _ModelContext) -> dict[str, Any]:
+    """The engine core's settings: its batch rows, CUDA graphs, overlap, compiled layers."""
+    return {"rows": ctx.setting("engine_rows"), "graphs": None if ctx.setting("engine_graphs") else False,
+            "overlap": bool(ctx.setting("engine_overlap")), "compile_layers": _compiled(ctx)}
+
+
+def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
+    """The exported ONNX graph with host caches, or the device engine: the KV pool and the token choice on the
+    instance's device (its GPU for a KIND_GPU instance where CUDA is, else the CPU), as `llm_engine` says."""
+    device = _device(ctx)
+    if pick_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
+        from .engines import OnnxEngine
+
+        return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
+    from .engine.stage_kv import load_llm_kv  # torch
+
+    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
+                       kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
 
 
 class TtsModel(_InflightStageModel):
     stage_name = "tts"
     stage: TtsStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.tts_inflight import InflightTts  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))
+        return TtsStage(_tts_kv(ctx), ctx.preset, _ttl(ctx))
 
 
-def _tts_engine(ctx: _ModelContext) -> Engine | PagedTtsEngine:
-    """ONNX, or the paged TTS (its own KV pool on the instance's device), as `tts_engine` says."""
+def _tts_kv(ctx: _ModelContext) -> Engine | StageKv:
+    """ONNX, or the device TTS (its own KV pool on the instance's device), as `tts_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
         return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.tts import load_paged_tts  # torch
+    from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    return load_paged_tts(ctx.version_dir, ctx.preset.tts, device, pool_size=ctx.setting("tts_pool_size"),
-                          max_tokens=TURN_TOKENS)
+    return load_tts_kv(ctx.version_dir, ctx.preset, device, pool_size=ctx.setting("tts_pool_size"),
+                       max_tokens=TURN_TOKENS, **_core_settings(ctx))
 
 
 class _VoicePromptCounter:
@@ -477,10 +490,17 @@ class DuplexModel:
                              min_sessions=ctx.setting("llm_batch_min_sessions"),
                              max_sessions=ctx.setting("llm_batch_max_sessions"),
                              budget_s=ctx.setting("llm_batch_budget_ms") / 1000)
+        gather_s = ctx.setting("llm_gather_ms") / 1000
+        # The door batches steps for an engine that runs a batch at a time (ONNX); the device engine batches in
+        # flight (a step joins the running loop between iterations), where the door would only add its wait. As
+        # the llm model decides it (`llm_engine`: its environment or the default, auto = the device engine where a
+        # GPU is), the door stands aside.
+        if pick_engine(ctx.setting("llm_engine"), gpu_available()) == "paged":
+            gather_s, window = 0.0, BatchWindow()
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.stages = TritonBlsStages()
         self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
+                                       llm_gather_s=gather_s, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
                                        prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))

@@ -48,8 +48,8 @@ from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
 from minicpmo_triton.duplex_rules import forbidden_token_mask, stream_decode
 from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
+from minicpmo_triton.engine.stage_kv import llm_kv
 from minicpmo_triton.engines import OnnxEngine
-from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
@@ -253,14 +253,13 @@ def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window
 
 def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
              engine: str = "onnx", overrides: set[int] = OVERRIDES) -> list[dict[str, Any]]:
-    """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
-    sampling on the device), called as a batch (`paged`) or through the in-flight loop the Triton model runs
-    (`inflight`: each call queued, answered when its row is done)."""
+    """The LLM stage on the host path (ONNX, host KV caches) or on the engine core (KV pool, decode rules and
+    sampling on the device, iterations overlapped), called as a batch (`paged`) or through the in-flight loop the
+    Triton model runs (`inflight`: each call queued, answered when its row is done)."""
     preset = checkpoint["preset"]
     tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(preset.tokens).values()))
     llm = OnnxEngine(checkpoint["onnx"], threads=1) if engine == "onnx" else \
-        PagedLlmEngine.build(checkpoint["llm_weights"], preset.llm, pool_tokens=4096, attention="gather",
-                             max_tokens=preset.duplex.context_tokens)
+        llm_kv(checkpoint["llm_weights"], preset, tokenizer, pool_tokens=4096, attention="gather")
     stage = LlmStage(llm, preset, tokenizer, 600.0)
     loop = InflightLlm(stage, 600.0) if engine == "inflight" else None
     try:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.paged.traffic import CountingEngine, Traffic
 from minicpmo_triton.stage_io import Token2WavRequest, Token2WavResult
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.token2wav import Token2WavStage

@@ -29,12 +29,12 @@ import torch
 
 from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
 from ..causal_vocoder import CausalSlots, CausalTurn, CausalVocoder
+from ..engine.traffic import Traffic
 from ..engines import Engine, load_engine
 from ..errors import Code, StepError
 from ..hift import VocoderChunk, build_hift, fold_weight_norm
 from ..model_config import Token2WavDims
 from ..official_stepaudio2 import load_flow_yaml
-from ..paged.traffic import Traffic
 from .token2wav_flow import RingFlow
 from .token2wav_graphs import CfmGraphs
 from .token2wav_ring import (
@@ -297,7 +297,13 @@ class DeviceStreamer:
 
     # ---- uploads ----
     def _up(self, kind: str, value: np.ndarray) -> torch.Tensor:
-        return self.traffic.upload(kind, np.ascontiguousarray(value), self.device)
+        value = np.ascontiguousarray(value)
+        self.traffic.to_device[kind] += value.nbytes
+        return torch.as_tensor(value).to(self.device, non_blocking=True)
+
+    def _down(self, tensor: torch.Tensor) -> np.ndarray:
+        self.traffic.to_host["outputs"] += tensor.numel() * tensor.element_size()
+        return tensor.detach().cpu().numpy()
 
     def _rows(self, keys: list[dict[str, list[int]]], own: list[int]) -> FlowRows:
         """The rows' key lists, padded, up to the device."""
@@ -404,7 +410,7 @@ class DeviceStreamer:
                        stream.first_chunk)
                 groups[key].append(i)
             elif last and stream.slot is not None and stream.speech_len:  # nothing left to decode: the held tail
-                out[i] = self.traffic.download("outputs", self.hift.speech[stream.slot, :stream.speech_len])
+                out[i] = self._down(self.hift.speech[stream.slot, :stream.speech_len])
         for (carried, new, source_len, held, last, first), idx in groups.items():
             streams = [rows[i][0] for i in idx]
             slots = self._up("inputs", np.asarray([s.slot for s in streams], np.int64))
@@ -429,7 +435,7 @@ class DeviceStreamer:
                 speech = speech[:, :-ls]
                 if first:  # as the official stream: the first chunk keeps its length
                     speech = torch.cat([torch.zeros(len(idx), ls, device=self.device), speech], dim=1)
-            audio = self.traffic.download("outputs", speech)
+            audio = self._down(speech)
             for row, (i, stream) in enumerate(zip(idx, streams, strict=True)):
                 out[i] = audio[row]
                 stream.mel_len, stream.source_len, stream.speech_len = keep, tail, 0 if last else tail

@@ -1,8 +1,9 @@
-"""The paged LLM engine (KV pool on the device, attention over blocks in place, sampling and the duplex rules on
-the device) against today's path (the exported ONNX graph, host KV caches), on `tiny`: same logits within 1e-4,
-same tokens (greedy and sampled, same seeds), ragged batches, rows ending at different iterations, rollback,
-undo after a failing row, END and eviction freeing blocks, the pool-full refusal. Each on the CPU and, where
-one exists, on CUDA (there in bf16, so tokens only where the reference is fp32 on the same device)."""
+"""The LLM on the engine core (KV pool on the device, attention over blocks in place, sampling and the duplex rules
+on the device, the next iteration launched before the host reads this one's tokens) against the host path (the
+exported ONNX graph, host KV caches), on `tiny`: same logits within 1e-4, same tokens (greedy and sampled, same
+seeds), ragged batches, rows ending at different iterations, rollback, undo after a failing row, END and eviction
+freeing blocks, the pool-full refusal. Each on the CPU and, where one exists, on CUDA (there in fp32 for the tokens,
+and as served: bf16, flex, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,16 @@ import torch
 
 from export.presets import TINY_SEED, tiny
 from export.stages import build_modules
+from minicpmo_triton.engine.attention import Decode, FlexAttention, GatherAttention, Rows
+from minicpmo_triton.engine.pool import KvPool, PoolShape
+from minicpmo_triton.engine.protocol import NOT_FINITE, Prefill
+from minicpmo_triton.engine.request import Request
+from minicpmo_triton.engine.stage_kv import PoolKv, llm_kv
+from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.kv_batch import KvBatch, KvCache, right_pad
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
-from minicpmo_triton.paged.engine import PagedLlmEngine
-from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
-from minicpmo_triton.paged.sampler import DeviceSampler
-from minicpmo_triton.paged.traffic import CountingEngine, Traffic
-from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall
@@ -49,15 +49,20 @@ def weights() -> dict[str, torch.Tensor]:
     return build_modules(tiny(), TINY_SEED)["llm"].state_dict()
 
 
-def paged_engine(preset, weights, device: str = "cpu", **kw: Any) -> PagedLlmEngine:
+def tokenizer(preset):
+    return load_tokenizer(preset, MODEL_REPOSITORY / "duplex" / "1")
+
+
+def paged_engine(preset, weights, device: str = "cpu", **kw: Any) -> PoolKv:
+    """The LLM's device KV (its engine core): gather attention on the CPU unless asked otherwise."""
     kw = {"pool_size": 0.01, "attention": "gather", **kw}
-    return PagedLlmEngine.build(weights, preset.llm, device=device, max_tokens=preset.duplex.context_tokens, **kw)
+    return llm_kv(weights, preset, tokenizer(preset), device=device, **kw)
 
 
 def stage(preset, engine: Any, **kw: Any) -> LlmStage:
     encoder = AudioStreamEncoder(load_engine(MODEL_REPOSITORY / "audio_encoder" / "1", name="stream"), preset.audio,
                                  preset.samples_per_audio_token)
-    return LlmStage(engine, preset, load_tokenizer(preset, MODEL_REPOSITORY / "duplex" / "1"), 600.0, encoder, **kw)
+    return LlmStage(engine, preset, tokenizer(preset), 600.0, encoder, **kw)
 
 
 def onnx_stage(preset) -> LlmStage:
@@ -131,8 +136,8 @@ def test_logits_of_a_ragged_batch_match_the_onnx_graph(preset, weights) -> None:
         ref = onnx.run({"input_ids": right_pad([r.ids for r in rows]), "embeds": right_pad(embeds),
                         "use_embeds": right_pad([r.use for r in rows]), **batch.feeds(new)})
         batch.advance(ref["present_key"], ref["present_value"], new)
-        got = eng.forward(seqs, pasts, rows)
-        np.testing.assert_allclose(got.logits.cpu().numpy(), ref["logits"], atol=1e-4)
+        got = eng.core.runner.logits(seqs, pasts, rows)
+        np.testing.assert_allclose(got.cpu().numpy(), ref["logits"], atol=1e-4)
         pasts = [p + n for p, n in zip(pasts, new, strict=True)]
 
 
@@ -172,15 +177,7 @@ def test_a_failing_row_is_undone_and_the_others_are_unchanged(preset, weights) -
     rows get what today's path gives them, the broken row an error and its length back, so its next step is
     today's too; its blocks are not lost (after END the pool is whole)."""
     tk = preset.tokens
-    eng = paged_engine(preset, weights)
-    forward = eng.forward
-
-    def breaking(seqs: list[int], pasts: list[int], rows: list[Prefill]) -> Any:
-        if any(tk.audio_start in r.ids for r in rows):
-            raise RuntimeError("the forward failed")
-        return forward(seqs, pasts, rows)
-
-    eng.forward = breaking  # type: ignore[method-assign]
+    eng = breaking(paged_engine(preset, weights), tk.audio_start)
 
     def poison(step: int, call: StageCall) -> StageCall:
         if step != 1 or call.corr_id != 2:
@@ -207,6 +204,20 @@ def test_a_failing_row_is_undone_and_the_others_are_unchanged(preset, weights) -
     assert eng.pool.free_blocks == eng.pool.num_blocks and not eng.pool.tables
 
 
+def breaking(kv: PoolKv, token: int) -> PoolKv:
+    """The core's iterations raise whenever a prefill in them holds `token` (a forward with no row to blame)."""
+    runner = kv.core.runner
+    step = runner.step
+
+    def failing(batch: Any) -> Any:
+        if any(token in p.request.prefill.ids for p in batch.prefills):
+            raise RuntimeError("the forward failed")
+        return step(batch)
+
+    runner.step = failing  # type: ignore[method-assign]
+    return kv
+
+
 def test_end_and_eviction_give_the_blocks_back(preset, weights) -> None:
     eng = paged_engine(preset, weights)
     st = stage(preset, eng)
@@ -223,10 +234,8 @@ def test_end_and_eviction_give_the_blocks_back(preset, weights) -> None:
 def test_a_full_pool_refuses_a_new_session_with_a_retryable_code(preset, weights) -> None:
     """A pool of 40 blocks of 16 tokens admits two sessions needing room for 256 tokens each, refuses the third
     at its START (pool_full, retryable), and admits it once one has ended."""
-    eng = paged_engine(preset, weights)
-    small = PagedLlmEngine(type(eng.model)(weights, preset.llm, type(eng.pool)(eng.pool.shape, 40, torch.float32,
-                                                                               traffic=eng.traffic),
-                                           eng.model.attention, torch.float32), eng.traffic)
+    small = paged_engine(preset, weights, pool_tokens=40 * 16)
+    assert small.pool.num_blocks == 40
     st = stage(preset, small, admit_tokens=256)
     calls = [StageCall(chunk(preset, c, 0, temperature=0.0), c, start=True) for c in (1, 2, 3)]
     out = st.run(calls)
@@ -254,7 +263,7 @@ def test_bytes_per_step_do_not_grow_with_context_on_the_paged_path(preset, weigh
     traffic = Traffic()
     onnx = stage(preset, CountingEngine(load_engine(MODEL_REPOSITORY / "llm" / "1"), traffic))
     paged = stage(preset, paged_engine(preset, weights))
-    new = {h: _step_bytes(paged, paged.paged.traffic, preset, h) for h in (200, 4000)}  # type: ignore[union-attr]
+    new = {h: _step_bytes(paged, paged.kv.pool.traffic, preset, h) for h in (200, 4000)}  # type: ignore[attr-defined]
     old = {h: _step_bytes(onnx, traffic, preset, h) for h in (200, 4000)}
     assert new[200] > 0
     assert abs(new[4000] - new[200]) <= 0.05 * new[200], new
@@ -262,26 +271,47 @@ def test_bytes_per_step_do_not_grow_with_context_on_the_paged_path(preset, weigh
     assert old[200] > new[200], (old, new)
 
 
+def _interleaved_pool(device: str, lens: list[tuple[int, int]], block: int) -> tuple[KvPool, list[int]]:
+    """A pool whose sessions' blocks interleave (reserved a block at a time, in turn), random keys and values."""
+    pool = KvPool(PoolShape(1, 2, 32, block), 64, device=device)
+    pool.key[0][:-1].normal_()
+    pool.value[0][:-1].normal_()
+    seqs = [pool.open(1) for _ in lens]
+    for grow in range(1, max(p + c for p, c in lens) + 1, block):
+        for seq, (past, count) in zip(seqs, lens, strict=True):
+            pool.reserve(seq, min(grow, past + count))
+    pool.flush()
+    return pool, seqs
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("news", [(3, 1, 20), (1, 1, 1)], ids=["packed", "decode"])
-def test_the_flex_backend_attends_as_the_gather_does(device: str, news: tuple[int, int, int]) -> None:
-    """Three rows (3 new tokens on 5, 1 on 40, 20 on 17; or one each: a decode, its batch and tables padded
-    to 8 rows and 8 blocks) whose blocks are interleaved in the pool: torch's flex_attention over the pool with
-    the tables' block mask (compiled on CUDA, unfused on the CPU) gives the reference gather's output."""
+def test_the_flex_backend_attends_as_the_gather_does(device: str) -> None:
+    """Three rows (3 new tokens on 5, 1 on 40 blocks' worth, 20 on 17) whose blocks interleave in the pool, as a
+    varlen forward; then one token a row on the same sessions as a static decode batch of a bucket of 4 rows (the
+    fourth idle: the trash block) and the pool's whole table width: torch's flex_attention over the pool with its
+    block mask from the tables and the pool's owner / logical maps (compiled on CUDA, unfused on the CPU) gives the
+    reference gather's output."""
     torch.manual_seed(0)
     block = 16 if device == "cpu" else 128
-    pool = KvPool(PoolShape(1, 2, 32, block), 64, device=device)
-    pool.key[0].normal_()
-    pool.value[0].normal_()
-    lens = list(zip([5, 40 * block // 16, 17], news, strict=True))
-    seqs = [pool.open(1) for _ in lens]
-    for seq, (past, count) in zip(seqs, lens, strict=True):
-        pool.reserve(seq, past + count)
-    rows = Rows(pool.block_table(seqs, [p + c for p, c in lens]), [p for p, _ in lens], [c for _, c in lens])
+    lens = list(zip([5, 40 * block // 16, 17], [3, 1, 20], strict=True))
+    pool, seqs = _interleaved_pool(device, lens, block)
+    seq_t = torch.tensor(seqs, device=device)
+    width = max(pool.shape.blocks_for(p + c) for p, c in lens)
+    rows = Rows(pool.device_tables[seq_t, :width], [p for p, _ in lens], [c for _, c in lens], seq=seq_t)
     q = torch.randn(sum(c for _, c in lens), 4, 32, device=device)
-    ref = GatherAttention()(q, pool.key[0], pool.value[0], rows)
-    got = FlexAttention(compiled=device == "cuda")(q, pool.key[0], pool.value[0], rows)
-    torch.testing.assert_close(got, ref, atol=2e-3 if device == "cuda" else 1e-5, rtol=0)
+    flex = FlexAttention(pool, compiled=device == "cuda")
+    tol = {"atol": 2e-3 if device == "cuda" else 1e-5, "rtol": 0}
+    torch.testing.assert_close(flex(q, pool.key[0], pool.value[0], rows),
+                               GatherAttention()(q, pool.key[0], pool.value[0], rows), **tol)
+    idle = torch.tensor([pool.trash_seq], device=device)
+    seq4 = torch.cat([seq_t, idle])
+    table = pool.device_tables.index_select(0, seq4)  # the whole width: the trash block past each row's blocks
+    length = torch.tensor([p + c for p, c in lens] + [1], device=device)
+    decode = Decode(table, length, seq4)
+    q = torch.randn(4, 4, 32, device=device)
+    got = flex(q, pool.key[0], pool.value[0], decode)
+    torch.testing.assert_close(got, GatherAttention()(q, pool.key[0], pool.value[0], decode), **tol)
+    assert torch.isfinite(got).all()
 
 
 def test_export_prints_the_pool_n_sessions_need() -> None:
@@ -308,71 +338,86 @@ def test_an_fp8_pool_holds_four_times_the_tokens_and_stays_close(preset, weights
     for kv in ("auto", "fp8"):
         eng = paged_engine(preset, weights, kv_dtype=kv)
         seqs = [eng.pool.open(64) for _ in rows]
-        logits[kv] = eng.forward(seqs, [0, 0], rows).logits
+        logits[kv] = eng.core.runner.logits(seqs, [0, 0], rows)
         blocks[kv] = eng.pool.num_blocks
     assert abs(blocks["fp8"] - 4 * blocks["auto"]) < 4  # the budget divided in whole blocks
     scale = logits["auto"].abs().max().item()
     assert 0 < (logits["fp8"] - logits["auto"]).abs().max().item() < 0.05 * scale
 
 
-class GreedyRows:
-    """A driver: each row greedy under the duplex rules (nothing forbidden, no penalty), `n` tokens, each fed."""
+class Greedy:
+    """A row's rules: greedy, nothing forbidden, no penalty, `n` tokens, each fed (the device's rules agree: no
+    terminator among the tokens this test's rows choose)."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tokens: dict[int, list[int]] = {}
+    def __init__(self, n: int, vocab: int) -> None:
+        from minicpmo_triton.engine.protocol import DUPLEX, LlmRow
 
-    def wants_hidden(self, row: int) -> bool:
-        return False
+        self.n, self.tokens = n, []
+        self.row = LlmRow(DUPLEX, 0.0, 0, 1.0, 1.0, 1.0, n + 1, [], [], True, np.zeros(0))
 
-    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
-        raise AssertionError("no hidden rows are asked for")
+    n_hidden = 0
 
-    def pick(self, row: int) -> RowPick | None:
-        if len(self.tokens.setdefault(row, [])) >= self.n:
-            return None
-        return RowPick(DUPLEX, SamplingParams(temperature=0.0, repetition_penalty=1.0))
+    def confirm(self, token: int, flags: int) -> bool:
+        self.tokens.append(token)
+        return len(self.tokens) < self.n
 
-    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
-        self.tokens[row].append(token)
-        return token if len(self.tokens[row]) < self.n else None
+    def done(self) -> None:
+        pass
 
 
 def test_a_session_admitted_mid_decode_joins_the_running_batch(preset, weights) -> None:
-    """In-flight batching in the engine's loop: a session whose 20-token prefill arrives while another decodes
-    joins the next forward, packed beside the other's one-token step; both decide exactly what they decide alone,
-    and the pair takes 3 + 12 forwards, not 12 + 12."""
+    """In-flight batching in the core: a session whose 20-token prefill arrives while another decodes joins the
+    next iteration, its prefill beside the other's one-token step; both decide exactly what they decide alone, and
+    the pair takes 3 + 12 iterations (14 with the overlapped one), not 12 + 12."""
     rng = np.random.default_rng(3)
     prompts = [Prefill(rng.integers(0, 256, n), np.zeros((0, preset.llm.hidden), np.float32), np.zeros(n, bool))
                for n in (9, 20)]
 
-    def engine() -> PagedLlmEngine:
-        eng = paged_engine(preset, weights)
-        eng.use_rules(np.zeros((2, preset.llm.vocab), bool), preset.tokens)
-        return eng
+    def core() -> Any:  # nothing forbidden: the rows' tokens are their greedy argmax
+        kv = paged_engine(preset, weights)
+        kv.core.runner.head.forbidden.zero_()
+        return kv
 
-    alone, forwards = [], 0
-    for prompt in prompts:
-        eng, driver = engine(), GreedyRows(12)
-        eng.run([eng.pool.open(64)], [0], [prompt], driver)
-        alone.append(driver.tokens[0])
-        forwards += eng.model.work.forwards
-    eng, driver = engine(), GreedyRows(12)
-    calls = iter([[], [], [(eng.pool.open(64), 0, prompts[1])]])
-    lengths, _ = eng.run([eng.pool.open(64)], [0], [prompts[0]], driver, admit=lambda: next(calls, []))
-    assert [driver.tokens[0], driver.tokens[1]] == alone
-    assert lengths == [9 + 11, 20 + 11]  # the last token of each is decided, not fed
-    assert eng.model.work.forwards == 3 + 12 < forwards
+    alone, iterations = [], 0
+    for i, prompt in enumerate(prompts):
+        kv = core()
+        req = Request(i, kv.pool.open(64), 0, prompt, Greedy(12, preset.llm.vocab))
+        kv.core.run([req])
+        alone.append(req.rules.tokens)
+        iterations += kv.core.iterations
+    kv = core()
+    first = Request(0, kv.pool.open(64), 0, prompts[0], Greedy(12, preset.llm.vocab))
+    kv.core.add(first)
+    kv.core.step()
+    kv.core.step()
+    second = Request(1, kv.pool.open(64), 0, prompts[1], Greedy(12, preset.llm.vocab))
+    kv.core.add(second)
+    while kv.core.has_work:
+        kv.core.step()
+    assert [first.rules.tokens, second.rules.tokens] == alone
+    assert (first.length, second.length) == (9 + 11, 20 + 11)  # the last token of each is decided, not fed
+    assert second.join_iteration == 2 and kv.core.iterations <= 3 + 12 < iterations
 
 
-@pytest.mark.parametrize("kind", [DUPLEX, CHAT])
-def test_broken_logits_are_a_numeric_error_on_the_device_too(preset, kind: int) -> None:
-    """As the host's `check_finite`: a row whose logits hold NaN is a coded error, never a token."""
-    sampler = DeviceSampler(np.zeros((2, preset.llm.vocab), bool), preset.tokens, torch.device("cpu"), Traffic())
-    logits = torch.zeros(2, preset.llm.vocab)
-    picks = [RowPick(kind, SamplingParams(temperature=0.0)), RowPick(kind, SamplingParams())]
-    assert len(sampler.pick(logits, picks).tokens) == 2
-    logits[1, 5] = float("nan")
+@pytest.mark.parametrize("chat", [False, True])
+def test_broken_logits_are_a_numeric_error_on_the_device_too(preset, weights, chat: bool) -> None:
+    """As the host's `check_finite`: a row whose logits hold NaN is flagged by the device's rules and its host rules
+    make it a coded error, never a token; the other row chooses."""
+    kv = paged_engine(preset, weights)
+    st = stage(preset, kv)
+    calls = [StageCall(chunk(preset, c, 0, chat=chat, temperature=t), c, start=True) for c, t in ((1, 0.0), (2, 0.7))]
+    for call in calls:
+        st.enter(call)
+    rows = [st.prepare(call.request, st.store.get(call.corr_id), call.request.embeds.reshape(-1, preset.llm.hidden))
+            for call in calls]
+    head, runner = kv.core.runner.head, kv.core.runner
+    head.admit([0, 1], [r.row for _, r in rows])
+    kv.pool.flush()
+    raw = torch.zeros(2, preset.llm.vocab)
+    raw[1, 97] = float("nan")  # "a": a token both rule sets allow (a masked one's NaN is -inf to them, as on the host)
+    head.choose(raw, slice(0, 2), runner.state, torch.ones(2, dtype=torch.bool), runner.topk, chat)
+    flags = runner.state.out[:2, 1].tolist()
+    assert not flags[0] & NOT_FINITE and flags[1] & NOT_FINITE
     with pytest.raises(StepError) as info:
-        sampler.pick(logits, picks)
+        rows[1][1].confirm(int(runner.state.out[1, 0]), flags[1])
     assert info.value.code == Code.NUMERIC_ERROR

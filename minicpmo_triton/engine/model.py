@@ -14,22 +14,22 @@ A forward takes every row's new tokens packed in one [N, hidden] batch (a 300-to
 decode rows costs no padding), writes their keys and values into the pool in place and attends over each row's
 blocks. Each layer is two pure functions around the attention (`attention_inputs`: norm, q/k/v, q/k norm, rope;
 `attention_output`: o_proj, residual, norm, MLP), weights passed as arguments: on CUDA they are torch.compile'd
-once and all layers share the two graphs (elementwise work fused, far fewer launches; `compile_layers=False` or
-MINICPMO_PAGED_COMPILE=0 turns it off), on the CPU they run eagerly as written.
+once and all layers share the two graphs (elementwise work fused, far fewer launches; the `engine_compile` setting
+turns it off), on the CPU they run eagerly as written. A forward is either a static decode batch (one token a row
+of a bucket, everything read from persistent buffers: what a CUDA graph captures) or a varlen packed prefill.
 Norms and softmax run in fp32 whatever the weights' dtype (bf16 on the GPU, fp32 on the CPU): Qwen3's
 activations overflow fp16, and fp32 here keeps the CPU path within 1e-4 of the ONNX graph.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch.nn import functional
 
 from ..model_config import DecoderDims
-from .attention import PagedAttention, Rows
+from .attention import Meta, PagedAttention
 from .pool import KvPool
 from .traffic import Work, layer_weight_count
 
@@ -69,13 +69,6 @@ def attention_output(x: torch.Tensor, a: torch.Tensor, wo: torch.Tensor, ln: tor
     return x + functional.linear(gate * functional.linear(h, w_up), w_down)
 
 
-def compile_wanted(device: torch.device, compile_layers: bool | None) -> bool:
-    """None: on CUDA unless MINICPMO_PAGED_COMPILE=0."""
-    if compile_layers is None:
-        return device.type == "cuda" and os.environ.get("MINICPMO_PAGED_COMPILE", "1") != "0"
-    return compile_layers
-
-
 class PagedDecoder:
     def __init__(self, weights: dict[str, torch.Tensor], dims: DecoderDims, pool: KvPool, attention: PagedAttention,
                  dtype: torch.dtype, work: Work | None = None, compile_layers: bool | None = None) -> None:
@@ -92,7 +85,7 @@ class PagedDecoder:
         d = dims
         self.inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32,
                                                              device=self.device) / d.head_dim))
-        self.use_compiled(compile_wanted(self.device, compile_layers))
+        self.use_compiled(self.device.type == "cuda" if compile_layers is None else compile_layers)
 
     def use_compiled(self, on: bool) -> None:
         """The layers' two functions compiled (the same graph for every layer: weights are arguments; N changes
@@ -104,11 +97,16 @@ class PagedDecoder:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["model.embed_tokens.weight"][ids]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def count(self, past: Any, count: Any, head_rows: int, head_bytes: int) -> None:
+        """The work ledger's bill for one forward (rows at `past` bringing `count` tokens each, host-known) and its
+        head over `head_rows` rows."""
+        self.work.count_forward(self.d, past, count, self.layer_bytes, self.pool.shape.token_bytes(self.pool.dtype))
+        self.work.count_head(self.d, head_rows, head_bytes)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, meta: Meta) -> torch.Tensor:
         """x [N, hidden] the new tokens' inputs, positions/slots [N] int64 on the device. Returns the final
         normed hidden states [N, hidden] (they stay on the device)."""
         d, w = self.d, self.w
-        self.work.count_forward(d, rows, self.layer_bytes, self.pool.shape.token_bytes(self.pool.dtype))
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [N, 1, D]
         cos, sin = emb.cos(), emb.sin()
@@ -120,7 +118,7 @@ class PagedDecoder:
                                    w[p + "self_attn.k_proj.weight"], w[p + "self_attn.v_proj.weight"], q_norm, k_norm,
                                    cos, sin, d.rms_eps, d.heads, d.kv_heads, d.head_dim)
             self.pool.write(i, slots, k, v)
-            a = self.attention(q, self.pool.key[i], self.pool.value[i], rows)
+            a = self.attention(q, self.pool.key[i], self.pool.value[i], meta)
             x = self._output(x, a, w[p + "self_attn.o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                              w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"],
                              d.rms_eps)
@@ -128,5 +126,4 @@ class PagedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, vocab] fp32 for the rows' last hidden states; they never leave the device."""
-        self.work.count_head(self.d, hidden.shape[0], self.head_bytes)
         return functional.linear(hidden, self.w["lm_head.weight"]).to(torch.float32)

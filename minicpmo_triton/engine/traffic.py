@@ -3,9 +3,9 @@
 
 Traffic is counted by kind, so a step's bill says what it moved: `state` (KV caches), `logits`, `inputs` (ids,
 embeddings, positions, sampling settings) and `outputs` (token ids, the hidden rows the TTS needs). Both
-paths are counted the same way: the paged engine's uploads and downloads, and for today's path every feed
-and output of an `Engine.run`, which is what `TensorRTEngine.run` copies each call. On the CPU nothing really
-crosses; the count is what would on a GPU.
+paths are counted the same way: the engine core's one staging copy and one download per iteration, and for the
+host-cache path every feed and output of an `Engine.run` (what a device engine fed from the host would copy each
+call). On the CPU nothing really crosses; the count is what would on a GPU.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..model_config import DecoderDims
 
 if TYPE_CHECKING:
     from ..engines import Engine
-    from .attention import Rows
 
 KINDS = ("state", "logits", "inputs", "outputs")
 STATE_NAMES = {"past_key", "past_value", "past_mask", "present_key", "present_value"}
@@ -31,15 +29,6 @@ STATE_NAMES = {"past_key", "past_value", "past_mask", "present_key", "present_va
 class Traffic:
     to_device: Counter[str] = field(default_factory=Counter)
     to_host: Counter[str] = field(default_factory=Counter)
-
-    def upload(self, kind: str, value: np.ndarray | torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-        tensor = torch.as_tensor(value)
-        self.to_device[kind] += tensor.numel() * tensor.element_size()
-        return tensor.to(device, non_blocking=True)
-
-    def download(self, kind: str, tensor: torch.Tensor) -> np.ndarray:
-        self.to_host[kind] += tensor.numel() * tensor.element_size()
-        return tensor.detach().cpu().numpy()
 
     def total(self) -> int:
         return sum(self.to_device.values()) + sum(self.to_host.values())
@@ -99,14 +88,17 @@ class Work:
     kv_written: float = 0.0
     forwards: int = 0
 
-    def count_forward(self, d: DecoderDims, rows: Rows, weight_bytes: int, kv_token_bytes: int) -> None:
-        """One packed forward: every layer's weights read once for the whole batch, each row's keys and values
-        read once (its queries share them), the new tokens' written once."""
-        n = sum(rows.count)
-        seen = sum(c * p + c * (c + 1) // 2 for p, c in zip(rows.past, rows.count, strict=True))
+    def count_forward(self, d: DecoderDims, past: np.ndarray, count: np.ndarray, weight_bytes: int,
+                      kv_token_bytes: int) -> None:
+        """One packed forward (rows at `past` bringing `count` new tokens each): every layer's weights read once for
+        the whole batch, each row's keys and values read once (its queries share them), the new tokens' written
+        once."""
+        past, count = np.asarray(past, np.int64), np.asarray(count, np.int64)
+        n = int(count.sum())
+        seen = int((count * past + count * (count + 1) // 2).sum())
         self.flops += n * layer_flops_per_token(d) + 4 * d.layers * d.heads * d.head_dim * seen
         self.weight_bytes += weight_bytes
-        self.kv_read += sum(p + c for p, c in zip(rows.past, rows.count, strict=True)) * kv_token_bytes
+        self.kv_read += int((past + count).sum()) * kv_token_bytes
         self.kv_written += n * kv_token_bytes
         self.forwards += 1
 

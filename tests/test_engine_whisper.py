@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from minicpmo_triton.engine.attention import FlexAttention, GatherAttention, Rows
+from minicpmo_triton.engine.build import load_weights
+from minicpmo_triton.engine.pool import KvPool, PoolShape
+from minicpmo_triton.engine.protocol import PagedCache, pick_engine
+from minicpmo_triton.engine.traffic import CountingEngine, Traffic
+from minicpmo_triton.engine.whisper import PagedWhisper
 from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.paged.attention import FlexAttention, GatherAttention, Rows
-from minicpmo_triton.paged.build import load_weights
-from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.protocol import PagedCache, pick_engine
-from minicpmo_triton.paged.traffic import CountingEngine, Traffic
-from minicpmo_triton.paged.whisper import PagedWhisper
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStream, AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall, _restore, _snapshot
@@ -72,9 +72,9 @@ def audio(seed: int, seconds: float = 1.0) -> np.ndarray:
 
 def pool_keys(enc: AudioStreamEncoder, stream: AudioStream, layer: int) -> np.ndarray:
     """A stream's keys gathered from the pool, as the graph's cache holds them: [heads, length, head_dim]."""
-    assert enc.paged is not None and isinstance(stream.cache, PagedCache)
-    pool, cache = enc.paged.pool, stream.cache
-    slots = pool.slots(cache.seq, 0, cache.length).to(pool.device)
+    assert isinstance(enc.kv, PagedWhisper) and isinstance(stream.cache, PagedCache)
+    pool, cache = enc.kv.pool, stream.cache
+    slots = torch.as_tensor(pool.slots(cache.seq, 0, cache.length)).to(pool.device)
     flat = pool.key[layer].view(-1, pool.shape.kv_heads, pool.shape.head_dim)
     return flat[slots].transpose(0, 1).float().cpu().numpy()
 
@@ -100,7 +100,7 @@ def test_embeddings_match_the_onnx_graph_over_many_chunks(preset, weights, devic
         got = new.run([(chunks[c], streams["paged"][c]) for c in live])
         for c, w, g in zip(live, want, got, strict=True):
             assert g.shape == w.shape == (int(10 * joins[c][1]), preset.llm.hidden)
-            np.testing.assert_allclose(g, w, atol=1e-4, err_msg=f"session {c} step {step}")
+            np.testing.assert_allclose(g.cpu().numpy(), w, atol=1e-4, err_msg=f"session {c} step {step}")
             o, p = streams["onnx"][c].cache, streams["paged"][c].cache
             assert isinstance(p, PagedCache) and o is not None and p.length == o.length
             restarts += o.length < lengths[c]
@@ -112,8 +112,7 @@ def test_end_and_eviction_free_the_streams_blocks(preset, weights) -> None:
     """In the LLM stage (where the duplex audio is encoded): two sessions' chunks take blocks; END gives one
     session's back, the idle sweep the other's."""
     enc = paged(preset, weights)
-    assert enc.paged is not None
-    pool = enc.paged.pool
+    pool = enc.kv.pool  # type: ignore[attr-defined]
     llm = LlmStage(load_engine(MODEL_REPOSITORY / "llm" / "1"), preset,
                    load_tokenizer(preset, MODEL_REPOSITORY / "duplex" / "1"), 600.0, enc)
     tk = preset.tokens
@@ -138,8 +137,7 @@ def test_a_full_pool_refuses_before_the_batch_with_a_retryable_code(preset, weig
     a second session is refused at its reserve (pool_full, retryable) and so is the first one's second chunk;
     once the second session's blocks are back, both go on. Nothing is written before the refusal."""
     enc = paged(preset, weights, pool_tokens=6 * 16)
-    assert enc.paged is not None
-    pool = enc.paged.pool
+    pool = enc.kv.pool  # type: ignore[attr-defined]
     a, b = AudioStream(), AudioStream()
     enc.reserve(a, 16_000)
     with pytest.raises(StepError) as refused:
@@ -174,8 +172,7 @@ def test_bytes_per_chunk_stay_flat_as_the_history_grows(preset, weights) -> None
     the chunk's mel, its positions and slots and the embeddings, the same at 2 and 20."""
     traffic = Traffic()
     old_enc, new_enc = onnx(preset, traffic=traffic), paged(preset, weights)
-    assert new_enc.paged is not None
-    new = {h: _chunk_bytes(new_enc, new_enc.paged.traffic, h) for h in (2, 20)}
+    new = {h: _chunk_bytes(new_enc, new_enc.kv.traffic, h) for h in (2, 20)}  # type: ignore[attr-defined]
     old = {h: _chunk_bytes(old_enc, traffic, h) for h in (2, 20)}
     print(f"bytes per 1 s chunk, tiny: onnx {old}, paged {new}")
     assert new[2] > 0
@@ -190,17 +187,20 @@ def test_the_flex_backend_attends_non_causally_as_the_gather_does(device: str) -
     torch.manual_seed(0)
     block = 16 if device == "cpu" else 128
     pool = KvPool(PoolShape(1, 4, 16, block), 32, device=device)
-    pool.key[0].normal_()
-    pool.value[0].normal_()
+    pool.key[0][:-1].normal_()
+    pool.value[0][:-1].normal_()
     lens = [(0, 25), (50, 25), (100, 25)]
     seqs = [pool.open(1) for _ in lens]
     for seq, (past, count) in zip(seqs, lens, strict=True):
         pool.reserve(seq, past + count)
-    rows = Rows(pool.block_table(seqs, [p + c for p, c in lens]), [p for p, _ in lens], [c for _, c in lens],
-                causal=False)
+    pool.flush()
+    seq_t = torch.tensor(seqs, device=device)
+    width = max(pool.shape.blocks_for(p + c) for p, c in lens)
+    rows = Rows(pool.device_tables[seq_t, :width], [p for p, _ in lens], [c for _, c in lens], causal=False,
+                seq=seq_t)
     q = torch.randn(sum(c for _, c in lens), 4, 16, device=device)
     ref = GatherAttention()(q, pool.key[0], pool.value[0], rows)
-    got = FlexAttention(compiled=device == "cuda")(q, pool.key[0], pool.value[0], rows)
+    got = FlexAttention(pool, compiled=device == "cuda")(q, pool.key[0], pool.value[0], rows)
     torch.testing.assert_close(got, ref, atol=2e-3 if device == "cuda" else 1e-5, rtol=0)
     causal = GatherAttention()(q, pool.key[0], pool.value[0], dataclasses.replace(rows, causal=True))
     assert (causal - ref).abs().max() > 1e-3  # the flag changes what the rows see
@@ -249,4 +249,32 @@ def test_a_stream_undone_after_its_restart_restarts_again(preset, weights) -> No
     new.reserve(stream, len(chunk))
     got = new.run([(chunk, stream)])[0]
     assert stream.cache == PagedCache(0, 25)
-    np.testing.assert_allclose(got, ref.run([(chunk, twin)])[0], atol=1e-4)
+    np.testing.assert_allclose(got.cpu().numpy(), ref.run([(chunk, twin)])[0], atol=1e-4)
+
+
+def test_the_device_mel_is_the_host_streams(preset) -> None:
+    """The duplex stream's mel on the device (engine/mel.py: every row's frames through one `torch.fft.rfft`, the
+    floor's maxima kept on the device) against `MelStream.push` on the host, chunk for chunk: three streams joining
+    at different chunks (one in 0.5 s chunks), 40 chunks, past the 5 s floor and the 30 s slide, batched together."""
+    from minicpmo_triton.audio_mel import MelStream, mel_filterbank
+    from minicpmo_triton.engine.mel import DeviceMel
+    from minicpmo_triton.engine.staging import DeviceWrites, Staging
+
+    filters = mel_filterbank(preset.audio.n_mels)
+    device = DeviceMel(filters, DeviceWrites(Staging(torch.device("cpu"), Traffic())))
+    joins = {1: (0, 1.0), 2: (3, 1.0), 3: (1, 0.5)}
+    host = {c: MelStream() for c in joins}
+    dev = {c: MelStream() for c in joins}
+    compared = 0
+    for step in range(40):
+        live = [c for c, (first, _) in joins.items() if step >= first]
+        chunks = {c: audio(10 * c + step, joins[c][1]) for c in live}
+        got = device.push([(dev[c], chunks[c]) for c in live])
+        for c, g in zip(live, got, strict=True):
+            want = host[c].push(chunks[c], filters)
+            assert g.first == want.first
+            np.testing.assert_allclose(g.mel.numpy(), want.mel, atol=1e-6, rtol=0, err_msg=f"stream {c} step {step}")
+            np.testing.assert_allclose(dev[c].maxima.numpy(), host[c].maxima, atol=1e-9, rtol=0)
+            compared += 1
+    assert host[1].base_frame > 0, "the 30 s slide was crossed"
+    assert compared == 40 + 37 + 39

@@ -15,15 +15,16 @@ import torch
 
 from export.presets import TINY_SEED, tiny
 from export.stages import build_modules
+from minicpmo_triton.engine.protocol import NOT_FINITE, pick_engine
+from minicpmo_triton.engine.sampler import inverse_cdf, value_ordered
+from minicpmo_triton.engine.stage_kv import PoolKv, tts_kv
+from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.paged.protocol import pick_engine
-from minicpmo_triton.paged.traffic import CountingEngine, Traffic
-from minicpmo_triton.paged.tts import PagedTtsEngine
 from minicpmo_triton.stage_io import TtsRequest, TtsResult
 from minicpmo_triton.stages.base import StageCall
-from minicpmo_triton.stages.tts import TtsStage
+from minicpmo_triton.stages.tts import ChunkRules, TtsSession, TtsStage
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -42,9 +43,10 @@ def weights() -> dict[str, torch.Tensor]:
     return build_modules(tiny(), TINY_SEED)["tts"].state_dict()
 
 
-def paged(preset, weights, device: str = "cpu", **kw: Any) -> PagedTtsEngine:
+def paged(preset, weights, device: str = "cpu", **kw: Any) -> PoolKv:
+    """The TTS's device KV (its engine core): gather attention, fp32 (the parity tests hold it to the graph's)."""
     kw = {"pool_size": 0.01, "attention": "gather", "dtype": torch.float32, "max_tokens": 8192, **kw}
-    return PagedTtsEngine.build(weights, preset.tts, device=device, **kw)
+    return tts_kv(weights, preset, device=device, **kw)
 
 
 class Recording:
@@ -69,17 +71,19 @@ def recording_onnx(rec: Recording, traffic: Traffic | None = None) -> Any:
     return engine
 
 
-def recording_paged(rec: Recording, engine: PagedTtsEngine) -> PagedTtsEngine:
-    """The logits of each forward copied for the test (off the traffic ledger: the engine keeps them on the device)."""
-    forward = engine.forward
+def recording_paged(rec: Recording, kv: PoolKv) -> PoolKv:
+    """The logits of each forward's deciding rows copied for the test (off the traffic ledger: the core keeps them
+    on the device), in the rows' order, as the host path's forward has them."""
+    head = kv.core.runner.head
+    choose = head.choose
 
-    def recorded(*args: Any) -> torch.Tensor:
-        out = forward(*args)
-        rec.logits.append(out.detach().cpu().numpy().copy())
-        return out
+    def recorded(raw: torch.Tensor, rows: Any, state: Any, was_live: torch.Tensor, *args: Any) -> None:
+        if bool(was_live.any()):
+            rec.logits.append(raw[was_live].detach().cpu().numpy().copy())
+        choose(raw, rows, state, was_live, *args)
 
-    engine.forward = recorded  # type: ignore[method-assign]
-    return engine
+    head.choose = recorded  # type: ignore[method-assign]
+    return kv
 
 
 def request(preset, corr: int, chunk: int, texts: int, **kw: Any) -> TtsRequest:
@@ -180,10 +184,12 @@ def test_bytes_per_chunk_do_not_grow_with_the_turn_on_the_paged_path(preset, wei
     eng = paged(preset, weights, device)
     traffic = Traffic()
     onnx = TtsStage(recording_onnx(Recording(), traffic), preset, 600.0)
-    new = {h: _chunk_bytes(TtsStage(eng, preset, 600.0), eng.traffic, preset, h) for h in (50, 500)}
-    assert eng.traffic.by_kind()["logits"] == 0
-    codes_back = eng.traffic.to_host["outputs"]
-    assert codes_back == 26 * 2 * 8  # per forward of the chunk: its code and its finite flag, int64
+    ledger = eng.pool.traffic
+    new = {h: _chunk_bytes(TtsStage(eng, preset, 600.0), ledger, preset, h) for h in (50, 500)}
+    assert ledger.by_kind()["logits"] == 0
+    # per iteration of the chunk (26 codes chosen, and the one the overlap launched before the last was read): the
+    # row's code and its flags, int64
+    assert ledger.to_host["outputs"] <= 27 * 2 * 8, ledger.to_host
     old = {h: _chunk_bytes(onnx, traffic, preset, h) for h in (50, 500)}
     assert abs(new[500] - new[50]) <= 64, new
     assert old[500] > 4 * old[50], old
@@ -215,80 +221,97 @@ def test_export_prints_the_tts_pool_n_sessions_need() -> None:
     assert "TTS KV pool" in "\n".join(pool_report(real))
 
 
-def _rows_with_history(preset, rng: np.random.Generator, n: int) -> Any:
+def _rows_with_history(preset, rng: np.random.Generator, n: int) -> tuple[TtsStage, list[ChunkRules]]:
     """n rows of the stage's rules: temperatures 0 / 0.3 / 0.8 / 1.7, histories of 0 to 40 codes (past the window
     of 16, with repeats), EOS allowed or not."""
-    from minicpmo_triton.stages.tts import TtsRows, TtsSession
-
-    rows = TtsRows(TtsStage(paged(preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict()), preset, 600.0))
+    st = TtsStage(paged(preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict()), preset, 600.0)
     vocab = preset.tts.num_audio_tokens
+    rows = []
     for r in range(n):
         req = TtsRequest(n_tokens=64, temperature=[0.0, 0.3, 0.8, 1.7][r % 4], turn_end=r % 3 == 0)
-        rows.add(req, TtsSession(None, np.random.default_rng(r)), opened=r % 5 == 0)  # type: ignore[arg-type]
-        rows.codes[r] = rng.integers(0, vocab - 1, int(rng.integers(0, 40))).tolist()
-        rows.codes[r] += rows.codes[r][:3] * 2  # repeats: the penalty goes per occurrence
-    return rows
+        rules = ChunkRules(st, req, TtsSession(None, np.random.default_rng(r)), opened=r % 5 == 0)  # type: ignore[arg-type]
+        rules.codes = rng.integers(0, vocab - 1, int(rng.integers(0, 40))).tolist()
+        rules.codes += rules.codes[:3] * 2  # repeats: the penalty goes per occurrence
+        rows.append(rules)
+    return st, rows
+
+
+def _on_device(st: TtsStage, rows: list[ChunkRules], device: str) -> Any:
+    """A TTS head on `device` holding the rows' rules and windows (the chunk's last 16 codes) in rows 0..n-1."""
+    kv = paged(st.preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict(), device)
+    head = kv.core.runner.head
+    head.admit(list(range(len(rows))), [r.row for r in rows])
+    kv.pool.flush()
+    window = st.preset.duplex.tts_repetition_window
+    for r, rules in enumerate(rows):
+        codes = rules.codes[-window:]
+        head.ring[r, : len(codes)] = torch.tensor(codes)
+        head.steps[r] = len(rules.codes)  # where the next code goes in the window (its uniform: set by the test)
+    return kv
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_device_tts_sampler_keeps_the_host_rules(preset, device: str) -> None:
+def test_the_device_tts_rules_keep_the_host_rules(preset, device: str) -> None:
     """For the same logits and history, the device's adjusted logits (temperature, per-occurrence penalty, EOS mask)
-    and its top-k / top-p distribution equal the host's (`TtsRows.adjusted`, `sampling.distribution`) within 1e-6;
-    with the host's uniform draws it picks the host's codes (greedy and sampled); and its draws follow that
+    and its top-k / top-p distribution equal the host's (`ChunkRules.adjusted`, `sampling.distribution`) within
+    1e-6; with the host's uniform draws it picks the host's codes (greedy and sampled); and its draws follow that
     distribution (20000 draws per row, each probability within 0.015)."""
-    from minicpmo_triton.paged.tts_sampler import TtsSampler
     from minicpmo_triton.sampling import distribution, sample
 
     rng = np.random.default_rng(7)
-    rows = _rows_with_history(preset, rng, 12)
+    st, rows = _rows_with_history(preset, rng, 12)
+    kv = _on_device(st, rows, device)
+    head, runner = kv.core.runner.head, kv.core.runner
     vocab = preset.tts.num_audio_tokens
     logits = (rng.standard_normal((12, vocab)) * 3).astype(np.float32)
-    logits[:, rows.stage.eos] = 9.0  # EOS would win where it is allowed
-    sampler = TtsSampler(rows.stage.rules(), torch.device(device), Traffic())
-    picks = [rows.pick(r) for r in range(12)]
-    adjusted = sampler.adjusted(torch.as_tensor(logits, device=device), picks)
-    ids, probs = sampler.distribution(adjusted)
+    logits[:, st.eos] = 9.0  # EOS would win where it is allowed
+    raw = torch.as_tensor(logits, device=device)
+    adjusted = head.adjusted(raw, slice(0, 12))
+    ids, probs = value_ordered(adjusted.to(torch.float64), head.ks[:12], runner.topk, head.top_p[:12])
     for r in range(12):
-        host = rows.adjusted(r, logits[r])
+        host = rows[r].adjusted(logits[r])
         np.testing.assert_allclose(adjusted[r].cpu().numpy(), host, rtol=1e-6, atol=0)
-        if rows.params(r).greedy:
+        if rows[r].params().greedy:
             continue  # the argmax: checked by the codes below
-        top, p = distribution(host, rows.params(r))
-        assert ids[r].tolist() == top.tolist()
-        np.testing.assert_allclose(probs[r].cpu().numpy(), p, rtol=0, atol=1e-6)
-    # the codes: each row's u from a copy of its rng, as `sample` would draw it
+        top, p = distribution(host, rows[r].params())
+        assert ids[r, : len(top)].tolist() == top.tolist()
+        np.testing.assert_allclose(probs[r, : len(top)].cpu().numpy(), p, rtol=0, atol=1e-6)
+    # the codes: each row's uniform as `sample` would draw it from the session's rng
     host_rngs = [np.random.default_rng(r) for r in range(12)]
-    for r in range(12):
-        rows.items[r][1].rng = np.random.default_rng(r)  # the picks above drew from them
+    device_rngs = [np.random.default_rng(r) for r in range(12)]
+    ring, steps = head.ring.clone(), head.steps.clone()
     for trial in range(50):
-        picks = [rows.pick(r) for r in range(12)]
-        codes, bad = sampler.pick(torch.as_tensor(logits, device=device), picks)
-        assert not bad.any()
+        head.ring.copy_(ring)
+        head.steps.copy_(steps)
         for r in range(12):
-            assert codes[r] == sample(rows.adjusted(r, logits[r]), rows.params(r), host_rngs[r]), (trial, r)
+            if rows[r].req.temperature > 0:
+                head.uniforms[r, int(steps[r]) % head.steps_cap] = float(device_rngs[r].random())
+        head.choose(raw, slice(0, 12), runner.state, torch.ones(12, dtype=torch.bool, device=device), runner.topk)
+        out = runner.state.out[:12].cpu().numpy()
+        assert not (out[:, 1] & NOT_FINITE).any()
+        for r in range(12):
+            assert out[r, 0] == sample(rows[r].adjusted(logits[r]), rows[r].params(), host_rngs[r]), (trial, r)
     # statistics: the device's own draws at many uniforms
     draws = 20_000
     u = torch.rand(draws, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
-    from minicpmo_triton.paged.sampler import inverse_cdf
-
     for r in (1, 2, 3, 6):  # sampled rows
-        top, p = distribution(rows.adjusted(r, logits[r]), rows.params(r))
+        top, p = distribution(rows[r].adjusted(logits[r]), rows[r].params())
         got = inverse_cdf(ids[r : r + 1].expand(draws, -1), probs[r : r + 1].expand(draws, -1), u).cpu().numpy()
         freq = np.array([(got == t).mean() for t in top])
         assert np.abs(freq - p).max() < 0.015, (r, freq, p)
 
 
 def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
-    from minicpmo_triton.paged.tts_sampler import TtsSampler
-
-    rows = _rows_with_history(preset, np.random.default_rng(1), 3)
-    logits = np.zeros((3, preset.tts.num_audio_tokens), np.float32)
-    logits[1, 5] = np.nan
-    codes, bad = TtsSampler(rows.stage.rules(), torch.device("cpu"), Traffic()).pick(
-        torch.as_tensor(logits), [rows.pick(r) for r in range(3)])
-    assert bad.tolist() == [False, True, False]
+    st, rows = _rows_with_history(preset, np.random.default_rng(1), 3)
+    kv = _on_device(st, rows, "cpu")
+    head, runner = kv.core.runner.head, kv.core.runner
+    logits = torch.zeros(3, preset.tts.num_audio_tokens)
+    logits[1, 5] = float("nan")
+    head.choose(logits, slice(0, 3), runner.state, torch.ones(3, dtype=torch.bool), runner.topk)
+    flags = runner.state.out[:3, 1].tolist()
+    assert [bool(f & NOT_FINITE) for f in flags] == [False, True, False]
     with pytest.raises(StepError) as err:
-        rows.accept(1, -1)
+        rows[1].confirm(int(runner.state.out[1, 0]), flags[1])
     assert err.value.code == Code.NUMERIC_ERROR
 
 
@@ -299,27 +322,24 @@ def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: 
     with its own 16-code window (:6794-6806, :6950-6968, built by `gen_logits` :6975-6988) and its EOS mask
     (:6809-6810), for the same logits and history, within 1e-6 (the reference raises 1.05 to the count in float32,
     the host in float64)."""
-    from minicpmo_triton.paged.tts_sampler import TtsSampler
-
     from .reference_demo import demo_module
 
     modeling = demo_module("modeling_minicpmo_unified")
     rng = np.random.default_rng(11)
-    rows = _rows_with_history(preset, rng, 8)
+    st, rows = _rows_with_history(preset, rng, 8)
     vocab, dx = preset.tts.num_audio_tokens, preset.duplex
     processor = modeling.gen_logits(num_code=vocab, repetition_penalty=dx.tts_repetition_penalty)[1]
     logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
-    picks = [rows.pick(r) for r in range(8)]
-    got = TtsSampler(rows.stage.rules(), torch.device(device), Traffic()).adjusted(
-        torch.as_tensor(logits, device=device), picks).cpu().numpy()
+    head = _on_device(st, rows, device).core.runner.head
+    got = head.adjusted(torch.as_tensor(logits, device=device), slice(0, 8)).cpu().numpy()
     for r in range(8):
-        req = rows.items[r][0]
+        req = rows[r].req
         want = torch.as_tensor(logits[r : r + 1]).clone()
         if req.temperature > 0:
             want /= torch.tensor([[req.temperature]], dtype=torch.float32)
-        if rows.codes[r]:  # `if not audio_bos`: from the chunk's second code on
+        if rows[r].codes:  # `if not audio_bos`: from the chunk's second code on
             for proc in processor:
-                want = proc(torch.tensor([rows.codes[r]]), want)
-        if not rows.allow_eos(r):
-            want[:, rows.stage.eos] = -torch.inf
+                want = proc(torch.tensor([rows[r].codes]), want)
+        if not rows[r].allow_eos:
+            want[:, st.eos] = -torch.inf
         np.testing.assert_allclose(got[r], want[0].numpy(), rtol=1e-6, atol=0)
