@@ -30,9 +30,7 @@ previous text equal after every chunk too).
 from __future__ import annotations
 
 import copy
-import functools
 import queue
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,6 +57,7 @@ from minicpmo_triton.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import write_checkpoint
 from .reference_demo import demo_module
+from .reference_model import demo_duplex
 
 CHUNKS = 48
 AUDIO_TOKENS = 10  # per 1 s chunk
@@ -76,67 +75,6 @@ SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty":
 
 def _reference_modules() -> types.ModuleType:
     return demo_module("modeling_minicpmo_unified")
-
-
-class _Layers:
-    """`cache.key_cache` as transformers 4 had it: a list of per-layer tensors, writable."""
-
-    def __init__(self, cache: Any, name: str) -> None:
-        self._cache, self._name = cache, name
-
-    def __len__(self) -> int:
-        return len(self._cache.layers)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return getattr(self._cache.layers[i], self._name)
-
-    def __setitem__(self, i: int, value: torch.Tensor) -> None:
-        setattr(self._cache.layers[i], self._name, value)
-
-    def assign(self, tensors: list[torch.Tensor]) -> None:
-        """`cache.key_cache = [...]` on a cache built empty: its layers made, holding these tensors."""
-        from transformers.cache_utils import DynamicLayer
-
-        while len(self._cache.layers) < len(tensors):
-            self._cache.layers.append(DynamicLayer())
-        for layer, t in zip(self._cache.layers, tensors, strict=False):
-            setattr(layer, self._name, t)
-            layer.device, layer.is_initialized = t.device, True
-
-
-@functools.cache
-def legacy_cache_class() -> type:
-    from transformers.cache_utils import DynamicCache
-
-    class LegacyCache(DynamicCache):
-        @property
-        def key_cache(self) -> _Layers:
-            return _Layers(self, "keys")
-
-        @key_cache.setter
-        def key_cache(self, tensors: list[torch.Tensor]) -> None:
-            _Layers(self, "keys").assign(tensors)
-
-        @property
-        def value_cache(self) -> _Layers:
-            return _Layers(self, "values")
-
-        @value_cache.setter
-        def value_cache(self, tensors: list[torch.Tensor]) -> None:
-            _Layers(self, "values").assign(tensors)
-
-        def crop(self, max_length: int) -> None:
-            """transformers 4's `crop`: keep the first `max_length` tokens (5's takes how many to remove)."""
-            length = self.get_seq_length()
-            keep = length + max_length if max_length < 0 else max_length
-            if keep < length:
-                super().crop(keep - length)
-
-    return LegacyCache
-
-
-def legacy_cache() -> Any:
-    return legacy_cache_class()()
 
 
 class _Features:
@@ -163,25 +101,15 @@ class _Processor:
         return _Features(self._embeds.pop(0))
 
 
-def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
-                     tts: Any = None, **kwargs: Any) -> Any:
-    # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
-    # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
-    llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
-    sys.modules[unified.StreamDecoder.__module__].DynamicCache = legacy_cache_class()  # type: ignore[attr-defined]
+def reference_duplex(llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor], tts: Any = None,
+                     **kwargs: Any) -> Any:
+    """`DuplexCapability` over the reference LLM, its audio path handing over the given embeddings."""
     model = types.SimpleNamespace(
         processor=_Processor(tokenizer, embeds), llm=llm, tts=tts,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
         get_audio_embedding_streaming=lambda features, **_: [[features.embeds]])
-    cap = unified.DuplexCapability(model, generate_audio=tts is not None, device="cpu", force_listen_count=3, **kwargs)
-    reset = cap.decoder.reset
-
-    def reset_with_legacy_cache() -> None:
-        reset()
-        cap.decoder.cache = legacy_cache()
-
-    cap.decoder.reset = reset_with_legacy_cache
-    return cap
+    llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]  # transformers 4's name (reference_model.py)
+    return demo_duplex(model, generate_audio=tts is not None, force_listen_count=3, **kwargs)
 
 
 def _louder_controls(llm: torch.nn.Module) -> None:
@@ -229,7 +157,7 @@ def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
 
 
 def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), sliding_window_mode=window, basic_window_high_tokens=HIGH,
                            basic_window_low_tokens=LOW, context_max_units=UNITS, context_previous_max_tokens=PREVIOUS)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
@@ -381,7 +309,7 @@ def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, A
     history = [int(t) for t in words[:8]] + [tk.speak]
     settings = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
 
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"], [])
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"], [])
     torch.manual_seed(11)
     want = np.zeros(vocab)
     for _ in range(n):
@@ -448,7 +376,7 @@ def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint
     gen = np.random.default_rng(4)
     speech = [[int(t) for t in gen.integers(0, 4000, 25)] for _ in range(VOICE_CHUNKS)]
     tts = _SpeechScript(speech)
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), tts=tts)
     cap._convert_results_to_tts_input = lambda hidden: torch.zeros(1, len(hidden) + 1, 1)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX, prompt_wav_path="voice.wav")
