@@ -48,7 +48,8 @@ class InProcessStages:
                                                  self.preset.samples_per_audio_token)
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s,
                                   self.stream_encoder)
-        self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
+        self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s,
+                                  int(stage_setting("tts_top_k", {})), float(stage_setting("tts_top_p", {})))
         self.t2w_stage = Token2WavStage.load(v("token2wav"), self.preset, ttl_s, threads)
         self.voices = VoicePreparer(self.t2w_stage, int(stage_setting("voice_prep_queue", {})))
 

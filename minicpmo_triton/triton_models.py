@@ -280,7 +280,8 @@ class TtsModel(_InflightStageModel):
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))
+        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx), int(ctx.setting("tts_top_k")),
+                        float(ctx.setting("tts_top_p")))
 
 
 def _tts_engine(ctx: _ModelContext) -> Engine | PagedTtsEngine:

@@ -5,9 +5,9 @@ OpenBMB/MiniCPM-o-Demo MiniCPMO45/modeling_minicpmo_unified.py:6792-6816), step 
 precision: the logits divided by the temperature (float32, :6792); the repetition penalty per occurrence over the
 chunk's codes in its window (`CustomRepetitionPenaltyLogitsProcessorRepeat`, :6950-6968: `apply_repetition_penalty`
 with `per_occurrence`, alpha = penalty ** count in float64, the result stored in float32); EOS masked mid-turn
-(:6809-6810); then `sampling.sample` at temperature 1: the argmax when greedy, else top-k 20 / top-p 0.7
-(`top_k_top_p`: the Demo's `generate_chunk` builds these warpers but applies only the penalty; the project
-follows vllm-omni here, docs/checkpoint.md) and the inverse CDF at the host's `rng.random()`. Only each row's
+(:6809-6810); then `sampling.sample` at temperature 1: the argmax when greedy, else the whole distribution (the
+Demo's `generate_chunk` builds top-k / top-p warpers and never applies them; `TtsRules.top_k` 0 / `top_p` 1.0 are
+off, other values apply them through `top_k_top_p`) and the inverse CDF at the host's `rng.random()`. Only each row's
 window (up to 16 codes), its settings and its draw go up; its code and a flag come back.
 """
 

@@ -12,7 +12,14 @@ from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
 from ..paged.protocol import TtsPick, TtsRules
-from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    check_sampling,
+    sample,
+    sampling_problems,
+    seeded_rng,
+)
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
 from .decode_loop import batched_decode
@@ -46,8 +53,9 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     - up to `n_tokens + 1` codes are sampled; each but the last is fed back and returned, the last
       (the 26th, or the speech EOS) is dropped: 25 codes = 1 s per chunk;
     - EOS is forbidden until `n_tokens + 1` codes (min_new_tokens 26) except at a turn's start or end;
-    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
-      then top-k 20 / top-p 0.7;
+    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes), then
+      the draw from the whole distribution: the reference builds top-k 20 / top-p 0.7 warpers and never applies
+      them (:6711, 6788-6822); `top_k` / `top_p` (the `tts_top_k` / `tts_top_p` settings) turn them on;
     - the cache is dropped at the turn's end.
 
     Departure: a turn whose next chunk would run past the TTS's position table (`max_positions`, 4096: about
@@ -56,8 +64,14 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     caller who keeps cutting the model off would grow the cache, and the positions, for the whole call.
     """
 
-    def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float) -> None:
+    def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float,
+                 top_k: int | None = None, top_p: float | None = None) -> None:
         super().__init__(ttl_s)
+        dx = preset.duplex
+        self.top_k = dx.tts_top_k if top_k is None else top_k  # 0 / 1.0: off (the reference's draw)
+        self.top_p = dx.tts_top_p if top_p is None else top_p
+        if problems := sampling_problems(1.0, self.top_k, self.top_p):
+            raise ValueError(f"tts: {problems}")
         # the paged engine keeps every session's turn cache in its pool; ONNX takes it in each call
         self.paged = cast("PagedTtsEngine", engine) if getattr(engine, "name", "") == "paged" else None
         self.engine = cast(Engine, engine)  # used only where self.paged is None
@@ -124,7 +138,7 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
 
     def rules(self) -> TtsRules:
         dx = self.preset.duplex
-        return TtsRules(self.eos, dx.tts_top_k, dx.tts_top_p, dx.tts_repetition_penalty)
+        return TtsRules(self.eos, self.top_k, self.top_p, dx.tts_repetition_penalty)
 
     def begin(self, req: TtsRequest, sess: TtsSession) -> tuple[bool, dict[str, np.ndarray]]:
         """A chunk's start: whether it opens a turn (its cache reset), and its prefill."""
@@ -186,7 +200,8 @@ class TtsRows:
     """The TTS's rules per row of a decode: on the host (`choose`: today's path, the logits on the host) or as a
     `TtsPick` for the device (`pick`), and the same `accept` for both. The rules (`generate_chunk`,
     modeling_minicpmo_unified.py:6792-6816): temperature, then the repetition penalty (per occurrence over the
-    chunk's last codes), EOS forbidden mid-turn until the chunk is a full second, then top-k / top-p."""
+    chunk's last codes), EOS forbidden mid-turn until the chunk is a full second, then the draw (top-k / top-p
+    only when the stage's settings turn them on)."""
 
     def __init__(self, stage: TtsStage) -> None:
         self.stage = stage
@@ -216,8 +231,7 @@ class TtsRows:
         return logits
 
     def params(self, row: int) -> SamplingParams:
-        dx = self.stage.preset.duplex
-        return SamplingParams(1.0 if self.items[row][0].temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p)
+        return SamplingParams(1.0 if self.items[row][0].temperature > 0 else 0.0, self.stage.top_k, self.stage.top_p)
 
     def choose(self, row: int, row_logits: np.ndarray) -> int | None:
         return self.accept(row, sample(self.adjusted(row, row_logits), self.params(row), self.items[row][1].rng))
