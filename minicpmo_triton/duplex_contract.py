@@ -55,13 +55,18 @@ class Context:
     respond: bool = True
 
 
+# A chat message's images: HD slices as MiniCPM-o's processor slices them by default (MiniCPM-o-Demo
+# processing_minicpmo.py:128, its chat worker passes None through); a duplex step's frames stay at 1, as its worker's
+CHAT_MAX_SLICE_NUMS = 9
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     text: str = ""
     audio: np.ndarray | None = None  # 16 kHz float32
     images: tuple[bytes, ...] = ()  # encoded images
-    max_slice_nums: int = 1
+    max_slice_nums: int = CHAT_MAX_SLICE_NUMS
 
     def key(self) -> tuple[str, str, bytes]:
         """What identifies a message already in the context (audio and images by their bytes)."""
@@ -277,7 +282,7 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None, voice: Voic
     try:
         messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""), _audio_b64(m.get("audio")),
                                 tuple(base64.b64decode(i) for i in m.get("images") or ()),
-                                int(m.get("max_slice_nums") or 1))
+                                int(m.get("max_slice_nums") or CHAT_MAX_SLICE_NUMS))
                     for m in chat["messages"]]
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
                          options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")), say=bool(chat.get("say")))

@@ -305,6 +305,18 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
     assert [(m.role, m.text) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
 
 
+def test_chat_images_are_sliced_as_the_reference_processor_slices_them() -> None:
+    """A conversation item's image goes to the model with `max_slice_nums` 9, as /backend's turn-based messages and
+    MiniCPM-o's chat (its MiniCPMVImageProcessor's default, processing_minicpmo.py:128), not 1 (a duplex frame's)."""
+    from .test_vision_e2e import jpeg
+
+    st, _ = state(turn_detection=None)
+    st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{jpeg(640, 480)}"}]}})
+    [message] = st.on_client({"type": "response.create"}).steps[0].request.messages
+    assert len(message.images) == 1 and message.max_slice_nums == 9
+
+
 def test_the_stream_resampler_has_no_seams_between_chunks() -> None:
     from gateway.audio import StreamResampler, resample
 
