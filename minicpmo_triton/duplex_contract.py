@@ -127,8 +127,11 @@ class StepMetrics:
     sent the measured ones (`to_dict`). A step's events share one as it grows: each event carries a copy."""
 
     backend: str | None = None  # "triton"
-    kv_cache_length: int | None = None  # the session's LLM context after the step, from the call's start
-    kv_window_tokens: int | None = None  # ... of which the LLM holds now (the sliding window dropped the rest)
+    # the LLM's KV cache after the step's decode (the sliding window's slides shrink it), as MiniCPM-o's worker reports
+    # `kv_cache_length` (its decoder's `get_cache_length()` after streaming_generate, before finalize_unit)
+    kv_cache_length: int | None = None
+    kv_tokens_total: int | None = None  # ... counted from the call's start (what the window dropped included): a
+    # point in the call that stays valid across slides (the OpenAI dialect's rollback points)
     llm_wait_ms: float | None = None  # held at the batch window before the LLM
     cost_llm_ms: float | None = None
     cost_audio_encoder_ms: float | None = None

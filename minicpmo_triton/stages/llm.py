@@ -294,7 +294,10 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             text_ids=np.asarray(dec.text_ids, np.int64),
             tts_hidden=np.stack(hid).astype(np.float32) if hid else np.zeros((0, self.preset.llm.hidden), np.float32),
             is_listen=dec.is_listen or not req.decode,
-            end_of_turn=dec.end_of_turn,
+            # a listen answers end_of_turn False, as the reference's `_make_generate_result` default
+            # (modeling_minicpmo_unified.py:4928, 5130): the turn a listen closed is `turn_closed`
+            end_of_turn=dec.end_of_turn and not dec.is_listen and req.decode,
+            turn_closed=isinstance(dec, ChunkDecoder) and dec.turn_closed,
             turn_start=dec.turn_start,
             kv_length=cache.length,
             n_prefill=n_prefill,
