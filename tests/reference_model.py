@@ -38,6 +38,17 @@ from .reference_demo import demo_module
 TRANSFORMERS4_GENERATION_DEFAULTS = {"top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
+def demo_sized(config: dict[str, Any]) -> dict[str, Any]:
+    """A small checkpoint config at sizes the demo's `MiniCPMO.__init__` builds itself at: a resampler head per 128
+    LLM channels (`init_resampler`, :249) and the audio projection's input `encoder_ffn_dim // 4` (:116), which the
+    real model's 4096 / 1024 satisfy."""
+    out = copy.deepcopy(config)
+    out.update(hidden_size=128, head_dim=32, intermediate_size=128)
+    out["tts_config"]["llm_dim"] = 128
+    out["audio_config"]["encoder_ffn_dim"] = 4 * out["audio_config"]["d_model"]
+    return out
+
+
 class _Layers:
     """`cache.key_cache` as transformers 4 had it: a list of per-layer tensors, writable."""
 

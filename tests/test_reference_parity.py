@@ -168,7 +168,7 @@ def test_tts_stage_decodes_chunks_as_generate_chunk(exported) -> None:
 
 def _demo_draws(tts: torch.nn.Module, condition: torch.Tensor, temperature: float, monkeypatch) -> torch.Tensor:
     """The distribution `MiniCPMTTS.generate_chunk` (the demo's own, run) draws a chunk's first code from, as its
-    `torch.multinomial` is given it (modeling_minicpmo_unified.py:6817)."""
+    `torch.multinomial` is given it (modeling_minicpmo_unified.py:6815)."""
     seen: list[torch.Tensor] = []
     draw = torch.multinomial
 
