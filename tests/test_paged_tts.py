@@ -215,13 +215,12 @@ def test_export_prints_the_tts_pool_n_sessions_need() -> None:
     assert "TTS KV pool" in "\n".join(pool_report(real))
 
 
-def _rows_with_history(preset, rng: np.random.Generator, n: int, **sampling: Any) -> Any:
+def _rows_with_history(preset, weights, rng: np.random.Generator, n: int, **sampling: Any) -> Any:
     """n rows of the stage's rules: temperatures 0 / 0.3 / 0.8 / 1.7, histories of 0 to 40 codes (past the window
     of 16, with repeats), EOS allowed or not. `sampling`: the stage's top_k / top_p (default: off)."""
     from minicpmo_triton.stages.tts import TtsRows, TtsSession
 
-    rows = TtsRows(TtsStage(paged(preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict()), preset, 600.0,
-                            **sampling))
+    rows = TtsRows(TtsStage(paged(preset, weights), preset, 600.0, **sampling))
     vocab = preset.tts.num_audio_tokens
     for r in range(n):
         req = TtsRequest(n_tokens=64, temperature=[0.0, 0.3, 0.8, 1.7][r % 4], turn_end=r % 3 == 0)
@@ -233,7 +232,7 @@ def _rows_with_history(preset, rng: np.random.Generator, n: int, **sampling: Any
 
 @pytest.mark.parametrize("sampling", [{}, {"top_k": 20, "top_p": 0.7}], ids=["default", "top_k_top_p"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_device_tts_sampler_keeps_the_host_rules(preset, device: str, sampling: dict[str, Any]) -> None:
+def test_the_device_tts_sampler_keeps_the_host_rules(preset, weights, device: str, sampling: dict[str, Any]) -> None:
     """For the same logits and history, the device's adjusted logits (temperature, per-occurrence penalty, EOS mask)
     and its distribution (the whole vocabulary by default, as the reference; top-k / top-p when the settings turn
     them on) equal the host's (`TtsRows.adjusted`, `sampling.distribution`) within 1e-6; with the host's uniform
@@ -243,7 +242,7 @@ def test_the_device_tts_sampler_keeps_the_host_rules(preset, device: str, sampli
     from minicpmo_triton.sampling import distribution, sample
 
     rng = np.random.default_rng(7)
-    rows = _rows_with_history(preset, rng, 12, **sampling)
+    rows = _rows_with_history(preset, weights, rng, 12, **sampling)
     vocab = preset.tts.num_audio_tokens
     logits = (rng.standard_normal((12, vocab)) * 3).astype(np.float32)
     logits[:, rows.stage.eos] = 9.0  # EOS would win where it is allowed
@@ -285,10 +284,10 @@ def test_the_device_tts_sampler_keeps_the_host_rules(preset, device: str, sampli
         assert np.abs(freq - p).max() < 0.015, (r, freq, p)
 
 
-def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
+def test_a_row_with_broken_logits_fails_alone_on_the_device(preset, weights) -> None:
     from minicpmo_triton.paged.tts_sampler import TtsSampler
 
-    rows = _rows_with_history(preset, np.random.default_rng(1), 3)
+    rows = _rows_with_history(preset, weights, np.random.default_rng(1), 3)
     logits = np.zeros((3, preset.tts.num_audio_tokens), np.float32)
     logits[1, 5] = np.nan
     codes, bad = TtsSampler(rows.stage.rules(), torch.device("cpu"), Traffic()).pick(
@@ -300,7 +299,7 @@ def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: str) -> None:
+def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, weights, device: str) -> None:
     """The device's adjusted logits against MiniCPM-o's own code, run: `generate_chunk`'s temperature
     (modeling_minicpmo_unified.py:6792), its `CustomRepetitionPenaltyLogitsProcessorRepeat` over the chunk's codes
     with its own 16-code window (:6794-6806, :6950-6968, built by `gen_logits` :6975-6988) and its EOS mask
@@ -312,7 +311,7 @@ def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: 
 
     modeling = demo_module("modeling_minicpmo_unified")
     rng = np.random.default_rng(11)
-    rows = _rows_with_history(preset, rng, 8)
+    rows = _rows_with_history(preset, weights, rng, 8)
     vocab, dx = preset.tts.num_audio_tokens, preset.duplex
     processor = modeling.gen_logits(num_code=vocab, repetition_penalty=dx.tts_repetition_penalty)[1]
     logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
