@@ -10,9 +10,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from .model_config import DuplexDefaults
+
 ENV_PREFIX = "MINICPMO_"
 STATEFUL = ("duplex", "llm", "tts", "token2wav")  # the models that keep state per sequence
 ENGINES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")  # the models that run an engine
+_D = DuplexDefaults()
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "the device engine launches an iteration before reading the previous one's tokens (0: one by one)"),
     StageSetting("engine_compile", "1", int, ("llm", "tts"),
                  "the device engines' layers and flex attention torch.compile'd on a GPU (0: eager)"),
+    StageSetting("tts_top_k", str(_D.tts_top_k), int, ("tts",),
+                 "the TTS's speech codes from its k likeliest only (0: off, as MiniCPM-o's own generate_chunk, "
+                 "which builds the warper and never applies it)"),
+    StageSetting("tts_top_p", str(_D.tts_top_p), float, ("tts",),
+                 "... and from the likeliest whose probabilities reach p (1.0: off, as the reference; "
+                 "vllm-omni applies top-k 20 / top-p 0.7)"),
     StageSetting("admit_tokens", "1024", int, ("llm",),
                  "the pool room a new session needs; refused with pool_full (retryable) when there is less"),
     StageSetting("stage_engine", "auto", str, ("token2wav", "vision_encoder", "audio_encoder"),

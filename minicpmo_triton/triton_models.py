@@ -27,7 +27,7 @@ from .duplex_contract import StepEvent
 from .engine.protocol import pick_engine
 from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
-from .model_config import load_stage_config
+from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_engine import Placement, Probe, place
@@ -38,7 +38,7 @@ from .stages.base import SequenceStage, StageCall, answer_order
 from .stages.kv import StageKv
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
-from .stages.tts import TtsStage
+from .stages.tts import TtsStage, with_tts_sampling
 from .stages.vision_encoder import VisionEncoderStage
 from .stages.voice_prep import VoicePreparer
 from .state_store import SequenceNotStarted, SequenceStore
@@ -332,10 +332,11 @@ class TtsModel(_InflightStageModel):
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(_tts_kv(ctx), ctx.preset, _ttl(ctx))
+        preset = with_tts_sampling(ctx.preset, int(ctx.setting("tts_top_k")), float(ctx.setting("tts_top_p")))
+        return TtsStage(_tts_kv(ctx, preset), preset, _ttl(ctx))
 
 
-def _tts_kv(ctx: _ModelContext) -> Engine | StageKv:
+def _tts_kv(ctx: _ModelContext, preset: PresetConfig) -> Engine | StageKv:
     """ONNX, or the device TTS (its own KV pool on the instance's device), as `tts_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
@@ -343,7 +344,7 @@ def _tts_kv(ctx: _ModelContext) -> Engine | StageKv:
     from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    return load_tts_kv(ctx.version_dir, ctx.preset, device, pool_size=ctx.setting("tts_pool_size"),
+    return load_tts_kv(ctx.version_dir, preset, device, pool_size=ctx.setting("tts_pool_size"),
                        max_tokens=TURN_TOKENS, **_core_settings(ctx))
 
 

@@ -24,7 +24,7 @@ from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import TtsRequest, TtsResult
 from minicpmo_triton.stages.base import StageCall
-from minicpmo_triton.stages.tts import ChunkRules, TtsSession, TtsStage
+from minicpmo_triton.stages.tts import ChunkRules, TtsSession, TtsStage, with_tts_sampling
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -221,10 +221,13 @@ def test_export_prints_the_tts_pool_n_sessions_need() -> None:
     assert "TTS KV pool" in "\n".join(pool_report(real))
 
 
-def _rows_with_history(preset, rng: np.random.Generator, n: int) -> tuple[TtsStage, list[ChunkRules]]:
+def _rows_with_history(preset, weights, rng: np.random.Generator, n: int, **sampling: Any
+                       ) -> tuple[TtsStage, list[ChunkRules]]:
     """n rows of the stage's rules: temperatures 0 / 0.3 / 0.8 / 1.7, histories of 0 to 40 codes (past the window
-    of 16, with repeats), EOS allowed or not."""
-    st = TtsStage(paged(preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict()), preset, 600.0)
+    of 16, with repeats), EOS allowed or not. `sampling`: the stage's top_k / top_p (default: off, the reference's)."""
+    if sampling:
+        preset = with_tts_sampling(preset, sampling["top_k"], sampling["top_p"])
+    st = TtsStage(paged(preset, weights), preset, 600.0)
     vocab = preset.tts.num_audio_tokens
     rows = []
     for r in range(n):
@@ -236,9 +239,9 @@ def _rows_with_history(preset, rng: np.random.Generator, n: int) -> tuple[TtsSta
     return st, rows
 
 
-def _on_device(st: TtsStage, rows: list[ChunkRules], device: str) -> Any:
+def _on_device(st: TtsStage, rows: list[ChunkRules], weights: dict[str, torch.Tensor], device: str) -> Any:
     """A TTS head on `device` holding the rows' rules and windows (the chunk's last 16 codes) in rows 0..n-1."""
-    kv = paged(st.preset, build_modules(tiny(), TINY_SEED)["tts"].state_dict(), device)
+    kv = paged(st.preset, weights, device)
     head = kv.core.runner.head
     head.admit(list(range(len(rows))), [r.row for r in rows])
     kv.pool.flush()
@@ -250,17 +253,21 @@ def _on_device(st: TtsStage, rows: list[ChunkRules], device: str) -> Any:
     return kv
 
 
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 20, "top_p": 0.7}], ids=["default", "top_k_top_p"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_device_tts_rules_keep_the_host_rules(preset, device: str) -> None:
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 20, "top_p": 0.7}], ids=["default", "top_k_top_p"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_tts_rules_keep_the_host_rules(preset, weights, device: str, sampling: dict[str, Any]) -> None:
     """For the same logits and history, the device's adjusted logits (temperature, per-occurrence penalty, EOS mask)
-    and its top-k / top-p distribution equal the host's (`ChunkRules.adjusted`, `sampling.distribution`) within
-    1e-6; with the host's uniform draws it picks the host's codes (greedy and sampled); and its draws follow that
-    distribution (20000 draws per row, each probability within 0.015)."""
+    and its distribution (the whole vocabulary by default, as the reference; top-k / top-p when the settings turn
+    them on) equal the host's (`ChunkRules.adjusted`, `sampling.distribution`) within 1e-6; with the host's uniform
+    draws it picks the host's codes (greedy and sampled); and its draws follow that distribution (20000 draws per
+    row, each probability within 0.015: checked over top-k's 20 codes, the draw being the same for any width)."""
     from minicpmo_triton.sampling import distribution, sample
 
     rng = np.random.default_rng(7)
-    st, rows = _rows_with_history(preset, rng, 12)
-    kv = _on_device(st, rows, device)
+    st, rows = _rows_with_history(preset, weights, rng, 12, **sampling)
+    kv = _on_device(st, rows, weights, device)
     head, runner = kv.core.runner.head, kv.core.runner
     vocab = preset.tts.num_audio_tokens
     logits = (rng.standard_normal((12, vocab)) * 3).astype(np.float32)
@@ -274,8 +281,10 @@ def test_the_device_tts_rules_keep_the_host_rules(preset, device: str) -> None:
         if rows[r].params().greedy:
             continue  # the argmax: checked by the codes below
         top, p = distribution(host, rows[r].params())
-        assert ids[r, : len(top)].tolist() == top.tolist()
-        np.testing.assert_allclose(probs[r, : len(top)].cpu().numpy(), p, rtol=0, atol=1e-6)
+        # each code's probability (the order of equal logits is the sort's own: the whole vocabulary has ties)
+        want, got = np.zeros(vocab), np.zeros(vocab)
+        want[top], got[ids[r].cpu().numpy()] = p, probs[r].cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     # the codes: each row's uniform as `sample` would draw it from the session's rng
     host_rngs = [np.random.default_rng(r) for r in range(12)]
     device_rngs = [np.random.default_rng(r) for r in range(12)]
@@ -291,19 +300,21 @@ def test_the_device_tts_rules_keep_the_host_rules(preset, device: str) -> None:
         assert not (out[:, 1] & NOT_FINITE).any()
         for r in range(12):
             assert out[r, 0] == sample(rows[r].adjusted(logits[r]), rows[r].params(), host_rngs[r]), (trial, r)
+    if not sampling:
+        return
     # statistics: the device's own draws at many uniforms
     draws = 20_000
     u = torch.rand(draws, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
     for r in (1, 2, 3, 6):  # sampled rows
         top, p = distribution(rows[r].adjusted(logits[r]), rows[r].params())
         got = inverse_cdf(ids[r : r + 1].expand(draws, -1), probs[r : r + 1].expand(draws, -1), u).cpu().numpy()
-        freq = np.array([(got == t).mean() for t in top])
+        freq = np.bincount(got, minlength=vocab)[top] / draws
         assert np.abs(freq - p).max() < 0.015, (r, freq, p)
 
 
-def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
-    st, rows = _rows_with_history(preset, np.random.default_rng(1), 3)
-    kv = _on_device(st, rows, "cpu")
+def test_a_row_with_broken_logits_fails_alone_on_the_device(preset, weights) -> None:
+    st, rows = _rows_with_history(preset, weights, np.random.default_rng(1), 3)
+    kv = _on_device(st, rows, weights, "cpu")
     head, runner = kv.core.runner.head, kv.core.runner
     logits = torch.zeros(3, preset.tts.num_audio_tokens)
     logits[1, 5] = float("nan")
@@ -316,7 +327,7 @@ def test_a_row_with_broken_logits_fails_alone_on_the_device(preset) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: str) -> None:
+def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, weights, device: str) -> None:
     """The device's adjusted logits against MiniCPM-o's own code, run: `generate_chunk`'s temperature
     (modeling_minicpmo_unified.py:6792), its `CustomRepetitionPenaltyLogitsProcessorRepeat` over the chunk's codes
     with its own 16-code window (:6794-6806, :6950-6968, built by `gen_logits` :6975-6988) and its EOS mask
@@ -326,11 +337,11 @@ def test_the_device_tts_rules_are_the_reference_generate_chunks(preset, device: 
 
     modeling = demo_module("modeling_minicpmo_unified")
     rng = np.random.default_rng(11)
-    st, rows = _rows_with_history(preset, rng, 8)
+    st, rows = _rows_with_history(preset, weights, rng, 8)
     vocab, dx = preset.tts.num_audio_tokens, preset.duplex
     processor = modeling.gen_logits(num_code=vocab, repetition_penalty=dx.tts_repetition_penalty)[1]
     logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
-    head = _on_device(st, rows, device).core.runner.head
+    head = _on_device(st, rows, weights, device).core.runner.head
     got = head.adjusted(torch.as_tensor(logits, device=device), slice(0, 8)).cpu().numpy()
     for r in range(8):
         req = rows[r].req

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, StepEvent, StepInput
+from minicpmo_triton.duplex_contract import (
+    CHAT_MAX_SLICE_NUMS,
+    ChatInput,
+    ChatMessage,
+    Context,
+    StepEvent,
+    StepInput,
+)
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
@@ -206,10 +213,8 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
         raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
     image_opts = json_object(payload, "image")
-    # unset: 9, the reference processor's own default (MiniCPM-o-Demo processing_minicpmo.py:128; its chat
-    # worker passes None through); the duplex stream's default stays 1, as its worker's
     chosen = first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums"))
-    n_slices = 9 if chosen is None else slices(chosen, 1)[0]
+    n_slices = CHAT_MAX_SLICE_NUMS if chosen is None else slices(chosen, 1)[0]
     parsed = [_chat_message(m, n_slices, limits) for m in messages]
     limits.conversation(len(parsed), sum(len(m.text.encode("utf-8")) + len(m.key()[2]) for m in parsed))
     tts_ref = first(payload.get("tts_ref_audio"), tts.get("ref_audio_data"), tts.get("ref_audio"))

@@ -318,12 +318,14 @@ class OpenAIRealtimeState(DialectState[oe.ResponseCreate]):
             return self._chat_event(step, ev)
         out = Effects()
         kv = int(ev.metrics.kv_cache_length) if ev.metrics.kv_cache_length is not None else -1
+        # a rollback point: counted from the call's start, so it stays valid when the window slides
+        point = int(ev.metrics.kv_tokens_total) if ev.metrics.kv_tokens_total is not None else -1
         if step.kind == "duplex" and self.ext.events and self.decided is not step:  # its first event decides
             self.decided = step
             out.events.append(oe.DuplexStep(step.second, "listen" if ev.kind == "listen" else "speak", self.epoch, kv))
         if ev.kind == "listen":
-            if step.kind == "duplex" and kv >= 0:
-                self.duplex.last_listen = Mark(kv, step.second)
+            if step.kind == "duplex" and point >= 0:
+                self.duplex.last_listen = Mark(point, step.second)
             if self.active is not None:
                 self.active.count(ev)
                 out.extend(self._finish_response(Trigger.COMPLETE, "completed"))
@@ -335,7 +337,7 @@ class OpenAIRealtimeState(DialectState[oe.ResponseCreate]):
         r.count(ev)
         if kv >= 0:
             r.kv_length = kv
-        out.events += responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock(), kv, step.second)
+        out.events += responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock(), point, step.second)
         return out
 
     def _chat_event(self, step: Step, ev: StepEvent) -> Effects:

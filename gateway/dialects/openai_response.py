@@ -109,8 +109,9 @@ def finished(r: Response, config: RealtimeConfig, ext: Extensions, status: str,
 
 
 def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, ext: Extensions, epoch: int, now: float,
-           kv: int = -1, second: int = -1) -> list[ServerEvent]:
-    """A step event's words or voice added to the reply, and said."""
+           point: int = -1, second: int = -1) -> list[ServerEvent]:
+    """A step event's words or voice added to the reply, and said; `point`: where the LLM's context stands once
+    they are in it, counted from the call's start (a rollback point, StepMetrics.kv_tokens_total)."""
     ids = r.ids()
     if ev.kind == "text" and ev.text:
         r.item.add_text(ev.text, voiced=config.audio_out)
@@ -118,12 +119,14 @@ def deltas(r: Response, ev: StepEvent, config: RealtimeConfig, ext: Extensions, 
         return [delta(**ids, delta=ev.text)]
     if ev.kind == "audio" and len(ev.audio) and config.audio_out:
         dur_ms = len(ev.audio) * 1000 / OUTPUT_RATE
-        mark = r.item.add_audio(dur_ms, kv, second)
+        mark = r.item.add_audio(dur_ms, point, second)
         if r.first_audio_at is None:
             r.first_audio_at = now
         pcm = encode_pcm16_base64(resample(ev.audio, OUTPUT_RATE, config.output_rate))
+        kv = ev.metrics.kv_cache_length
         metadata: AudioDeltaMetadata | None = {
-            "epoch": epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms), "kv_cache_length": kv,
+            "epoch": epoch, "audio_start_ms": round(mark.start_ms), "audio_ms": round(dur_ms),
+            "kv_cache_length": -1 if kv is None else int(kv),
         } if ext.events else None
         return [oe.OutputAudioDelta(**ids, delta=pcm, metadata=metadata)]
     return []

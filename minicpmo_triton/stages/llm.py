@@ -244,7 +244,10 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             text_ids=np.asarray(dec.text_ids, np.int64),
             tts_hidden=hidden,
             is_listen=dec.is_listen or not req.decode,
-            end_of_turn=dec.end_of_turn,
+            # a listen answers end_of_turn False, as the reference's `_make_generate_result` default
+            # (modeling_minicpmo_unified.py:4928, 5130): the turn a listen closed is `turn_closed`
+            end_of_turn=dec.end_of_turn and not dec.is_listen and req.decode,
+            turn_closed=isinstance(dec, ChunkDecoder) and dec.turn_closed,
             turn_start=dec.turn_start,
             kv_length=cache.length,
             n_prefill=n_prefill,
@@ -272,13 +275,17 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
 
     def _slide(self, req: LlmRequest, sess: LlmSession) -> None:
         """The unit the pending tokens close is closed (`finalize_unit`), the window slides if it must, and the
-        session's first <unit> marks the end of its kept system prompt."""
+        session's first <unit> marks the end of its kept system prompt. Only where a unit closes: the reference
+        slides in `finalize_unit` alone (modeling_minicpmo_unified.py:5296-5300), never within a unit (a long
+        prefill's later chunks, which no pending tokens precede)."""
         closed_at = sess.cache.length + len(sess.pending)
+        slides: list[Slide] = []
         if sess.pending:
             sess.units.close(closed_at)
-        config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
-                              req.window_previous, self.marker)
-        if slides := sess.units.plan(closed_at, config):
+            config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
+                                  req.window_previous, self.marker)
+            slides = sess.units.plan(closed_at, config)
+        if slides:
             self.window_slides += len(slides)
             # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
             # window slides (one more forward for this row, once per slide)

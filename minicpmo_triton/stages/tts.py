@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import cast
@@ -13,7 +14,15 @@ from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
-from ..sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import (
+    DrawnAhead,
+    SamplingParams,
+    apply_repetition_penalty,
+    check_sampling,
+    sample,
+    sampling_problems,
+    seeded_rng,
+)
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
 from .kv import HostKv, KvRow, StageKv
@@ -32,6 +41,14 @@ def tts_admit_tokens(preset: PresetConfig) -> int:
 class TtsSession:
     cache: KvCache | PagedCache  # PagedCache: its place in the paged engine's pool
     rng: np.random.Generator
+
+
+def with_tts_sampling(preset: PresetConfig, top_k: int, top_p: float) -> PresetConfig:
+    """The preset with the `tts_top_k` / `tts_top_p` settings (0 / 1.0: off, the reference's draw), so the host and
+    the device rules read one value."""
+    if problems := sampling_problems(1.0, top_k, top_p):
+        raise ValueError(f"tts: {problems}")
+    return dataclasses.replace(preset, duplex=dataclasses.replace(preset.duplex, tts_top_k=top_k, tts_top_p=top_p))
 
 
 def tts_rules(preset: PresetConfig) -> TtsRules:
@@ -74,8 +91,9 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     - up to `n_tokens + 1` codes are sampled; each but the last is fed back and returned, the last
       (the 26th, or the speech EOS) is dropped: 25 codes = 1 s per chunk;
     - EOS is forbidden until `n_tokens + 1` codes (min_new_tokens 26) except at a turn's start or end;
-    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
-      then top-k 20 / top-p 0.7;
+    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes), then
+      the draw from the whole distribution: the reference builds top-k 20 / top-p 0.7 warpers and never applies
+      them (:6711, 6788-6822); `top_k` / `top_p` (the `tts_top_k` / `tts_top_p` settings) turn them on;
     - the cache is dropped at the turn's end.
 
     Departure: a turn whose next chunk would run past the TTS's position table (`max_positions`, 4096: about
