@@ -56,6 +56,10 @@ from .reference_checkpoint import write_checkpoint
 from .reference_demo import demo_module
 from .reference_model import demo_duplex
 
+# .ci/run's `-m reference` step (minutes of the reference's own loop: the main command stays under 6 minutes); its
+# device-engine cases run there too, not in the `engines` step
+pytestmark = pytest.mark.reference
+
 CHUNKS = 48
 AUDIO_TOKENS = 10  # per 1 s chunk
 # the caller forces a listen (force_listen_override) at the first chunk from 20 on where the model speaks (its turn

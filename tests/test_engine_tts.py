@@ -255,8 +255,6 @@ def _on_device(st: TtsStage, rows: list[ChunkRules], weights: dict[str, torch.Te
 
 @pytest.mark.parametrize("sampling", [{}, {"top_k": 20, "top_p": 0.7}], ids=["default", "top_k_top_p"])
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampling", [{}, {"top_k": 20, "top_p": 0.7}], ids=["default", "top_k_top_p"])
-@pytest.mark.parametrize("device", DEVICES)
 def test_the_device_tts_rules_keep_the_host_rules(preset, weights, device: str, sampling: dict[str, Any]) -> None:
     """For the same logits and history, the device's adjusted logits (temperature, per-occurrence penalty, EOS mask)
     and its distribution (the whole vocabulary by default, as the reference; top-k / top-p when the settings turn

@@ -179,13 +179,14 @@ def test_a_prefill_chunk_never_lends_its_long_past_to_a_decoding_row(stages: InP
     ids = lambda n: np.full(n, ord("a"), np.int64)  # noqa: E731 (plain text tokens)
     [first] = llm.run([StageCall(LlmRequest(input_ids=ids(300), decode=False), 71, start=True)])
     assert not isinstance(first, Exception), first
-    recorder = ShapeRecorder(llm.engine)
-    llm.engine = recorder
+    kv = llm.kv  # the host caches' batch runner (stages.kv.HostKv)
+    recorder = ShapeRecorder(kv.engine)
+    kv.engine = recorder
     try:
         results = llm.run([StageCall(LlmRequest(input_ids=ids(100), decode=False), 71),
                            StageCall(LlmRequest(input_ids=ids(20), max_new_tokens=4, temperature=0.0), 72, start=True)])
     finally:
-        llm.engine = recorder.engine
+        kv.engine = recorder.engine
     assert not any(isinstance(r, Exception) for r in results), results
     assert results[0].kv_length == 400 and results[1].kv_length > 20
     long_past = [f for f in recorder.forwards if f[2] >= 300]

@@ -218,8 +218,8 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     stage draws from, on the host (ONNX) and on the device (the paged TTS's sampler, its rules from the stage)."""
     from types import SimpleNamespace
 
-    from minicpmo_triton.paged.traffic import Traffic
-    from minicpmo_triton.paged.tts_sampler import TtsSampler
+    from minicpmo_triton.engine.sampler import candidates, value_ordered
+    from minicpmo_triton.stages.tts import tts_rules, with_tts_sampling
 
     from .reference_demo import demo_module
     from .reference_model import demo_tts
@@ -238,8 +238,11 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     request = TtsRequest(text_ids=text.numpy(), tts_hidden=hidden.numpy(), n_tokens=25, temperature=0.8)
     stage = TtsStage(OnnxEngine(paths["tts"], threads=1), preset, 600.0)
     got, logits = _our_draws(stage, request, monkeypatch)
-    sampler = TtsSampler(stage.rules(), torch.device("cpu"), Traffic())
-    ids, probs = sampler.distribution(torch.from_numpy(logits)[None])
+    # the device engine's draw (engine/tts.py's TtsHead: its k and top-p per row from the stage's rules)
+    rules, vocab = tts_rules(preset), len(logits)
+    ids, probs = value_ordered(torch.from_numpy(logits)[None].double(),
+                               torch.tensor([min(rules.top_k, vocab) if rules.top_k > 0 else vocab]),
+                               candidates(rules.top_k, vocab), torch.tensor([rules.top_p], dtype=torch.float64))
     device = np.zeros(len(logits))
     device[ids[0].numpy()] = probs[0].numpy()
     print(f"first code: {np.count_nonzero(want)} codes drawable (ours {np.count_nonzero(got)}), max |p - reference| "
@@ -248,6 +251,6 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     assert np.abs(got - want).max() < 1e-6 and np.abs(device - want).max() < 1e-6
 
     # top-k / top-p stay as settings: vllm-omni's 20 / 0.7 keep at most 20 codes
-    opted, _ = _our_draws(TtsStage(OnnxEngine(paths["tts"], threads=1), preset, 600.0, top_k=20, top_p=0.7),
+    opted, _ = _our_draws(TtsStage(OnnxEngine(paths["tts"], threads=1), with_tts_sampling(preset, 20, 0.7), 600.0),
                           request, monkeypatch)
     assert 0 < np.count_nonzero(opted) <= 20
