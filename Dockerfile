@@ -17,8 +17,8 @@ FROM nvcr.io/nvidia/tritonserver:${NGC_TRITON}-py3 AS runtime
 ARG PYTHON=3.12
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# What scripts/setup.sh installs with apt, less what only tests and benches use (chromium, libb64-0d). Not pinned
-# (DL3008): the image's Ubuntu archive drops superseded versions, so a pin breaks the build, not the bugs.
+# What scripts/setup.sh installs with apt, less what only tests and benches use (chromium, prometheus, libb64-0d).
+# Not pinned (DL3008): the image's Ubuntu archive drops superseded versions, so a pin breaks the build, not the bugs.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends espeak-ng libsndfile1 \

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, str(ROOT))
 
 from gateway.audio import read_wav  # noqa: E402 (after the sys.path line: run as a file)
@@ -27,6 +28,31 @@ TEXTS = [
     "I would like to book a table for two people tonight, somewhere quiet, with a view of the sea.",
     "Please remind me to call my sister tomorrow afternoon, and to buy bread on the way home.",
 ]
+
+
+def gateway_process(triton_url: str, port: int, max_sessions: int, log: Path,
+                    env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`gateway.serve` in front of `triton_url` on `port`, its output in `log`; `env` added to its environment."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", triton_url, "--port", str(port),
+                                 "--max-sessions", str(max_sessions)], cwd=ROOT, env={**os.environ, **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(port: int, timeout_s: float = 60.0) -> None:
+    """Until the gateway on `port` answers /ready with 200 (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far, user and system (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 def make_speech(folder: Path, seconds: int) -> list[np.ndarray]:

@@ -1,12 +1,14 @@
-"""Decode cost at the real LLM's width on the CPU: today's path against the paged engine, 200 vs 3000 tokens of history.
+"""Decode cost at the real LLM's width on the CPU: the host-cache path against the engine core, 200 vs 3000 tokens of
+history.
 
 The LLM at MiniCPM-o 4.5's hidden size, heads, KV heads and MLP width (Qwen3-8B) with 2 layers and random
 weights; the vocabulary cut to 32000 to fit this machine's memory (the lm_head costs both paths the same, at any
 history). Per decode token, for one session and for a batch of four:
 - before: the exported graph's module (`export/modules/llm.py`, what the ONNX graph is) fed the session's
   whole cache and returning the grown one (`present = cat(past, new)`), through `KvBatch`, as the stage runs it;
-- after: the paged engine (KV in its pool, written in place, the token chosen by the device sampler).
-Bytes host<->device per token are counted the same way for both (paged/traffic.py). One run, both paths.
+- after: the engine core (KV in its pool, written in place, the token chosen by the device's rules, the next
+  iteration launched before this one's token is read).
+Bytes host<->device per token are counted the same way for both (engine/traffic.py). One run, both paths.
 
     python -m bench.engine_cost
 """
@@ -23,14 +25,15 @@ import torch
 from export.modules.llm import DuplexLLM
 from export.presets import tiny
 from export.torch_engine import TorchEngine
+from minicpmo_triton.engine.build import llm_core
+from minicpmo_triton.engine.protocol import DUPLEX, LlmRow, Prefill
+from minicpmo_triton.engine.request import Request
+from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.kv_batch import KvBatch, KvCache
 from minicpmo_triton.model_config import DecoderDims
-from minicpmo_triton.paged.engine import PagedLlmEngine
-from minicpmo_triton.paged.protocol import DUPLEX, Prefill, RowPick
-from minicpmo_triton.paged.traffic import CountingEngine, Traffic
-from minicpmo_triton.sampling import SamplingParams
 
 from .gpu_check import REAL
+from .scripted import Scripted
 
 WIDTH = dataclasses.replace(REAL, layers=2, vocab=32_000)
 OUTPUTS = ["logits", "hidden", "present_key", "present_value"]
@@ -55,27 +58,39 @@ def today(module: DuplexLLM, d: DecoderDims, history: int, batch: int, tokens: i
     return (time.perf_counter() - t0) * 1000 / tokens, traffic.total() / tokens / batch
 
 
+class Tokens(Scripted):
+    """A row's rules: greedy duplex over a 512-token window, `n` tokens, each fed (the host reads each)."""
+
+    def __init__(self, n: int, history: list[int]) -> None:
+        self.n, self.seen = n, 0
+        self.row = LlmRow(DUPLEX, 0.0, 20, 0.8, 1.05, 1.0, n + 2, history, [], True, np.zeros(0))
+
+    n_hidden = 0
+
+    def confirm(self, token: int, flags: int) -> bool:
+        self.seen += 1
+        return self.seen < self.n
+
+
 def paged(weights: dict[str, torch.Tensor], d: DecoderDims, history: int, batch: int,
           tokens: int) -> tuple[float, float]:
-    eng = PagedLlmEngine.build(weights, d, pool_tokens=batch * (history + tokens + 32), attention="gather")
-    tk = tiny().tokens
-    eng.use_rules(np.zeros((2, d.vocab), bool), tk)
+    core = llm_core(weights, d, tiny().tokens, np.zeros((2, d.vocab), bool), attention="gather", rows=batch,
+                    pool_tokens=batch * (history + tokens + 32))
+    pool = core.pool
     for layer in range(d.layers):
-        eng.pool.key[layer].normal_()
-        eng.pool.value[layer].normal_()
-    seqs = [eng.pool.open(history + tokens) for _ in range(batch)]
+        pool.key[layer].normal_()
+        pool.value[layer].normal_()
     rng = np.random.default_rng(0)
-    picks = [RowPick(DUPLEX, SamplingParams(temperature=0.0), history=rng.integers(0, d.vocab, 512).tolist())
-             for _ in range(batch)]
-    assert eng.sampler is not None
-    eng.traffic.reset()
+    for r in range(batch):
+        core.add(Request(r, pool.open(history + tokens + 2), history,
+                         Prefill(rng.integers(0, d.vocab, 1), np.zeros((0, d.hidden), np.float32), np.zeros(1, bool)),
+                         Tokens(tokens + 1, rng.integers(0, d.vocab, 512).tolist())))
+    core.step()  # the one-token prefill (its row chooses its first token)
+    pool.traffic.reset()
     t0 = time.perf_counter()
-    for step in range(tokens):
-        rows = [Prefill(rng.integers(0, d.vocab, 1), np.zeros((0, d.hidden), np.float32), np.zeros(1, bool))
-                for _ in range(batch)]
-        out = eng.forward(seqs, [history + step] * batch, rows)
-        eng.sampler.pick(out.logits, picks)
-    return (time.perf_counter() - t0) * 1000 / tokens, eng.traffic.total() / tokens / batch
+    for _ in range(tokens):
+        core.step()
+    return (time.perf_counter() - t0) * 1000 / tokens, pool.traffic.total() / tokens / batch
 
 
 def main(argv: list[str] | None = None) -> int:

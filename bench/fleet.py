@@ -15,7 +15,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,13 +27,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import websockets
-from common import ROOT, pct  # bench/ is on sys.path, as load.py has it
-from gateway.client import converse, converse_realtime
+from common import cpu_s, gateway_process, pct, wait_ready  # bench/ is on sys.path, as load.py has it
 
 from gateway.audio import resample
 from gateway.triton import TritonServer, free_port
+from minicpmo_client.backend import converse, converse_realtime
 
-TICKS = os.sysconf("SC_CLK_TCK")
 Session = Callable[[str, np.ndarray], Awaitable[list[float]]]  # (gateway ws://host:port, 16 kHz audio) -> latencies
 
 
@@ -48,8 +46,7 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+        return cpu_s(self.process.pid)
 
     def per_endpoint(self) -> dict[str, int]:
         return {e["endpoint"]: e["sessions"] for e in httpx.get(f"{self.http}/health", timeout=5).json()["endpoints"]}
@@ -69,19 +66,11 @@ def fleet(model_repository: Path, work: Path, endpoints: int, gateways: int,
         listing = ", ".join(s.ports.endpoint for s in servers)
         for i in range(gateways):
             port = free_port()
-            env = {**os.environ, "MINICPMO_GATEWAY_URL": f"ws://127.0.0.1:{port}"}
-            with open(work / f"gateway{i}.log", "ab") as log:
-                process = subprocess.Popen([sys.executable, "-m", "gateway.serve", "--triton-url", listing, "--port",
-                                            str(port), "--max-sessions", str(max_sessions)], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT)
+            process = gateway_process(listing, port, max_sessions, work / f"gateway{i}.log",
+                                      {"MINICPMO_GATEWAY_URL": f"ws://127.0.0.1:{port}"})
             started.append(Gateway(process, port))
         for gw in started:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{gw.http}/ready", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.2)
+            wait_ready(gw.port)
         yield servers, started
     finally:
         for gw in started:

@@ -145,8 +145,13 @@ def main() -> int:
     path = Path(os.environ["SOAK_PROBE_REPORT"])
     if os.environ.get("SOAK_PROBE_TRACEMALLOC") == "1":
         tracemalloc.start(1)
+
+    def trimmed(signum: int, frame: object) -> None:
+        trim()
+        report(path)
+
     signal.signal(signal.SIGUSR1, lambda signum, frame: report(path))
-    signal.signal(signal.SIGUSR2, lambda signum, frame: (trim(), report(path)))
+    signal.signal(signal.SIGUSR2, trimmed)
     return serve.main(sys.argv[1:])
 
 

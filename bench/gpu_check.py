@@ -1,23 +1,25 @@
-"""The paged engines on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's dims (the LLM: Qwen3-8B).
+"""The device engine core on a GPU, with no checkpoint: random weights at MiniCPM-o 4.5's dims (the LLM: Qwen3-8B),
+each row's rules scripted (bench/scripted.py: the device runs its full rules every iteration).
 
-1. parity: the CUDA backend (flex_attention over the pool) against the reference gather, same weights, same
-   pool, same inputs (2 layers at real width): logits' max difference and greedy agreement, prefill and decode,
-   eager layers and compiled ones (each against the eager gather; decode's flex at static padded shapes);
-2. speed: all 36 layers, 32 / 64 / 128 sessions each holding 60 s of history in the pool: ms per decode
-   iteration (every session one token, sampling and the duplex rules on the device included; forward and sampler
-   timed apart) and per packed chunk prefill (12 tokens each), and a 1 s step estimated from them (every
-   session's prefill, one decode iteration for all, then 30% speaking for the rest of a 20-token chunk); each
-   size as it was (eager layers, flex compiled dynamic) and as it is (compiled layers, decode's flex static at
-   padded shapes: inductor's decoding kernel), so the before and after are one run;
-   profile: torch.profiler's top ops of one decode iteration at the first size, eager and compiled
-   (OUT/profile_*.txt);
-3. memory: the pool's bytes, the weights', the peak allocated;
-4. tts, whisper: the paged TTS and the paged streaming Whisper (bench/gpu_check_speech.py): parity, ms per TTS
-   decode iteration and chunk, per Whisper 1 s chunk, at 32 / 64 / 128 sessions, pool GiB; within
-   `--speech-budget-s` together.
+1. parity (FAILS the run past its thresholds): the CUDA graphs of the decode step against the same step run eagerly
+   (the same tokens, every row, 12 iterations; 2 layers at real width); flex over the pool against the reference
+   gather (logits of a varlen prefill and of a static decode batch: max difference within 5% of the logits' range,
+   greedy agreement >= 0.99); the host's waits per decode iteration on the GPU (the sync ledger: at most 1);
+2. speed: all 36 layers, 32 / 64 / 128 / 256 rows each 60 s into its call: wall ms per LLM decode iteration with
+   the graphs (the core's `step`: host work, launch, the previous iteration's tokens read) and without (eager);
+   the same for the TTS's iteration (its real dims, rows 8 chunks into their turn);
+3. step: the whole duplex step, as the engine would serve it on one GPU: N sessions (32 / 64 / 128 / 256) sending
+   their seconds at staggered offsets, 30% speaking, for `--step-seconds`; a loop that runs, each iteration, the
+   streaming Whisper over the arrived seconds (its pool, 10 s of history), the LLM core (their prefills beside the
+   decoding rows), the TTS core (the spoken chunks' conditions beside the decoding codes) and token2wav's three
+   graphs over the chunks whose codes are whole; the p50 / p95 of a speaking step (its arrival to its audio's end);
+4. tts, whisper (bench/gpu_check_speech.py): their parity (flex vs gather) and ms per iteration / chunk;
+5. memory: each stage's pool and the peak allocated.
+6. token2wav: its device path (bench/gpu_check_token2wav.py): the waveform against the CPU's, ms per iteration at
+   8 / 32 / 64 / 128 speaking sessions, memory per slot; its sizes within `--speech-budget-s` of its parity.
 Each stage's results go to OUT/gpu_check.json as it ends (a stage that fails records its error, and so does one
-size of a stage), a table to stdout; `--stages` runs a subset. `--device cpu --quick` runs the same code at
-small dims to test the script.
+size); a table to stdout; `--stages` runs a subset. `--device cpu --quick` runs the same code at small dims (no
+graphs on the CPU) to test the script.
 
     python -m bench.gpu_check --out gpu_out            (scripts/gpu_check.sh runs this)
 """
@@ -26,37 +28,53 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import statistics
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from export.presets import minicpmo45, tiny
-from minicpmo_triton.model_config import DecoderDims
-from minicpmo_triton.paged.attention import FlexAttention, GatherAttention
-from minicpmo_triton.paged.engine import PagedLlmEngine
-from minicpmo_triton.paged.protocol import CHAT, DUPLEX, Prefill, RowPick
-from minicpmo_triton.sampling import SamplingParams
+from minicpmo_triton.engine.attention import GatherAttention
+from minicpmo_triton.engine.build import llm_core, tts_core
+from minicpmo_triton.engine.core import EngineCore
+from minicpmo_triton.engine.protocol import Prefill, TtsFeed
+from minicpmo_triton.engine.request import Request
+from minicpmo_triton.engine.syncs import SyncLedger
+from minicpmo_triton.model_config import DecoderDims, PresetConfig
+from minicpmo_triton.stages.tts import tts_rules
 
-from .gpu_check_speech import CONDITION, tts_stage, whisper_stage
-from .gpu_timing import peak_gib, sync, timed
+from .gpu_check_speech import (
+    CONDITION,
+    ROUNDING,
+    chunk_mel,
+    encoder_frames,
+    random_state,
+    tts_stage,
+    whisper,
+    whisper_stage,
+)
+from .gpu_check_token2wav import token2wav_stage
+from .gpu_timing import iteration_ms, peak_gib, sync
+from .scripted import SpokenChunk, SpokenCodes
 
 # Qwen3-8B as MiniCPM-o 4.5 configures it (export/presets.py MINICPMO45_CONFIG)
 REAL = DecoderDims(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151748)
-QUICK = DecoderDims(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=2000)
+QUICK = tiny().llm  # the quick run's LLM: tiny's, as its speech stages' (the Whisper's embeddings are its width)
 HISTORY_60S = 13 * 60  # tokens a listening session holds after 60 s (<unit>, 10 audio, <|listen|>, </unit> a second)
 CHUNK_TOKENS = 12
 SPEAK_TOKENS = 20  # max_new_speak_tokens_per_chunk
 SPEAKING = 0.3
-TTS_CHUNK = CONDITION + 26  # a TTS chunk's positions: its condition, then 26 codes
-TTS_HISTORY = 8 * TTS_CHUNK  # a speaking session 8 chunks into its turn
+TTS_CODES = 25
+TTS_HISTORY = 8 * (CONDITION + TTS_CODES + 1)  # a speaking session 8 chunks into its turn
 WHISPER_HISTORY_S = 10.0  # seconds of encoder frames each listening session holds
-STAGES = ("parity", "speed", "tts", "whisper")
+STAGES = ("parity", "speed", "step", "tts", "whisper", "token2wav")
+THRESHOLDS = {"flex_rel_diff": 0.05, "flex_greedy": 0.99, "graph_token_agreement": 1.0, "syncs": 1}
 
 
 def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -66,14 +84,15 @@ def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torc
     def w(*shape: int) -> torch.Tensor:
         return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
 
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
     out = {"model.embed_tokens.weight": w(d.vocab, d.hidden), "lm_head.weight": w(d.vocab, d.hidden),
-           "model.norm.weight": torch.ones(d.hidden, device=device, dtype=dtype)}
+           "model.norm.weight": ones(d.hidden)}
     for i in range(d.layers):
         p = f"model.layers.{i}."
-        out |= {p + "input_layernorm.weight": torch.ones(d.hidden, device=device, dtype=dtype),
-                p + "post_attention_layernorm.weight": torch.ones(d.hidden, device=device, dtype=dtype),
-                p + "self_attn.q_norm.weight": torch.ones(d.head_dim, device=device, dtype=dtype),
-                p + "self_attn.k_norm.weight": torch.ones(d.head_dim, device=device, dtype=dtype),
+        out |= {p + "input_layernorm.weight": ones(d.hidden), p + "post_attention_layernorm.weight": ones(d.hidden),
+                p + "self_attn.q_norm.weight": ones(d.head_dim), p + "self_attn.k_norm.weight": ones(d.head_dim),
                 p + "self_attn.q_proj.weight": w(d.heads * d.head_dim, d.hidden),
                 p + "self_attn.k_proj.weight": w(d.kv_heads * d.head_dim, d.hidden),
                 p + "self_attn.v_proj.weight": w(d.kv_heads * d.head_dim, d.hidden),
@@ -84,212 +103,389 @@ def random_weights(d: DecoderDims, device: str, seed: int = 0) -> dict[str, torc
     return out
 
 
-def build(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, sessions: int, history: int,
-          attention: str, compiled: bool = False) -> PagedLlmEngine:
-    eng = PagedLlmEngine.build(weights, d, device=device, pool_tokens=sessions * (history + 2 * 128 + CHUNK_TOKENS),
-                               attention=attention, max_sessions=max(sessions, 1), max_tokens=8192,
-                               compile_layers=compiled)
-    tokens = (minicpmo45() if d.vocab == REAL.vocab else tiny()).tokens  # the sampler reads <|chunk_eos|> etc.
+def preset_for(d: DecoderDims) -> PresetConfig:
+    return minicpmo45() if d.vocab == REAL.vocab else tiny()
+
+
+def llm(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, sessions: int, tokens: int,
+        graphs: bool | None = None, attention: str = "auto") -> EngineCore:
+    """An LLM core with room for `sessions` sessions of `tokens` tokens; nothing forbidden but <|tts_pad|>."""
+    preset = preset_for(d)
     forbidden = np.zeros((2, d.vocab), bool)
-    forbidden[:, tokens.tts_pad] = True
-    eng.use_rules(forbidden, tokens)
-    return eng
+    forbidden[:, preset.tokens.tts_pad] = True
+    return llm_core(weights, d, preset.tokens, forbidden, rows=max(sessions, 1), graphs=graphs,
+                    pool_tokens=sessions * (tokens + 256), attention=attention, max_sessions=sessions + 1,
+                    max_tokens=8192)
 
 
-def chunk_rows(d: DecoderDims, n: int, tokens: int, rng: np.random.Generator) -> list[Prefill]:
-    return [Prefill(rng.integers(0, d.vocab, tokens), np.zeros((0, d.hidden), np.float32), np.zeros(tokens, bool))
-            for _ in range(n)]
+def randomize(pool: Any) -> None:
+    """Any history will do: the work is the same whatever the values (the trash block stays zero)."""
+    for t in (*pool.key, *pool.value):
+        t[:-1].normal_()
 
 
-def picks(n: int, rng: np.random.Generator) -> list[RowPick]:
-    """Duplex rows, greedy and sampled (the defaults: 0.7, top-k 20, top-p 0.8, a 512-token repetition window,
-    length penalty 1.1), and every eighth a chat row."""
+def admit(core: EngineCore, d: DecoderDims, n: int, history: int, rng: np.random.Generator, speaking: float = 1.0,
+          tokens: int = SPEAK_TOKENS) -> list[Request]:
+    """n rows `history` tokens in, each prefilling a chunk and decoding its scripted tokens."""
+    preset = preset_for(d)
     out = []
     for r in range(n):
-        params = SamplingParams(temperature=0.0) if r % 2 else SamplingParams()
-        out.append(RowPick(CHAT if r % 8 == 7 else DUPLEX, params, history=rng.integers(0, 1000, 512).tolist(),
-                           length_penalty=1.1, u=(float(rng.random()), float(rng.random()))))
+        seq = core.pool.open(history + CHUNK_TOKENS + tokens + 2)
+        prefill = Prefill(rng.integers(0, 250, CHUNK_TOKENS), np.zeros((0, d.hidden), np.float32),
+                          np.zeros(CHUNK_TOKENS, bool))
+        req = Request(r, seq, history, prefill, SpokenChunk(preset.tokens, rng.random() < speaking, tokens, rng))
+        core.add(req)
+        out.append(req)
     return out
 
+
+def clear(core: EngineCore) -> None:
+    """Every request given up, every pool session given back."""
+    core.abort()
+    core.scheduler.waiting.clear()
+    for seq in list(core.pool.tables):
+        core.pool.free(seq)
+
+
+# ---------------------------------------------------------------- parity
 
 def parity(d: DecoderDims, device: str, sessions: int, history: int) -> dict[str, Any]:
-    """One engine, its attention swapped: the same forwards (rewriting the same keys in the same slots)."""
     d2 = dataclasses.replace(d, layers=2)
     weights = random_weights(d2, device)
-    eng = build(d2, weights, device, sessions, history, "flex")  # flex's pool blocks: 128 tokens
+    out: dict[str, Any] = {"sessions": sessions, "layers": 2}
+    # flex against the gather: a varlen prefill, then a static decode batch, the same pool and weights
+    core = llm(d2, weights, device, sessions, history, graphs=False, attention="flex")
+    runner = core.runner
     rng = np.random.default_rng(0)
     lens = rng.integers(1, history, sessions).tolist()
-    seqs = [eng.pool.open(1) for _ in range(sessions)]
+    seqs = [core.pool.open(n + 2) for n in lens]
     rows = [Prefill(rng.integers(0, d2.vocab, n), np.zeros((0, d2.hidden), np.float32), np.zeros(n, bool))
             for n in lens]
-    gather, flex = GatherAttention(), FlexAttention(compiled=device == "cuda")
-    out: dict[str, Any] = {"sessions": sessions, "layers": 2, "dtype": str(eng.model.dtype)}
-    for name, pasts, batch in (("prefill", [0] * sessions, rows),
-                               ("decode", lens, chunk_rows(d2, sessions, 1, rng))):
-        logits = {}
-        for key, backend, compiled in (("gather", gather, False), ("flex", flex, False),
-                                       ("flex_compiled", flex, True), ("gather_compiled", gather, True)):
-            eng.model.attention = backend
-            eng.model.use_compiled(compiled)
-            logits[key] = eng.forward(seqs, pasts, batch).logits.float()
-        ref = logits.pop("gather")
-        scale = ref.abs().max().item()
-        out[name] = {key: {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_logit": scale,
-                           "greedy_agreement": (got.argmax(1) == ref.argmax(1)).float().mean().item()}
-                     for key, got in logits.items()}
+    flex = runner.model.attention
+    logits = {}
+    for key, backend in (("gather", GatherAttention()), ("flex", flex)):
+        runner.model.attention = backend
+        logits[key] = runner.logits(seqs, [0] * sessions, rows).float()
+    out["prefill"] = _diff(logits["flex"], logits["gather"])
+    steps = [Prefill(rng.integers(0, d2.vocab, 1), np.zeros((0, d2.hidden), np.float32), np.zeros(1, bool))
+             for _ in seqs]
+    for key, backend in (("gather", GatherAttention()), ("flex", flex)):
+        runner.model.attention = backend
+        logits[key] = runner.logits(seqs, lens, steps).float()
+    out["decode_varlen"] = _diff(logits["flex"], logits["gather"])
+    runner.model.attention = flex
+    # the CUDA graphs of the decode step against the same step eager: the same tokens, every row and iteration
+    picks = {}
+    for graphs in (False, True):
+        core = llm(d2, weights, device, sessions, history, graphs=graphs if device == "cuda" else False)
+        randomize(core.pool)
+        rng = np.random.default_rng(1)
+        admit(core, d2, sessions, history // 2, rng, tokens=40)
+        seen: list[Any] = []
+        step = core.runner.step
+
+        def recorded(batch: Any, step: Any = step, seen: list[Any] = seen) -> Any:
+            launched = step(batch)
+            seen.append(launched)
+            return launched
+
+        core.runner.step = recorded  # type: ignore[method-assign]
+        syncs = []
+        for i in range(12):
+            with SyncLedger() as ledger:
+                core.step()
+            if i >= 3:
+                syncs.append(ledger.total)
+        picks[graphs] = [launched.picks()[:, 0].copy() for launched in seen]
+        out["graph_captures" if graphs else "eager_iterations"] = getattr(core.runner.graphs, "captures", 0) \
+            if graphs else len(seen)
+        out["syncs_per_iteration_graphs" if graphs else "syncs_per_iteration"] = max(syncs)
+    agree = [float(np.mean(a == b)) for a, b in zip(picks[False], picks[True], strict=True)]
+    out["graph_token_agreement"] = min(agree)
+    out["failed"] = failures(out)
+    if out["failed"]:
+        out["error"] = "parity past its thresholds: " + "; ".join(out["failed"])
     return out
 
 
-def measure(d: DecoderDims, weights: dict[str, torch.Tensor], device: str, n: int, history: int,
-            repeats: int, attention: str = "auto", compiled: bool = False, profile: Path | None = None
-            ) -> dict[str, Any]:
-    """`n` sessions `history` tokens in: a decode iteration of all, of the 30% speaking, a chunk prefill of all."""
-    eng = build(d, weights, device, n, history, attention, compiled)
-    if not compiled and eng.model.attention.name == "flex":  # the engine as it was: flex dynamic for decode too
-        eng.model.attention = FlexAttention(compiled=device == "cuda", static_decode=False)
-    for layer in range(d.layers):  # any history will do: the work is the same whatever the values
-        eng.pool.key[layer].normal_()
-        eng.pool.value[layer].normal_()
-    seqs = [eng.pool.open(history + CHUNK_TOKENS + 1) for _ in range(n)]
+def _diff(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    scale = ref.abs().max().item()
+    return {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_logit": scale,
+            "rel_diff": (got - ref).abs().max().item() / max(scale, 1e-9),
+            "greedy_agreement": (got.argmax(1) == ref.argmax(1)).float().mean().item()}
+
+
+def failures(out: dict[str, Any]) -> list[str]:
+    t = THRESHOLDS
+    bad = [f"{k} flex rel diff {out[k]['rel_diff']:.3g} > {t['flex_rel_diff']}" for k in ("prefill", "decode_varlen")
+           if out[k]["rel_diff"] > t["flex_rel_diff"]]
+    bad += [f"{k} flex greedy agreement {out[k]['greedy_agreement']:.3f} < {t['flex_greedy']}"
+            for k in ("prefill", "decode_varlen") if out[k]["greedy_agreement"] < t["flex_greedy"]]
+    if out["graph_token_agreement"] < t["graph_token_agreement"]:
+        bad.append(f"graph vs eager token agreement {out['graph_token_agreement']:.3f}")
+    bad += [f"{k} {out[k]} > {t['syncs']}" for k in ("syncs_per_iteration", "syncs_per_iteration_graphs")
+            if out[k] > t["syncs"]]
+    return bad
+
+
+# ---------------------------------------------------------------- speed
+
+def speed(d: DecoderDims, preset: PresetConfig, device: str, counts: list[int], history: int, repeats: int,
+          deadline: float) -> list[dict[str, Any]]:
+    weights = random_weights(d, device)
+    largest = max(counts)
+    results: list[dict[str, Any]] = []
+    cores = {"llm": llm(d, weights, device, largest, history + 64)}
+    tts_weights = random_state(preset, "tts", device)
+    cores["tts"] = tts_core(tts_weights, preset.tts, tts_rules(preset), rows=largest,
+                            pool_tokens=largest * (TTS_HISTORY + 64 + ROUNDING), max_sessions=largest + 1,
+                            max_tokens=8192, device=device)
+    for core in cores.values():
+        randomize(core.pool)
+    rng = np.random.default_rng(0)
+    for n in counts:
+        if time.monotonic() > deadline:
+            results.append({"sessions": n, "skipped": "out of time"})
+            continue
+        row: dict[str, Any] = {"sessions": n}
+        try:
+            for name, core in cores.items():
+                for graphs in (True, False):
+                    if not graphs and device != "cuda":
+                        continue
+                    saved = core.runner.graphs
+                    if not graphs:
+                        core.runner.graphs = None
+                    if name == "llm":
+                        admit(core, d, n, history, rng, tokens=60)
+                    else:
+                        for r in range(n):
+                            seq = core.pool.open(TTS_HISTORY + 64)
+                            feed = TtsFeed(rng.integers(0, 200, CONDITION), np.zeros((0, preset.llm.hidden),
+                                                                                      np.float32))
+                            core.add(Request(r, seq, TTS_HISTORY, feed, SpokenCodes(60, rng)))
+                    key = f"{name}_iteration_ms" + ("" if graphs else "_eager")
+                    row[key] = iteration_ms(core, device, repeats)
+                    clear(core)
+                    core.runner.graphs = saved
+            row["llm_roofline_ms"] = _roofline(n, history)
+            row["peak_allocated_gib"] = peak_gib(device)
+            row["llm_pool_gib"] = cores["llm"].pool.nbytes / 2**30
+        except Exception as exc:  # noqa: BLE001 (one size failing, out of memory say, leaves the others)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            for core in cores.values():
+                clear(core)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
+def _roofline(rows: int, history: int) -> float:
+    from .gpu_projection import BF16, decode_bill, roofline
+
+    return roofline(decode_bill(minicpmo45().llm, rows, history, BF16)) * 1000
+
+
+# ---------------------------------------------------------------- the whole step
+
+class Token2WavGraphs:
+    """token2wav's three graphs (export's modules at the preset's widths, random weights) on the device: a batch of
+    chunks is the conformer once, the DiT estimator for each Euler step, HiFT once (pairs of chunks: the graphs'
+    example inputs are batches of 2)."""
+
+    def __init__(self, preset: PresetConfig, device: str) -> None:
+        from export.stages import build_module, token2wav_stage_graphs
+
+        model = build_module(preset, "token2wav", 0)
+        g = torch.Generator().manual_seed(0)
+        self.steps = preset.token2wav.n_timesteps
+        self.parts = []
+        for graph in token2wav_stage_graphs(preset, cast(Any, model)):
+            inputs = {k: v.to(device) for k, v in graph.make_inputs(g).items()}
+            self.parts.append((graph.module.to(device).eval(), inputs, graph.name.endswith("estimator")))
+
+    def run(self, chunks: int) -> None:
+        with torch.inference_mode():
+            for _ in range(-(-chunks // 2)):
+                for module, inputs, estimator in self.parts:
+                    for _ in range(self.steps if estimator else 1):
+                        module(**inputs)
+
+
+@dataclasses.dataclass(order=True)
+class Second:
+    arrival: float
+    session: int = dataclasses.field(compare=False)
+    speaking: bool = dataclasses.field(compare=False)
+
+
+def step_loop(d: DecoderDims, preset: PresetConfig, device: str, counts: list[int], history: int, seconds: float,
+              deadline: float, speaking: float = SPEAKING) -> list[dict[str, Any]]:
+    """The whole duplex step on one device: the engines' loop, in wall-clock time."""
+    weights = random_weights(d, device)
+    largest = max(counts)
+    lm = llm(d, weights, device, largest, history + 2 * CHUNK_TOKENS + SPEAK_TOKENS)
+    tts = tts_core(random_state(preset, "tts", device), preset.tts, tts_rules(preset), rows=largest,
+                   pool_tokens=largest * (TTS_HISTORY + CONDITION + TTS_CODES + ROUNDING), max_sessions=largest + 1,
+                   max_tokens=8192, device=device)
+    w_frames = encoder_frames(WHISPER_HISTORY_S)
+    enc = whisper(preset, random_state(preset, "audio_encoder", device), device, largest,
+                  w_frames + encoder_frames(seconds + 2))
+    t2w = Token2WavGraphs(preset, device)
+    for pool in (lm.pool, tts.pool, enc.pool):
+        randomize(pool)
+    results = []
+    for n in counts:
+        if time.monotonic() > deadline:
+            results.append({"sessions": n, "skipped": "out of time"})
+            continue
+        try:
+            results.append(_one_load(lm, tts, enc, t2w, d, preset, device, n, history, w_frames, seconds, speaking))
+        except Exception as exc:  # noqa: BLE001 (one size failing leaves the others)
+            results.append({"sessions": n, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                            "traceback": traceback.format_exc()[-2000:]})
+        for core in (lm, tts):
+            clear(core)
+        for seq in list(enc.pool.tables):
+            enc.pool.free(seq)
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def _one_load(lm: EngineCore, tts: EngineCore, enc: Any, t2w: Token2WavGraphs, d: DecoderDims,
+              preset: PresetConfig, device: str, n: int, history: int, w_frames: int, seconds: float,
+              speaking: float) -> dict[str, Any]:
     rng = np.random.default_rng(n)
-    pasts = [history] * n
-    step_rows, prefill_rows = chunk_rows(d, n, 1, rng), chunk_rows(d, n, CHUNK_TOKENS, rng)
-    row_picks = picks(n, rng)
-    speakers = max(1, int(n * SPEAKING))
-    sampler = eng.sampler
-    assert sampler is not None
-
-    def decode(k: int) -> tuple[float, float]:
-        """ms of the forward (logits included) and of the sampler, the device synchronised between."""
-        sync(device)
-        t0 = time.perf_counter()
-        logits = eng.forward(seqs[:k], pasts[:k], step_rows[:k]).logits
-        sync(device)
-        t1 = time.perf_counter()
-        sampler.pick(logits, row_picks[:k])  # ends in a download: synchronised
-        return (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
-
-    def split(k: int) -> tuple[float, float]:
-        for _ in range(2):  # warm-ups: the first compiles
-            decode(k)
-        runs = [decode(k) for _ in range(repeats)]
-        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-    forward_ms, sampler_ms = split(n)
-    speak_forward_ms, speak_sampler_ms = split(speakers)
-    prefill_ms = timed(device, lambda: eng.forward(seqs, pasts, prefill_rows), repeats)
-    if profile is not None:
-        write_profile(profile, lambda: decode(n))
-        write_profile(profile.with_name(profile.stem + "_30pct.txt"), lambda: decode(speakers))
-    decode_ms, speak_ms = forward_ms + sampler_ms, speak_forward_ms + speak_sampler_ms
-    return {"sessions": n, "history": history, "attention": eng.model.attention.name, "compiled": eng.model.compiled,
-            "attention_fallbacks": getattr(eng.model.attention, "fallbacks", []),
-            "decode_iteration_ms": decode_ms, "decode_forward_ms": forward_ms, "decode_sampler_ms": sampler_ms,
-            "decode_iteration_30pct_ms": speak_ms, "decode_30pct_forward_ms": speak_forward_ms,
-            "decode_30pct_sampler_ms": speak_sampler_ms, "chunk_prefill_ms": prefill_ms,
-            "step_estimate_ms": prefill_ms + decode_ms + (SPEAK_TOKENS - 1) * speak_ms,
-            "pool_gib": eng.pool.nbytes / 2**30, "pool_blocks": eng.pool.num_blocks,
-            "block_size": eng.pool.shape.block_size,
+    llm_seqs = [lm.pool.open(history + 2 * CHUNK_TOKENS) for _ in range(n)]
+    tts_seqs = [tts.pool.open(TTS_HISTORY + CONDITION + TTS_CODES + 2) for _ in range(n)]
+    enc_seqs = [enc.pool.open(w_frames + 50) for _ in range(n)]
+    llm_len, enc_len = [history] * n, [w_frames] * n
+    offsets = rng.random(n)
+    pending = [Second(s + offsets[i], i, bool(rng.random() < speaking)) for s in range(int(seconds)) for i in range(n)]
+    heapq.heapify(pending)
+    mel, mask = chunk_mel(preset, n, 1.0, rng)
+    latencies: list[float] = []
+    t2w_ready: list[Any] = []
+    t2w_ms: list[float] = []
+    sync(device)
+    t0 = time.perf_counter()
+    while pending or lm.has_work or tts.has_work or t2w_ready:
+        now = time.perf_counter() - t0
+        if not (lm.has_work or tts.has_work or t2w_ready) and pending[0].arrival > now:
+            time.sleep(pending[0].arrival - now)
+            now = pending[0].arrival
+        arrived: list[Second] = []
+        later: list[Second] = []
+        while pending and pending[0].arrival <= now:
+            s = heapq.heappop(pending)
+            (later if any(a.session == s.session for a in arrived) else arrived).append(s)
+        for s in later:  # a session's next second behind its previous one (an iteration longer than a second)
+            heapq.heappush(pending, s)
+        if arrived:  # their seconds through the streaming Whisper, its embeddings spliced on the device
+            rows = [s.session for s in arrived]
+            for r in rows:
+                enc.pool.reserve(enc_seqs[r], enc_len[r] + 50)
+            embeds = enc.forward([enc_seqs[s] for s in rows], [enc_len[s] for s in rows], mel[: len(rows)],
+                                 mask[: len(rows)])
+            for s in arrived:
+                enc_len[s.session] = w_frames  # the stream holds ~10 s: its chunk is rewritten in place
+                seq = llm_seqs[s.session]
+                lm.pool.reserve(seq, llm_len[s.session] + 2 * CHUNK_TOKENS + SPEAK_TOKENS)
+                use = np.zeros(CHUNK_TOKENS, bool)
+                use[2:] = True
+                prefill = Prefill(rng.integers(0, 250, CHUNK_TOKENS), embeds[rows.index(s.session)], use)
+                req = Request(s.session, seq, llm_len[s.session], prefill,
+                              SpokenChunk(preset_for(d).tokens, s.speaking, SPEAK_TOKENS, rng))
+                req.tag = s
+                lm.add(req)
+        for req in lm.step():
+            s = req.tag
+            llm_len[s.session] = history  # the session's context stays 60 s (its unit rewritten in place)
+            if s.speaking:
+                hidden = req.hidden if req.hidden is not None else np.zeros((0, preset.llm.hidden), np.float32)
+                feed = TtsFeed(rng.integers(0, 200, len(hidden) + 1), hidden.astype(np.float32))
+                treq = Request(s.session, tts_seqs[s.session], TTS_HISTORY, feed, SpokenCodes(TTS_CODES, rng))
+                treq.tag = s
+                tts.add(treq)
+        t2w_done, t2w_ready = t2w_ready, [req.tag for req in tts.step()]
+        if t2w_done:
+            t1 = time.perf_counter()
+            t2w.run(len(t2w_done))
+            sync(device)
+            t2w_ms.append((time.perf_counter() - t1) * 1000)
+            end = time.perf_counter() - t0
+            latencies += [end - s.arrival for s in t2w_done if s.arrival >= 1.0]  # past the first second
+    lat = np.array(latencies) * 1000 if latencies else np.zeros(1)
+    return {"sessions": n, "seconds": seconds, "speaking_steps": len(latencies),
+            "speaking_p50_ms": float(np.percentile(lat, 50)), "speaking_p95_ms": float(np.percentile(lat, 95)),
+            "token2wav_batch_ms_median": statistics.median(t2w_ms) if t2w_ms else None,
+            "llm_iterations": lm.iterations, "tts_iterations": tts.iterations,
             "peak_allocated_gib": peak_gib(device)}
 
 
-def write_profile(path: Path, fn: Any) -> None:
-    """torch.profiler's ops of one call, by host time and by device time: where a decode iteration goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        fn()
-    table = prof.key_averages()
-    text = table.table(sort_by="cpu_time_total", row_limit=30)
-    if torch.cuda.is_available():
-        text += "\n" + table.table(sort_by="cuda_time_total", row_limit=20)
-    path.write_text(text)
-
-
-def speed(d: DecoderDims, device: str, counts: list[int], history: int, repeats: int,
-          deadline: float, out: Path) -> list[dict[str, Any]]:
-    weights = random_weights(d, device)
-    weights_gib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**30
-    results: list[dict[str, Any]] = []
-    for n, compiled in [(n, c) for n in counts for c in (False, True)]:
-        if time.monotonic() > deadline:
-            results.append({"sessions": n, "compiled": compiled, "skipped": "out of time"})
-            continue
-        profile = out / f"profile_{'compiled' if compiled else 'eager'}.txt" if n == counts[0] else None
-        try:
-            results.append({**measure(d, weights, device, n, history, repeats, compiled=compiled, profile=profile),
-                            "weights_gib": weights_gib})
-        except Exception as exc:  # noqa: BLE001 (one size failing, out of memory say, leaves the others)
-            error = f"{type(exc).__name__}: {exc}"[:2000]
-            print(f"sessions {n}: {error}; again with the gather backend", flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            try:
-                results.append({**measure(d, weights, device, n, history, repeats, "gather", compiled),
-                                "weights_gib": weights_gib, "flex_error": error})
-            except Exception as again:  # noqa: BLE001
-                results.append({"sessions": n, "compiled": compiled, "error": error,
-                                "gather_error": f"{type(again).__name__}: {again}"})
-        print(json.dumps(results[-1]), flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return results
-
+# ---------------------------------------------------------------- the run
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu_out"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small dims, 2 and 4 sessions (tests the script)")
-    parser.add_argument("--budget-s", type=float, default=300.0,
-                        help="the LLM's speed stage starts no new size past this (from the start)")
-    parser.add_argument("--speech-budget-s", type=float, default=90.0,
+    parser.add_argument("--budget-s", type=float, default=240.0,
+                        help="the speed stage starts no new size past this (from the start)")
+    parser.add_argument("--step-budget-s", type=float, default=150.0, help="the step stage's, from its start")
+    parser.add_argument("--speech-budget-s", type=float, default=60.0,
                         help="the TTS and Whisper stages together start no new size past this (from their start)")
+    parser.add_argument("--step-seconds", type=float, default=4.0)
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     args = parser.parse_args(argv)
     chosen = args.stages.split(",")
     if unknown := set(chosen) - set(STAGES):
         parser.error(f"unknown stages {sorted(unknown)}: choose from {', '.join(STAGES)}")
-    deadline = time.monotonic() + args.budget_s
-    speech: dict[str, float] = {}
+    t_start = time.monotonic()
+    starts: dict[str, float] = {}
 
-    def speech_deadline() -> float:  # set when the first of the two stages starts
-        return speech.setdefault("deadline", time.monotonic() + args.speech_budget_s)
+    def budget(key: str, seconds: float) -> float:  # set when the stage (or the first of a pair) starts
+        return starts.setdefault(key, time.monotonic() + seconds)
 
     args.out.mkdir(parents=True, exist_ok=True)
     d = QUICK if args.quick else REAL
-    counts = [2, 4] if args.quick else [32, 64, 128]
+    counts = [2, 4] if args.quick else [32, 64, 128, 256]
     history = 50 if args.quick else HISTORY_60S
     preset = tiny() if args.quick else minicpmo45()
     repeats = 3 if args.quick else 20
-    tts_history = 2 * TTS_CHUNK if args.quick else TTS_HISTORY
+    tts_history = 2 * (CONDITION + 26) if args.quick else TTS_HISTORY
     whisper_history = 2.0 if args.quick else WHISPER_HISTORY_S
+    step_seconds = 3.0 if args.quick else args.step_seconds
     report: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "dims": dataclasses.asdict(d),
-                              "speech_preset": preset.name,
-                              "note": "random weights; speed of the engines, not of a served model"}
+                              "speech_preset": preset.name, "thresholds": THRESHOLDS,
+                              "note": "random weights, scripted rows; speed of the engines, not of a served model"}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-        # each size's pool is a new static shape for the decode graphs (a server has one pool): room for them all
-        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.recompile_limit = 64  # a compile per bucket, per stage's pool
     path = args.out / "gpu_check.json"
     stages = {"parity": lambda: parity(d, args.device, 8, history),
-              "speed": lambda: speed(d, args.device, counts, history, repeats, deadline, args.out),
-              "tts": lambda: tts_stage(preset, args.device, counts, tts_history, repeats, speech_deadline()),
+              "speed": lambda: speed(d, preset, args.device, counts, history, repeats, t_start + args.budget_s),
+              "step": lambda: step_loop(d, preset, args.device, counts, history, step_seconds,
+                                        budget("step", args.step_budget_s), 0.6 if args.quick else SPEAKING),
+              "tts": lambda: tts_stage(preset, args.device, counts, tts_history, repeats,
+                                       budget("speech", args.speech_budget_s)),
               "whisper": lambda: whisper_stage(preset, args.device, counts, whisper_history, repeats,
-                                               speech_deadline())}
+                                               budget("speech", args.speech_budget_s)),
+              "token2wav": lambda: token2wav_stage(preset, args.device, [2, 4] if args.quick else [8, 32, 64, 128],
+                                                   repeats, args.speech_budget_s)}
     failed = False
     for name in chosen:
-        run = stages[name]
         t0 = time.perf_counter()
         try:
-            report[name] = run()
+            report[name] = stages[name]()
         except Exception as exc:  # noqa: BLE001 (a stage that breaks is recorded; the next one still runs)
             failed = True
             report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         report[f"{name}_s"] = time.perf_counter() - t0
         path.write_text(json.dumps(report, indent=1))
         print(f"== {name} ({report[f'{name}_s']:.0f} s)\n{json.dumps(report[name], indent=1)[:3000]}", flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     print(f"results: {path}")
     return 1 if failed or errors(report) else 0
 

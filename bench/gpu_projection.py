@@ -1,191 +1,278 @@
-"""A PROJECTION, not a measurement: how many duplex sessions one H200 serves in the 1 s period, from counted work.
+"""A PROJECTION, not a measurement: how many duplex sessions one H200 serves with a speaking step's p95 under its
+1 s period, the whole step counted (the streaming Whisper, the LLM, the TTS and token2wav on one GPU).
 
-128..512 simulated sessions, each 60 s into its call (780 tokens of history), 30% of them speaking, go through the
-paged engine's own loop (`PagedLlmEngine.run`: the packed prefill of every session's chunk, then one batched
-decode forward per token until the last row is done, the KV pool reserving and handing out blocks) with a
-shape-only model at the LLM's real dims (MiniCPM-o 4.5: Qwen3-8B, bf16): no math, every forward bills its FLOPs,
-the weight bytes it reads (once per forward, whatever the batch), the KV bytes it reads and writes
-(`paged/traffic.py` `Work`), and the bytes that cross host<->device (`Traffic`). Listeners decide one token
-(<|listen|>); speakers decide 20 (a chunk's budget), the TTS taking each fed token's hidden row.
+A discrete-event simulation of the device engine's loop, second after second: N sessions, each sending its second at
+its own offset in the second (staggered arrivals, uniform), 30% of the steps speaking. An arriving step is encoded
+(Whisper: its 1 s chunk over up to 30 s of frames), prefilled into the LLM (12 tokens over 60 s of history) and
+decodes: a listening step 1 token, a speaking step 20 (its chunk's budget); a spoken chunk then goes to the TTS
+(its condition, 11 positions, then 26 codes, one an iteration) and its 25 codes to token2wav (one 1 s chunk: the
+flow's conformer over 28 tokens, 5 Euler steps of the DiT estimator with guidance, HiFT over 50 mel frames). Each
+loop iteration runs every engine's work at hand: the Whisper chunks and LLM prefills of the steps that arrived, one
+LLM decode iteration of every decoding row, one TTS iteration, the token2wav chunks ready. A speaking step's latency
+is its arrival to its audio's end.
 
-Counts become H200 time with a roofline per forward: max(FLOPs / compute, bytes / bandwidth), at NVIDIA's
-published peaks (HBM3e 4.8 TB/s; bf16 dense 989 TFLOP/s) derated to what kernels commonly reach (75% of the
-bandwidth, 50% of the FLOPs), plus a launch overhead per forward (10 kernels a layer, 4 us each, no CUDA graphs)
-and host<->device bytes at 50 GB/s (PCIe Gen5 x16, pinned). The LLM stage only: the encoders, the TTS and
-token2wav run beside it on the same GPU (not counted here).
+Device time per piece of work: a roofline from counted work at NVIDIA's published H200 peaks (HBM3e 4.8 TB/s, bf16
+dense 989 TFLOP/s) derated to what kernels commonly reach (75% / 50%): max(FLOPs / compute, bytes / bandwidth), the
+bytes each forward's weights read once and each row's KV read (`engine/traffic.py`'s `Work` formulas), the samplers'
+passes over the logits; token2wav's FLOPs as 2 per parameter per position of each of its parts (parameters counted
+from its modules at the real widths). An iteration's wall time is the larger of its device time and the host's
+work per iteration (overlap: the next iteration is launched before this one's tokens are read), plus each CUDA
+graph's replay launch. The host's work per iteration is MEASURED on this machine by `bench/engine_host.py`'s after
+path (the engine core's step, the decode step's replay stubbed) at 32 / 128 / 256 rows, interpolated, plus each
+step admitted in the iteration: its request's host work and its second's mel's host share (the stream's bookkeeping
+and the samples it stages; the FFT runs on the device: engine/mel.py), both measured (`engine_host.admission_ms`),
+on the engine thread; the graphs' replay is a constant
+(`REPLAY_S`, labelled, not measured here: no GPU). Memory: the weights and every pool at 60 s of history within
+90% of HBM.
 
-    python -m bench.gpu_projection
+    python -m bench.gpu_projection [--sessions 64 128 192 256 320 384 512] [--host-ms 32:x,128:y,256:z]
+
+Last line: `sessions per H200 (whole step, speaking p95 < 1 s): N`.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import torch
 
 from export.memory import pool_bytes
 from export.presets import minicpmo45
-from minicpmo_triton.model_config import DecoderDims, SpecialTokens
-from minicpmo_triton.paged.attention import Rows
-from minicpmo_triton.paged.engine import Forward, PagedLlmEngine
-from minicpmo_triton.paged.pool import KvPool, PoolShape
-from minicpmo_triton.paged.protocol import DUPLEX, Picked, Prefill, RowPick
-from minicpmo_triton.paged.traffic import Traffic, Work, layer_weight_count
-from minicpmo_triton.sampling import SamplingParams
+from minicpmo_triton.engine.traffic import layer_flops_per_token, layer_weight_count
+from minicpmo_triton.model_config import DecoderDims, PresetConfig
 
 PEAK_BW = 4.8e12  # bytes/s, H200 HBM3e (published)
 PEAK_FLOPS = 989e12  # bf16 dense, H200 SXM (published)
 BW_EFF, FLOPS_EFF = 0.75, 0.5
-LAUNCH_S = 10 * 4e-6  # per layer per forward
-PCIE = 50e9
+REPLAY_S = 30e-6  # one CUDA graph's replay launch (assumed: no GPU measured it here)
 HBM_GIB = 141
-HISTORY = 780  # 60 s listening: <unit>, 10 audio tokens, <|listen|>, </unit> a second
-CHUNK = 12  # </unit> of the last chunk's terminator pair, <unit>, 10 audio placeholders
-SPEAK_TOKENS = 20
+HISTORY = 780  # LLM tokens a session holds 60 s in: <unit>, 10 audio, <|listen|>, </unit> a second
+CHUNK = 12  # an LLM step's prefill: the last chunk's terminator + </unit>, <unit>, 10 audio placeholders
+SPEAK_TOKENS = 20  # a speaking chunk's budget
 SPEAKING = 0.3
+TTS_CONDITION = 11  # 10 text tokens with their hidden states, then audio_bos
+TTS_CODES = 26  # 25 kept and the one `generate_chunk` drops
+TTS_HISTORY = 8 * (TTS_CONDITION + TTS_CODES)  # a speaking session 8 chunks into its turn
+WHISPER_FRAMES = 50  # a 1 s chunk's encoder frames
+WHISPER_HISTORY = 750  # the frames a session's stream holds on average (it restarts at 1500)
 BF16 = 2
+SAMPLER_PASSES = 10  # the LLM's rules and draws read the logits about this many times (fp32 and fp64 passes)
+SECONDS = 6  # simulated; the first two are the warm-up (their steps are not counted)
 
 
 @dataclass
 class Bill:
-    flops: float
-    bytes: float
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: Bill) -> Bill:
+        return Bill(self.flops + other.flops, self.bytes + other.bytes)
 
 
-class ShapeOnlyDecoder:
-    """The paged decoder's interface, no math: each forward bills its work from the shapes (`Work`)."""
-
-    def __init__(self, dims: DecoderDims, pool: KvPool) -> None:
-        self.d, self.pool, self.device = dims, pool, pool.device
-        self.work = Work()
-        self.bills: list[Bill] = []
-        self.layer_bytes = layer_weight_count(dims) * BF16
-        self.head_bytes = dims.vocab * dims.hidden * BF16
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.empty((ids.shape[0], self.d.hidden), device=self.device, dtype=torch.bfloat16)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
-        before = (self.work.flops, self.work.weight_bytes + self.work.kv_read + self.work.kv_written)
-        self.work.count_forward(self.d, rows, self.layer_bytes, self.pool.shape.token_bytes(self.pool.dtype))
-        self.work.count_head(self.d, len(rows.count), self.head_bytes)
-        after = (self.work.flops, self.work.weight_bytes + self.work.kv_read + self.work.kv_written)
-        # the device sampler reads each row's logits a few times (masks, penalties, top-k, sort): fp32, ~6 passes
-        self.bills.append(Bill(after[0] - before[0], after[1] - before[1] + 6 * 4 * len(rows.count) * self.d.vocab))
-        return x
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.empty((hidden.shape[0], 0), device=self.device)
+def roofline(bill: Bill) -> float:
+    """Seconds on the H200, derated."""
+    return max(bill.flops / (PEAK_FLOPS * FLOPS_EFF), bill.bytes / (PEAK_BW * BW_EFF))
 
 
-class ShapeOnlyEngine(PagedLlmEngine):
-    def hidden_rows(self, out: Forward, positions: list[int]) -> np.ndarray:
-        self.traffic.to_host["outputs"] += len(positions) * self.model.d.hidden * 4
-        return np.zeros((len(positions), self.model.d.hidden), np.float32)
+def _kv_token(d: DecoderDims, dtype: int) -> int:
+    return 2 * d.layers * d.kv_heads * d.head_dim * dtype
 
 
-class ScriptedSampler:
-    """Every row's token is its script's (RowPick.forced); the token ids and flags cross as the real ones do."""
-
-    def __init__(self, traffic: Traffic) -> None:
-        self.traffic = traffic
-
-    def pick(self, logits: torch.Tensor, picks: list[RowPick]) -> Picked:
-        self.traffic.to_host["outputs"] += 3 * 8 * len(picks)
-        self.traffic.to_device["inputs"] += sum(8 * len(p.history) + 8 * 12 for p in picks)  # window + settings
-        return Picked(np.array([p.forced for p in picks], np.int64), np.ones(len(picks), bool))
-
-
-class ScriptedRows:
-    """Listeners decide <|listen|> at once; speakers decide SPEAK_TOKENS tokens, the TTS taking each fed one's
-    hidden row (from the second on)."""
-
-    def __init__(self, speaking: list[bool], tokens: SpecialTokens) -> None:
-        self.speaking, self.tokens = speaking, tokens
-        self.decided = [0] * len(speaking)
-        self.hidden = [0] * len(speaking)
-
-    def wants_hidden(self, row: int) -> bool:
-        return self.speaking[row] and self.hidden[row] < self.decided[row] - 1
-
-    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
-        self.hidden[row] += 1
-
-    def pick(self, row: int) -> RowPick | None:
-        if self.decided[row] >= (SPEAK_TOKENS if self.speaking[row] else 1):
-            return None
-        last = self.decided[row] == (SPEAK_TOKENS if self.speaking[row] else 1) - 1
-        token = (self.tokens.chunk_eos if self.speaking[row] else self.tokens.listen) if last else 1000
-        return RowPick(DUPLEX, SamplingParams(), forced=token, history=[0] * 512)
-
-    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
-        self.decided[row] += 1
-        return None if token in (self.tokens.listen, self.tokens.chunk_eos) else token
+def forward_bill(d: DecoderDims, rows: int, tokens: int, history: int, dtype: int, head: int = 0,
+                 sampler: int = 0) -> Bill:
+    """A forward of `rows` rows bringing `tokens` new tokens in all over `history` tokens each: the weights once,
+    each row's KV read once, the new KV written; `head` rows through a head of `sampler` columns (read by the
+    rules' passes)."""
+    if not rows:
+        return Bill()
+    attention = 4 * d.layers * d.heads * d.head_dim * (history * tokens)
+    flops = tokens * layer_flops_per_token(d) + attention + 2 * head * d.hidden * sampler
+    weights = layer_weight_count(d) * dtype + (sampler * d.hidden * dtype if head else 0)
+    kv = rows * history * _kv_token(d, dtype) + tokens * _kv_token(d, dtype)
+    return Bill(flops, weights + kv + head * sampler * 4 * SAMPLER_PASSES)
 
 
-def step_seconds(bills: list[Bill], layers: int, host_bytes: float, derated: bool) -> float:
-    bw, flops = PEAK_BW * (BW_EFF if derated else 1), PEAK_FLOPS * (FLOPS_EFF if derated else 1)
-    launch = LAUNCH_S * layers if derated else 0.0
-    return sum(max(b.flops / flops, b.bytes / bw) + launch for b in bills) + host_bytes / PCIE
+def decode_bill(d: DecoderDims, rows: int, history: int, dtype: int) -> Bill:
+    """One LLM decode iteration: every row one token, its logits through the rules."""
+    return forward_bill(d, rows, rows, history, dtype, head=rows, sampler=d.vocab)
 
 
-def simulate(d: DecoderDims, tokens: SpecialTokens, sessions: int, steps: int) -> dict[str, float]:
-    shape = PoolShape(d.layers, d.kv_heads, d.head_dim, 128)
-    traffic = Traffic()
-    need = sessions * (HISTORY + steps * (CHUNK + SPEAK_TOKENS) + 256)
-    pool = KvPool(shape, shape.blocks_for(need), torch.bfloat16, "meta", sessions, 8192, traffic)
-    model = ShapeOnlyDecoder(d, pool)
-    engine = ShapeOnlyEngine(model, traffic)  # type: ignore[arg-type]
-    engine.sampler = ScriptedSampler(traffic)  # type: ignore[assignment]
-    seqs = [pool.open(HISTORY + CHUNK + SPEAK_TOKENS) for _ in range(sessions)]
-    lengths = [HISTORY] * sessions
-    speaking = [i < round(sessions * SPEAKING) for i in range(sessions)]
-    per_step = []
-    for _ in range(steps):
-        model.bills.clear()
-        traffic.reset()
-        prefill = [Prefill(np.full(CHUNK, 1, np.int64), np.zeros((10, d.hidden), np.float32),
-                           np.arange(CHUNK) >= 2) for _ in range(sessions)]
-        lengths, _ = engine.run(seqs, lengths, prefill, ScriptedRows(speaking, tokens))
-        per_step.append((list(model.bills), traffic.total()))
-    bills, host = per_step[-1]
-    return {"sessions": sessions, "forwards": len(bills), "tflop": sum(b.flops for b in bills) / 1e12,
-            "gb_read_written": sum(b.bytes for b in bills) / 1e9, "host_mb": host / 1e6,
-            "peak_ms": step_seconds(bills, d.layers, host, False) * 1000,
-            "derated_ms": step_seconds(bills, d.layers, host, True) * 1000,
-            "pool_gib_60s": pool_bytes(minicpmo45(), sessions, 60, BF16) / 2**30,
-            # the streaming Whisper's pool beside it (same GPU, same llm model): its bound, 30 s of frames each
-            "whisper_gib": pool_bytes(minicpmo45(), sessions, 60, BF16, "audio_encoder") / 2**30}
+def whisper_bill(preset: PresetConfig, chunks: int) -> Bill:
+    a = preset.audio
+    if not chunks:
+        return Bill()
+    per_frame = 2 * a.layers * (4 * a.d_model**2 + 2 * a.d_model * a.ffn)
+    attention = 4 * a.layers * a.d_model * WHISPER_HISTORY * WHISPER_FRAMES
+    weights = a.layers * (4 * a.d_model**2 + 2 * a.d_model * a.ffn) * BF16
+    kv = chunks * (WHISPER_HISTORY + WHISPER_FRAMES) * 2 * a.layers * a.d_model * BF16
+    return Bill(chunks * (WHISPER_FRAMES * per_frame + attention), weights + kv)
+
+
+@dataclass
+class Token2Wav:
+    """token2wav's parts (parameters from its modules at the real widths, meta device) and a chunk's positions."""
+
+    encoder: int
+    estimator: int
+    vocoder: int
+
+    @classmethod
+    def of(cls, preset: PresetConfig) -> Token2Wav:
+        import torch
+
+        from export.stages import build_module
+
+        with torch.device("meta"):
+            m: Any = build_module(preset, "token2wav", 0)
+        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+        return cls(count(m.flow.encoder) + count(m.flow.input_embedding), count(m.flow.decoder), count(m.hift))
+
+    def bill(self, chunks: int, preset: PresetConfig) -> Bill:
+        """`chunks` 1 s chunks: the conformer over 28 tokens (2 mel frames each), the estimator over the prompt
+        (~3 s: 150 frames), its cache (100) and the chunk's 50 frames, 5 steps x 2 (guidance), HiFT over 50 frames
+        at 24 kHz (480 samples a frame: its convolutions run at the upsampled rates; counted at 120 positions a frame,
+        the weighted mean of its stages)."""
+        if not chunks:
+            return Bill()
+        t = preset.token2wav
+        est_positions = (150 + t.cache_tail_frames + 50) * t.n_timesteps * 2
+        flops = 2 * (self.encoder * 2 * (t.chunk_tokens + t.lookahead) + self.estimator * est_positions
+                     + self.vocoder * 50 * 120)
+        weights = (self.encoder + self.estimator + self.vocoder) * BF16
+        return Bill(chunks * flops, weights * (1 + t.n_timesteps))
+
+
+@dataclass(order=True)
+class Step:
+    arrival: float
+    session: int = field(compare=False)
+    speaking: bool = field(compare=False)
+    llm_left: int = field(default=0, compare=False)
+    tts_left: int = field(default=0, compare=False)
+
+
+class HostCost:
+    """The host's work per iteration, interpolated over the rows decoding (measured points), plus each arriving
+    step's admission (its request's host work and its second's mel, on the host today: both measured)."""
+
+    def __init__(self, points: dict[int, float], per_arrival_ms: float) -> None:
+        self.rows = sorted(points)
+        self.ms = [points[r] for r in self.rows]
+        self.per_arrival_ms = per_arrival_ms
+
+    def __call__(self, rows: int, arrivals: int) -> float:
+        return (float(np.interp(rows, self.rows, self.ms)) + arrivals * self.per_arrival_ms) / 1000
+
+
+def simulate(preset: PresetConfig, sessions: int, host: HostCost, t2w: Token2Wav, seed: int = 0) -> dict[str, float]:
+    """The engine loop over `SECONDS` seconds of `sessions` sessions; speaking steps' latency from the third second."""
+    rng = np.random.default_rng(seed)
+    offsets = rng.random(sessions)
+    arrivals = [Step(second + offsets[s], s, bool(rng.random() < SPEAKING))
+                for second in range(SECONDS) for s in range(sessions)]
+    heapq.heapify(arrivals)
+    d, td, codes = preset.llm, preset.tts.decoder, preset.tts.num_audio_tokens
+    llm_rows: list[Step] = []  # decoding (past their prefill)
+    tts_next: list[Step] = []  # their text whole: the TTS's condition next iteration
+    tts_rows: list[Step] = []  # decoding codes
+    t2w_next: list[Step] = []  # their codes whole: token2wav next iteration
+    latencies: list[float] = []
+    t, iterations, busy = 0.0, 0, 0.0
+    while arrivals or llm_rows or tts_next or tts_rows or t2w_next:
+        if not (llm_rows or tts_next or tts_rows or t2w_next) and arrivals[0].arrival > t:
+            t = arrivals[0].arrival  # idle until the next step arrives
+        new = []
+        while arrivals and arrivals[0].arrival <= t:
+            new.append(heapq.heappop(arrivals))
+        device = (whisper_bill(preset, len(new))
+                  + forward_bill(d, len(new), len(new) * CHUNK, HISTORY, BF16, head=len(new), sampler=d.vocab)
+                  + decode_bill(d, len(llm_rows), HISTORY, BF16)
+                  + forward_bill(td, len(tts_next), len(tts_next) * TTS_CONDITION, TTS_HISTORY, BF16,
+                                 head=len(tts_next), sampler=codes)
+                  + forward_bill(td, len(tts_rows), len(tts_rows), TTS_HISTORY, BF16, head=len(tts_rows),
+                                 sampler=codes)
+                  + t2w.bill(len(t2w_next), preset))
+        graphs = 2 * REPLAY_S  # the LLM's and the TTS's decode graphs
+        t += max(roofline(device), host(len(llm_rows) + len(tts_rows), len(new))) + graphs
+        busy += roofline(device)
+        iterations += 1
+        latencies += [t - s.arrival for s in t2w_next if s.arrival >= 2]  # the audio is out: past the warm-up
+        for s in new:  # the prefill chose the first token
+            s.llm_left = (SPEAK_TOKENS if s.speaking else 1) - 1
+        for s in llm_rows:
+            s.llm_left -= 1
+        for s in tts_next:  # the condition chose the first code
+            s.tts_left = TTS_CODES - 1
+        for s in tts_rows:
+            s.tts_left -= 1
+        decoding = llm_rows + new
+        t2w_next = [s for s in tts_rows if s.tts_left == 0]
+        tts_rows = [s for s in tts_rows + tts_next if s.tts_left > 0]
+        tts_next = [s for s in decoding if s.llm_left == 0 and s.speaking]
+        llm_rows = [s for s in decoding if s.llm_left > 0]
+    lat = np.array(latencies) if latencies else np.array([0.0])
+    return {"sessions": sessions, "iterations_per_s": iterations / t, "device_busy": busy / t,
+            "speaking_p50_ms": float(np.percentile(lat, 50)) * 1000,
+            "speaking_p95_ms": float(np.percentile(lat, 95)) * 1000}
+
+
+def memory_gib(preset: PresetConfig, sessions: int) -> float:
+    from export.memory import parameter_counts
+
+    counts = parameter_counts(preset)
+    weights = sum(counts[s] for s in ("audio_encoder", "llm", "tts", "token2wav")) * BF16
+    pools = sum(pool_bytes(preset, sessions, 60, BF16, stage) for stage in ("llm", "tts", "audio_encoder"))
+    return (weights + pools) / 2**30
+
+
+def measured_host() -> tuple[dict[int, float], dict[str, float]]:
+    """The engine core's host work per iteration on this machine (bench/engine_host.py's after path), and per
+    admitted step (its request; its second's mel)."""
+    import torch
+
+    from bench.engine_host import admission_ms, after
+
+    torch.set_num_threads(1)
+    token = 97
+    return {rows: after(rows, 8, token, eager=False)["ms"] for rows in (32, 128, 256)}, admission_ms()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, nargs="+", default=[128, 192, 256, 384, 512])
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[64, 128, 192, 256, 320, 384, 512])
+    parser.add_argument("--host-ms", default="", help="rows:ms,... instead of measuring (bench/engine_host.py)")
+    parser.add_argument("--arrival-ms", type=float, default=-1.0, help="host ms per admitted step instead of "
+                        "measuring (its request and its mel)")
     args = parser.parse_args(argv)
     preset = minicpmo45()
-    d = preset.llm
-    weights_gib = (layer_weight_count(d) + 2 * d.vocab * d.hidden) * BF16 / 2**30
-    print("PROJECTION from counted work (not a measurement): LLM stage, H200, bf16, "
-          f"{HISTORY} tokens of history (60 s), {SPEAKING:.0%} speaking {SPEAK_TOKENS} tokens, the rest listening")
-    print(f"peaks: {PEAK_BW / 1e12} TB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s bf16 dense (published); derated: "
-          f"{BW_EFF:.0%} / {FLOPS_EFF:.0%}, {LAUNCH_S * d.layers * 1e3:.2f} ms launches per forward; "
-          f"weights {weights_gib:.1f} GiB")
-    print(f"{'sessions':>8} {'forwards':>8} {'TFLOP':>7} {'GB r/w':>7} {'host MB':>8} {'peak ms':>8} "
-          f"{'derated ms':>10} {'KV GiB':>7} {'+Whisper':>8} {'fits 1 s':>8}")
-    fitting = 0
+    if args.host_ms:
+        points = {int(k): float(v) for k, v in (p.split(":") for p in args.host_ms.split(","))}
+        admission = {"request_ms": max(args.arrival_ms, 0.0), "mel_ms": 0.0}
+    else:
+        points, admission = measured_host()
+    host = HostCost(points, admission["request_ms"] + admission["mel_ms"])
+    t2w = Token2Wav.of(preset)
+    print("PROJECTION (not a measurement): one H200, MiniCPM-o 4.5's dims, bf16; the whole duplex step (Whisper, LLM, "
+          f"TTS, token2wav) from counted work at {PEAK_BW / 1e12} TB/s x {BW_EFF:.0%} and {PEAK_FLOPS / 1e12:.0f} "
+          f"TFLOP/s x {FLOPS_EFF:.0%}; staggered arrivals, {SPEAKING:.0%} of the steps speaking")
+    print("host ms per iteration, MEASURED on this CPU (engine core, decode step's replay stubbed): "
+          + ", ".join(f"{r} rows {ms:.2f}" for r, ms in sorted(points.items()))
+          + f"; per admitted step: its request {admission['request_ms']:.2f} + its mel's host share "
+          f"{admission['mel_ms']:.2f}; CUDA graph replay {REPLAY_S * 1e6:.0f} us each (ASSUMED)")
+    print(f"{'sessions':>8} {'iter/s':>7} {'GPU busy':>9} {'speak p50 ms':>13} {'speak p95 ms':>13} "
+          f"{'memory GiB':>11} {'fits':>5}")
+    best = 0
     for n in args.sessions:
-        r = simulate(d, preset.tokens, n, args.steps)
-        fits = r["derated_ms"] <= 1000 and r["pool_gib_60s"] + r["whisper_gib"] + weights_gib < HBM_GIB * 0.9
-        fitting = max(fitting, n if fits else 0)
-        print(f"{n:>8} {r['forwards']:>8.0f} {r['tflop']:>7.1f} {r['gb_read_written']:>7.1f} {r['host_mb']:>8.2f} "
-              f"{r['peak_ms']:>8.0f} {r['derated_ms']:>10.0f} {r['pool_gib_60s']:>7.1f} {r['whisper_gib']:>8.1f} "
-              f"{'yes' if fits else 'no':>8}",
-              flush=True)
-    print(f"projected: {fitting} sessions fit the 1 s period (derated, LLM stage alone; its KV and the Whisper's "
-          "within 90% of HBM)")
+        r = simulate(preset, n, host, t2w)
+        mem = memory_gib(preset, n)
+        fits = r["speaking_p95_ms"] < 1000 and mem < 0.9 * HBM_GIB
+        best = max(best, n if fits else 0)
+        print(f"{n:>8} {r['iterations_per_s']:>7.0f} {r['device_busy']:>9.0%} {r['speaking_p50_ms']:>13.0f} "
+              f"{r['speaking_p95_ms']:>13.0f} {mem:>11.1f} {'yes' if fits else 'no':>5}", flush=True)
+    print(f"sessions per H200 (whole step, speaking p95 < 1 s): {best}")
     return 0
 
 

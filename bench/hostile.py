@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,7 @@ class Urls:
 
 
 Outcome = Counter  # what a hostile caller got: refusal codes, close reasons, `bytes` received, `turns` done
-Hostile = Callable[[Urls, asyncio.Event], Awaitable[Outcome]]
+Hostile = Callable[[Urls, asyncio.Event], Coroutine[Any, Any, Outcome]]
 
 
 async def _events(ws: websockets.ClientConnection, out: Outcome, stop: asyncio.Event,
@@ -573,7 +573,8 @@ async def beside_process(urls: Urls, speech: list[np.ndarray], name: str | None)
     try:
         run = await clean_pair(urls, speech)
     finally:
-        child.stdin.close()  # the child stops when its stdin closes
+        if child.stdin is not None:  # (a PIPE: always)
+            child.stdin.close()  # the child stops when its stdin closes
     out, _ = await child.communicate()
     return run, Counter(json.loads(out or b"{}"))
 

@@ -3,6 +3,8 @@
     python bench/load.py [--sessions 1 4 8 16 32 48 64] [--seconds 10] [--baseline-workers 2]
                          [--variants default MINICPMO_LLM_BATCH_WINDOW_MS=0]
     python bench/load.py --endpoints 2 --gateways 2 --sessions 8     (bench/fleet.py: placement, per dialect)
+    python bench/load.py --metrics-cost --sessions 8 16 24 [--scrape]  (bench/metrics_cost.py: the gateway's
+                                                                        metrics recorded vs off, MINICPMO_METRICS=0)
 
 Every session streams espeak-ng speech at real-time pace (1 s appends) through gateway + Triton, each
 starting at a random point of the first second (callers' seconds do not line up). The sweep runs once
@@ -29,7 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, make_speech, pct, serving_stack
 
 from gateway.triton import DEFAULT_MODEL_REPOSITORY
-from minicpmo_client.backend import converse
+from minicpmo_client.backend import ConversationResult, converse
 
 CHUNK_MS = 1000.0
 STAGES = ("duplex", "audio_encoder", "llm", "tts", "token2wav")
@@ -56,6 +58,7 @@ class LoadResult:
     late: int
     dropped: int
     sent: int
+    latencies: list[float] = field(default_factory=list)  # each chunk's (ms), when asked for
 
     @property
     def real_time(self) -> bool:
@@ -66,9 +69,12 @@ def metrics(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     with urllib.request.urlopen(url, timeout=5) as resp:
         for line in resp.read().decode().splitlines():
-            m = re.match(r'^(nv_inference_\w+|minicpmo_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
+            m = re.match(r'^(nv_inference_\w+)\{model="(\w+)"[^}]*\} ([\d.e+-]+)$', line)
             if m:
                 out[(m.group(1), m.group(2))] = float(m.group(3))
+            own = re.match(r'^minicpmo_(\w+?)_(live_sequences) ([\d.e+-]+)$', line)  # a stage's own gauge
+            if own:
+                out[(f"minicpmo_{own.group(2)}", own.group(1))] = float(own.group(3))
     return out
 
 
@@ -111,10 +117,10 @@ class RssSampler:
         self._thread.join()
 
 
-async def gateway_load(url: str, n: int, speech: list[np.ndarray]) -> LoadResult:
+async def gateway_load(url: str, n: int, speech: list[np.ndarray], latencies: bool = False) -> LoadResult:
     rng = random.Random(n)
 
-    async def caller(i: int) -> object:
+    async def caller(i: int) -> ConversationResult:
         await asyncio.sleep(rng.random() * CHUNK_MS / 1000)  # a phase of its own within the chunk period
         return await converse(url, speech[i % len(speech)], realtime=True, config={"do_sample": False})
 
@@ -124,7 +130,8 @@ async def gateway_load(url: str, n: int, speech: list[np.ndarray]) -> LoadResult
     fa = [s * 1000 for r in ok for s in r.first_audio_latency_s]
     sent = sum(len(speech[i % len(speech)]) // 16_000 for i in range(n))
     return LoadResult(n, pct(lat, 50), pct(lat, 95), pct(fa, 50), pct(fa, 95),
-                      late=sum(x > CHUNK_MS for x in lat), dropped=sent - len(lat), sent=sent)
+                      late=sum(x > CHUNK_MS for x in lat), dropped=sent - len(lat), sent=sent,
+                      latencies=lat if latencies else [])
 
 
 def _baseline_worker(repository: str, audio: np.ndarray, queue: mp.Queue) -> None:
@@ -178,6 +185,7 @@ def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
     """Per-session state of each stage after one session's worth of steps (in process, same code)."""
     from minicpmo_triton.duplex_options import DuplexOptions
     from minicpmo_triton.inprocess import InProcessStages
+    from minicpmo_triton.kv_batch import KvCache
     from minicpmo_triton.pipeline import StepEvent, StepInput
 
     stages = InProcessStages(repository)
@@ -193,9 +201,11 @@ def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
                                                             options=options), emit)
 
     asyncio.run(run())
-    out = {"llm": stages.llm_stage.store.get(1).cache.nbytes}
-    tts = stages.tts_stage.store.get_or_none(1)
-    out["tts"] = tts.cache.nbytes if tts else 0
+    tts_session = stages.tts_stage.store.get_or_none(1)
+    llm, tts = stages.llm_stage.store.get(1).cache, tts_session.cache if tts_session else None
+    # in process the stages run their ONNX graphs: dense caches (a paged cache's blocks are the pool's)
+    assert isinstance(llm, KvCache) and (tts is None or isinstance(tts, KvCache))
+    out = {"llm": llm.nbytes, "tts": tts.nbytes if tts is not None else 0}
     t2w = stages.t2w_stage.store.get_or_none(1)
     out["token2wav"] = t2w.stream.nbytes if t2w and t2w.stream else 0
     return out
@@ -237,10 +247,20 @@ def main() -> int:
                         help="one sweep each: default, or MINICPMO_<KEY>=VALUE[,...] for the entry model")
     parser.add_argument("--endpoints", type=int, default=1, help="tritonservers (more than 1: bench/fleet.py)")
     parser.add_argument("--gateways", type=int, default=1, help="gateway processes (more than 1: bench/fleet.py)")
+    parser.add_argument("--metrics-cost", action="store_true",
+                        help="a gateway with its metrics and one without (MINICPMO_METRICS=0), alternating "
+                             "(bench/metrics_cost.py)")
+    parser.add_argument("--rounds", type=int, default=2, help="--metrics-cost: alternating rounds per session count")
+    parser.add_argument("--scrape", action="store_true", help="--metrics-cost: /metrics read every second meanwhile")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="load-"))
     speech = make_speech(work, args.seconds)
+    if args.metrics_cost:
+        import metrics_cost
+
+        metrics_cost.run(args.model_repository, work / "metrics", speech, args.sessions, args.rounds, args.scrape)
+        return 0
     if args.endpoints > 1 or args.gateways > 1:
         import fleet
 

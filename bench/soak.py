@@ -45,7 +45,7 @@ def live(metrics_url: str) -> dict[str, float]:
         text = resp.read().decode()
     out = {}
     for stage in STAGES:
-        prefix = f'minicpmo_live_sequences{{model="{stage}"'
+        prefix = f"minicpmo_{stage}_live_sequences "
         out[stage] = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)),
                           float("nan"))
     return out
@@ -96,7 +96,7 @@ async def minicpm_session(base: str, audio: np.ndarray) -> str:
         return await drain(ws, {"session.closed"}, 120)
 
 
-HOSTILE = [
+HOSTILE: list[tuple[str, str | bytes]] = [
     ("/backend", b"\xff\xfe garbage"),
     ("/backend", "[" * 100_000),
     ("/v1/realtime", '{"type": "session.update", "session": {"instructions": "\\ud800"}}'),

@@ -21,6 +21,7 @@ from .checkpoint import DEFAULT_VOICE, copy_causal_vocoder, copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
+from .tensorrt_build import NOT_BUILT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
               if g.folder in args.stages and not (g.folder == "token2wav" and g.file in copied)]
     for rel, data in stage_files(preset, modules, modules_seed).items():
         if rel.split("/")[0] in args.stages:
+            (args.model_repository / rel).parent.mkdir(parents=True, exist_ok=True)
             (args.model_repository / rel).write_bytes(data)
     from .onnx_export import ParityError, check_parity, export_onnx
 
@@ -151,15 +153,37 @@ def main(argv: list[str] | None = None) -> int:
                    f"({time.perf_counter() - t0:.1f} s)")
         if not parity.ok:
             failures.append(parity)
-        if args.runtime == "tensorrt":
+        if args.runtime == "tensorrt" and graph.name not in NOT_BUILT:
             from .tensorrt_build import build_engine, profiles
 
             build_engine(path, path.with_suffix(".plan"), profiles(graph.name, preset, args.max_batch))
             tqdm.write(f"{graph.name:20s} tensorrt engine written")
     if failures:
         raise ParityError(", ".join(f"{f.stage}: {f.max_abs_diff:.3g}" for f in failures))
+    build_encoder_plans(args.model_repository, preset, args.stages)
     print(f"artefacts in {args.model_repository}")
     return 0
+
+
+def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str]) -> None:
+    """Where a GPU, its driver and TensorRT are: the encoders' TensorRT plans now, as their first load on this GPU
+    would build them (kept by hash: minicpmo_triton/plan_cache.py), so the first serve does not wait for them."""
+    import re
+
+    from .tensorrt_build import NoGpuError, require_gpu
+
+    try:
+        require_gpu()
+    except NoGpuError:
+        return
+    from minicpmo_triton.plan_cache import cached_plan
+
+    for model in ("vision_encoder", "audio_encoder"):
+        if model in stages:
+            config = (repository / model / "config.pbtxt").read_text()
+            max_batch = int(re.search(r"^max_batch_size:\s*(\d+)", config, re.M)[1])  # type: ignore[index]
+            path = cached_plan(version_dir(repository, model), "model", model, preset, max_batch)
+            print(f"{model}: TensorRT plan {path.relative_to(repository)}")
 
 
 if __name__ == "__main__":

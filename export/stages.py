@@ -13,6 +13,7 @@ from torch.export import Dim
 from minicpmo_triton.audio_mel import CONTEXT_FRAMES
 from minicpmo_triton.images import Slice
 from minicpmo_triton.model_config import PresetConfig, VisionDims
+from minicpmo_triton.stages.token2wav_device import TORCH_FOLDER
 from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs
 
 from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
@@ -293,13 +294,15 @@ def stage_files(preset: PresetConfig, modules: dict[str, nn.Module], seed: int) 
     np.savez(voice, tokens=rng.integers(0, preset.token2wav.vocab, DEFAULT_VOICE_TOKENS),
              mel=rng.normal(-6.0, 1.5, (2 * DEFAULT_VOICE_TOKENS, preset.token2wav.n_mels)).astype(np.float32),
              embedding=rng.standard_normal(preset.token2wav.spk_embed_dim).astype(np.float32))
+    torch_files = {f"token2wav/1/{TORCH_FOLDER}/{name}": data for name, data in model.files(preset.token2wav).items()}
     return {"token2wav/1/tables.npz": tables_bytes(model), "token2wav/1/default_voice.npz": voice.getvalue(),
+            **torch_files,
             f"audio_encoder/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["audio_encoder"]),
             f"llm/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["llm"]),
             f"tts/1/{PAGED_WEIGHTS}": paged_weights_bytes(preset, modules["tts"])}
 
 
-PAGED_WEIGHTS = "weights.safetensors"  # the paged engines' weights (minicpmo_triton/paged), beside model.onnx
+PAGED_WEIGHTS = "weights.safetensors"  # the device engines' weights (minicpmo_triton/engine), beside model.onnx
 
 
 def paged_weights_bytes(preset: PresetConfig, module: nn.Module) -> bytes:

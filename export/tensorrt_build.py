@@ -6,9 +6,10 @@ the CPU runs and what the parity tests check), so the network is not strongly ty
 choose bf16 kernels.
 
 Profiles cover what is served: per stage a list, the runner (`minicpmo_triton/engines.py`) picks the first
-whose ranges hold a call's shapes. A decoder's (llm, tts) batched steps at any batch and a prefill of up to
-PREFILL_TOKENS (a system prompt is ~300) at a few rows; the audio encoders' 1 s steps at any batch and up to
-30 s (Whisper's window) at a few rows.
+whose ranges hold a call's shapes. The TTS's batched steps at any batch and a prefill of up to PREFILL_TOKENS at a
+few rows; the audio encoders' 1 s steps at any batch and up to 30 s (Whisper's window) at a few rows. The LLM has no
+plan: on a GPU it runs on the device engine core (minicpmo_triton/engine), its KV cache in a pool there; a plan fed
+the whole cache from the host each call (`NOT_BUILT`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def builder_flags(trt: Any, precision: str) -> list[Any]:
     raise ValueError(f"precision must be one of {PRECISIONS} (fp16 overflows Qwen3's activations), not {precision!r}")
 
 
+NOT_BUILT = ("llm",)  # stages served on a GPU by the engine core, whose exported graph is the CPU's only
+
+
 def profiles(stage: str, preset: PresetConfig, max_batch: int) -> list[Shapes]:
     """Optimisation profiles, each min / opt / max shapes per input: the batched 1-second step first, then a
     few rows of long input (prefill over 256 tokens, audio over 4 s), up to the 8192-token context."""
@@ -90,16 +94,16 @@ def _stream_profile(preset: PresetConfig, chunks: tuple[tuple[int, int], ...]) -
 
 
 def _decoder_profile(stage: str, preset: PresetConfig, seq: tuple[tuple[int, int], ...]) -> Shapes:
-    """llm / tts: (rows, new tokens) min / opt / max against 0 to the whole context of past."""
+    """The TTS: (rows, new tokens) min / opt / max against 0 to the whole context of past."""
     ctx = preset.duplex.context_tokens
-    d = preset.llm if stage == "llm" else preset.tts.decoder
+    d = preset.tts.decoder
 
     def kv_shape(p: tuple[int, int]) -> tuple[int, ...]:
         return d.layers, p[0], d.kv_heads, p[1], d.head_dim
 
     past = tuple((b, p) for (b, _), p in zip(seq, (0, ctx // 2, ctx), strict=True))
-    names = ["input_ids", "use_embeds"] if stage == "llm" else ["text_ids", "has_hidden", "code_ids", "is_code"]
-    hidden_in = "embeds" if stage == "llm" else "llm_hidden"
+    names = ["text_ids", "has_hidden", "code_ids", "is_code"]
+    hidden_in = "llm_hidden"
     shapes: dict[str, tuple[tuple[int, ...], ...]] = {n: seq for n in names + ["position_ids"]}
     shapes[hidden_in] = tuple((b, t, preset.llm.hidden) for b, t in seq)
     shapes["past_mask"] = past

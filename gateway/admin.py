@@ -2,7 +2,8 @@
 
 - `GET /ready`: 200 while some Triton endpoint takes new sessions, 503 otherwise (a load balancer's or
   Kubernetes' readiness check: it reads the status code only).
-- `GET /metrics`: Prometheus text: sessions, room, state and queue time per endpoint, active sessions.
+- `GET /metrics`: Prometheus text (gateway/metrics.py): step latency, first audio, barge-ins, refusals by code,
+  sessions per dialect and per endpoint, room, state and queue time per endpoint; every worker's with `--workers`.
 - `GET /admin/endpoints`: the endpoints as this gateway sees them.
 - `POST /admin/endpoints/drain` `{"endpoint": "host:port", "drain": true}`: the endpoint takes no new sessions
   from this gateway while its live ones finish (`"drain": false` lifts it). Every gateway has its own view:
@@ -66,11 +67,9 @@ async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     if not _allowed(gw, request, admin=False):
         return _refused(admin=False)
-    lines = [f"minicpmo_gateway_active_sessions {gw.active_sessions}",
-             f"minicpmo_gateway_max_sessions {gw.settings.max_sessions}",
-             f"minicpmo_gateway_queue_length {gw.queue_length}",
-             f"minicpmo_gateway_ready {int(gw.ready)}", *gw.pool.metrics()]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    gw.refresh_metrics()
+    body, content_type = gw.metrics.exposition()
+    return Response(body, media_type=content_type)
 
 
 async def list_endpoints(request: Request) -> Response:

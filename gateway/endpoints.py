@@ -173,7 +173,7 @@ async def voices_check(request: Request) -> JSONResponse:
         return http_error(err)
 
 
-def _check_voice(body: bytes, voices: Path | None) -> dict[str, Any]:
+def _check_voice(body: bytes, voices: Path | None) -> inputs.VoiceCheck:
     return inputs.check_voice(read_json(body), voices)  # the JSON limits every frame gets
 
 
@@ -202,6 +202,7 @@ async def backend_socket(ws: WebSocket) -> None:
                                                          awaiting_first=False, bytes_in=rate) as session:
                 await serve(session, ws)
     except ProtocolError as err:
+        e.gateway.metrics.refused(backend.BackendState.dialect, err.code)
         await _refuse(ws, backend.error_event(err.code, err.message, retryable=err.retryable).encode(),
                       err.close_code or CLOSE_POLICY)
     except Exception as exc:  # noqa: BLE001 (our bug, before a session was made: the socket closes, the server goes on)
@@ -246,6 +247,8 @@ async def realtime_socket(ws: WebSocket) -> None:
                 async with e.resumes.counted(who, address(ws)):  # only a failed resume counts against the caller
                     await resume(e.gateway, ws, msg, who)
     except ProtocolError as err:
+        dialect = minicpm.MiniCPMRealtimeState.dialect if mode is not None else openai.OpenAIRealtimeState.dialect
+        e.gateway.metrics.refused(dialect, err.code)
         refusal = realtime_error(err).encode()
         if ext.events:  # a refusal before any session: seq 0
             refusal["server_event_seq"] = 0

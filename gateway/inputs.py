@@ -11,7 +11,7 @@ import base64
 import binascii
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
@@ -38,7 +38,6 @@ class InputAppend:
     frames: list[bytes] = field(default_factory=list)  # encoded images, base64-decoded
     max_slice_nums: list[int] = field(default_factory=list)
     force_listen: bool = False
-    hints: dict[str, Any] = field(default_factory=dict)
 
 
 def as_object(value: Any, what: str) -> dict[str, Any]:
@@ -77,7 +76,16 @@ def check_reference(name: str, audio: np.ndarray, rate: int, close_code: int | N
         raise ProtocolError(ClientCode.INVALID_VOICE, f"{name}: {problem}", close_code=close_code)
 
 
-def check_voice(body: Any, voices_dir: Path | None = None) -> dict[str, Any]:
+class VoiceCheck(TypedDict):
+    """`POST /v1/voices/check`'s answer."""
+
+    ok: bool
+    voice: NotRequired[str]  # a named voice's name
+    duration_s: float | None  # the reference's (None: a built-in voice)
+    sample_rate: int | None
+
+
+def check_voice(body: Any, voices_dir: Path | None = None) -> VoiceCheck:
     """`POST /v1/voices/check`: `{voice: name}` (a built-in voice, or `<name>.wav` in the model server's voice
     folder, read and judged as a reference) or `{audio, format, sample_rate}` judged as a session's voice
     reference would be; the answer's body, else `invalid_voice` (or `invalid_payload`)."""
@@ -154,7 +162,8 @@ def slices(value: Any, n_frames: int) -> list[int]:
 
 
 def parse_append(payload: dict[str, Any], limits: Limits | None = None) -> InputAppend:
-    """One second (at most MAX_APPEND_SECONDS) of base64 float32 16 kHz audio, with its frames and hints."""
+    """One second (at most MAX_APPEND_SECONDS) of base64 float32 16 kHz audio, with its frames (the hints object
+    may carry `force_listen` and `max_slice_nums`, read here)."""
     hints = payload.get("hints") or {}
     if not isinstance(hints, dict):
         raise ProtocolError(ClientCode.INVALID_PAYLOAD, "hints must be an object")
@@ -176,5 +185,4 @@ def parse_append(payload: dict[str, Any], limits: Limits | None = None) -> Input
         frames=frames,
         max_slice_nums=slices(first(payload.get("max_slice_nums"), hints.get("max_slice_nums")), len(frames)),
         force_listen=bool(force),
-        hints=hints,
     )

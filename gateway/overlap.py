@@ -10,6 +10,7 @@ Speech between the two bounds is kept as `listen` while it lasts; the decision i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class OverlapSettings:
 
 @dataclass(frozen=True)
 class OverlapDecision:
-    action: str  # drop | listen | barge_in
+    action: Literal["drop", "listen", "barge_in"]
     reason: str  # noise | backchannel | short_speech | sustained_speech | speech_onset | listen_only
     speech_ms: int
 

@@ -15,8 +15,10 @@ from typing import Protocol
 from minicpmo_triton.errors import describe
 
 from . import peers
+from .metrics import EndpointView, Metrics
 from .settings import Settings
 from .stage_health import OwnedTriton, StageHealth
+from .tracing import StepTracer
 from .triton.placement import NoEndpoint
 from .triton.pool import EndpointPool
 from .triton.stream import next_correlation_id
@@ -77,6 +79,8 @@ class Gateway:
         self.stale_dropped_closed = 0  # stale deltas fenced off by sessions that have ended
         self.offloaded_closed = 0  # frames they decided in a worker thread
         self.mean_session_s = 60.0  # an EMA of session lifetimes, for queue wait estimates
+        self.metrics = Metrics(settings.metrics)  # /metrics (gateway/admin.py); the shell records where things happen
+        self.tracer = StepTracer.of(settings.otlp_endpoint)  # a trace per step, when an OTLP collector is set
 
     @property
     def ready(self) -> bool:
@@ -164,7 +168,20 @@ class Gateway:
             self.mean_session_s = 0.8 * self.mean_session_s + 0.2 * (time.monotonic() - session.started_at)
 
     async def watch_triton(self) -> None:
-        await asyncio.gather(self.pool.run(), self._watch_stages())
+        await asyncio.gather(self.pool.run(), self._watch_stages(), self._publish_metrics())
+
+    def refresh_metrics(self) -> None:
+        """The gauges from the sessions and the endpoints now (each probe period, and before a scrape)."""
+        on = self.sessions_per_endpoint()
+        self.metrics.refresh(self.active_sessions, self.settings.max_sessions, self.queue_length, self.ready, (
+            EndpointView(url, on[url], e.room(on[url]), e.healthy, e.draining, e.queue_ms, e.placements, e.failovers)
+            for url, e in self.pool.endpoints.items()))
+
+    async def _publish_metrics(self) -> None:
+        # With several workers, any one answers a scrape for all (gateway/metrics.py): each keeps its gauges current.
+        while True:
+            self.refresh_metrics()
+            await asyncio.sleep(self.pool.probe_s)
 
     async def _watch_stages(self) -> None:
         """One `StageHealth` per listed endpoint, started as endpoints join the list and stopped as they leave (and
@@ -183,7 +200,8 @@ class Gateway:
                                          functools.partial(self._endpoint_down, url),
                                          owned=self.owned.get(url),
                                          reloads_before_restart=s.reloads_before_restart,
-                                         control_key=s.triton_control_key, deadline_s=s.heal_deadline_s)
+                                         control_key=s.triton_control_key, deadline_s=s.heal_deadline_s,
+                                         on_heal=self.metrics.healed)
                     watches[url] = asyncio.get_running_loop().create_task(health.watch())
                 for url in watches.keys() - self.pool.endpoints.keys():
                     watches.pop(url).cancel()
@@ -214,3 +232,4 @@ class Gateway:
         sessions = list(self.sessions.values())
         await asyncio.gather(*(s.close("server_shutdown", ws_code=CLOSE_GOING_AWAY) for s in sessions),
                              return_exceptions=True)
+        await asyncio.to_thread(self.tracer.shutdown)  # the last steps' spans are sent

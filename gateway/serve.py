@@ -22,7 +22,7 @@ from . import workers
 from .auth import RedactKeys
 from .registry import Gateway
 from .routes import create_app
-from .settings import Settings
+from .settings import Settings, env_name
 from .triton import DEFAULT_MODEL_REPOSITORY, TritonPorts, TritonServer
 from .triton.launcher import CONTROL_KEY_ENV, LOOPBACK, is_loopback
 from .triton.supervisor import Supervisor
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.triton_url:
         settings = replace(settings, triton_url=args.triton_url)
     # Given endpoints, it is a gateway in front of running Tritons (docs/deploy.md): none is started here.
-    if not (args.triton_url or "MINICPMO_TRITON_URL" in os.environ or settings.triton_endpoints_file):
+    if not (args.triton_url or env_name("triton_url") in os.environ or settings.triton_endpoints_file):
         http, grpc, metrics = (int(p) for p in args.triton_ports.split(","))
         args.triton_log.parent.mkdir(parents=True, exist_ok=True)
         # Its model control calls (the healing reloads) only with a key: this gateway's (and its workers', through
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.workers > 1:
             return workers.run(sys.argv[1:] if argv is None else argv, args.host, args.port, args.workers,
-                               settings.triton_url)
+                               settings.triton_url, settings.gateway_url)
         print(f"gateway on ws://{args.host}:{args.port}/backend and /v1/realtime "
               f"(health: http://{args.host}:{args.port}/health)",
               flush=True)

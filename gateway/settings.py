@@ -87,6 +87,11 @@ class Settings:
                                             "the next attempt (a reload stuck loading: Triton restarted); above your "
                                             "models' load time")
     insecure: bool = setting(False, "`gateway.serve` may listen on a non-loopback address with no API keys")
+    # Operators (docs/deploy.md, "Metrics" and "Traces")
+    metrics: bool = setting(True, "record the latency histograms and counters on /metrics (off: only to measure "
+                                  "their cost, bench/load.py --metrics)")
+    otlp_endpoint: str = setting("", "an OTLP/HTTP collector (http://host:4318): a trace per duplex step, the "
+                                     "gateway's spans and Triton's (empty: no tracing)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
@@ -103,6 +108,15 @@ class Settings:
 
 def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
+
+
+def env_setting(name: str, env: Mapping[str, str] = os.environ) -> Any:
+    """One field from MINICPMO_<FIELD> when set, else its default: for code that needs that one setting and not
+    a whole `Settings` (the Triton launcher's control key)."""
+    raw = env.get(env_name(name))
+    if raw is None:
+        return next(f.default for f in fields(Settings) if f.name == name)
+    return _parse(name, typing.get_type_hints(Settings)[name], raw)
 
 
 def _parse(name: str, kind: Any, raw: str) -> Any:

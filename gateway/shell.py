@@ -30,18 +30,20 @@ from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from minicpmo_triton.duplex_contract import ChatInput, StepInput
+from minicpmo_triton.duplex_contract import ChatInput, StepEvent, StepInput
 from minicpmo_triton.errors import CLIENT_ERRORS, CLOSE_REASONS, RETRYABLE, Code, describe
 
 from . import peers
 from .auth import ANONYMOUS
 from .codes import ClientCode
 from .dialects.realtime_events import Replaced, Resumed, ResyncRequired
-from .dialects.state import DialectState, Effects, PlannedStep, ServerEvent
+from .dialects.state import DialectState, Effects, PlannedStep, Refusal, ServerEvent
 from .fairness import Activity, ByteRate, EventRate, paced
 from .journal import Journal
+from .metrics import Metrics
 from .registry import Gateway, QueueFull, SessionLimitReached
 from .settings import Settings
+from .tracing import StepTracer
 from .triton.stream import TritonStream, TritonUnavailable
 from .wire import (
     CLOSE_NORMAL,
@@ -157,8 +159,11 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
 
 class Session:
     def __init__(self, state: DialectState, triton: TritonStream, settings: Settings, resumable: bool,
-                 owner: str = ANONYMOUS, awaiting_first: bool = True, bytes_in: ByteRate | None = None) -> None:
+                 owner: str = ANONYMOUS, awaiting_first: bool = True, bytes_in: ByteRate | None = None,
+                 metrics: Metrics | None = None, tracer: StepTracer | None = None) -> None:
         self.state = state
+        self.metrics = metrics or Metrics(record=False)  # the gateway's (gateway/metrics.py); tests leave it out
+        self.tracer = tracer or StepTracer()
         self.owner = owner
         self.session_id = state.session_id
         self.triton = triton
@@ -188,6 +193,8 @@ class Session:
         self._ended = asyncio.Event()
         self._lost = False
         self._socket_closing: asyncio.Task[None] | None = None  # a slow consumer's close handshake
+        self._turn_at: float | None = None  # the spoken turn in progress: when the step that opened it was planned
+        self._turn_heard = False  # ... and whether its first audio went out
         triton.on_lost = self.lost
 
     @property
@@ -202,6 +209,8 @@ class Session:
     async def emit(self, events: list[ServerEvent]) -> None:
         async with self._send_lock:
             for event in events:
+                if isinstance(event, Refusal):
+                    self.metrics.refused(self.state.dialect, event.code)
                 ev = event.encode()
                 if self.journal is not None:
                     if ev["type"] == "session.created":
@@ -317,11 +326,15 @@ class Session:
     # ---- in ----
     async def handle(self, text: str) -> None:
         """One client frame: answered, applied, or refused with a coded error."""
+        heard_at = time.monotonic()
         if (over := self.events.refusal()) is not None:  # a flood: refused unread, the session goes on
             await self.apply(Effects([self.state.error_event(over)]))
             return
         fx, err = await self._decide_frame(text)
         await self.apply(fx)
+        if fx.cancel:  # a barge-in (or a cancel): what it said went out after any audio being sent; none follows
+            self.metrics.barged_in(self.state.dialect, time.monotonic() - heard_at)
+            self._turn_at = None
         if err is not None and err.close_code is not None:
             await self.close("protocol_error", message=err.message, ws_code=err.close_code)
 
@@ -355,26 +368,59 @@ class Session:
         request = await self.in_order(self._request, step)
         if request is None:
             return
-        # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
-        async for ev in paced(self.triton.step(request), self.settings.step_timeout_s):
-            if ev.kind == "error":
-                code = ev.code or Code.STAGE_ERROR
-                if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-                    await self.apply(await self.in_order(self.state.on_step_error, step, ClientCode(code), ev.message))
-                elif code in RETRYABLE:  # no room now (its KV pool), or a stage Triton could not run: retry
-                    err = ProtocolError(ClientCode(CLOSE_REASONS[code]), ev.message, close_code=CLOSE_TRY_AGAIN,
-                                        error_type="server_error", retryable=True)
-                    await self.emit([self.state.error_event(err)])
-                    self._spawn(self.close(err.code, message=err.message, ws_code=CLOSE_TRY_AGAIN))
-                else:
-                    reason = CLOSE_REASONS.get(code, "backend_error")
-                    # its type and place are in the Triton log (no caller data here: the message may quote it)
-                    log.warning("session %s: a step failed with %s (message of %d characters): closing (%s)",
-                                self.session_id, code, len(ev.message), reason)
-                    self.fail(reason, f"{code}: {ev.message}")
-                return
-            await self.apply(await self.in_order(self.state.on_step_event, step, ev))
-        await self.apply(await self.in_order(self.state.on_step_end, step))
+        sent_at = time.monotonic()
+        dialect = self.state.dialect
+        self.metrics.step_sent(dialect, sent_at - step.planned_at)
+        attributes = {"minicpmo.dialect": dialect, "minicpmo.session": self.session_id, "minicpmo.kind": step.kind,
+                      "minicpmo.second": step.second}
+        with self.tracer.step(step.planned_at, sent_at, attributes) as spans:
+            answered = False
+            # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
+            async for ev in paced(self.triton.step(request, trace=spans.traceparent), self.settings.step_timeout_s):
+                if ev.kind == "error":
+                    spans.decided("error")
+                    await self._step_failed(step, ev)
+                    return
+                await self.apply(await self.in_order(self.state.on_step_event, step, ev))
+                if not answered:
+                    answered = True
+                    spans.decided("listen" if ev.kind == "listen" else "speak")
+                    # a duplex step against its 1 s period (a chat turn has none); one a barge-in fenced off is heard
+                    # by nobody
+                    if step.kind == "duplex" and step.epoch == self.state.epoch:
+                        self.metrics.step_answered(dialect, time.monotonic() - step.planned_at)
+                self._follow_turn(step, ev)
+            await self.apply(await self.in_order(self.state.on_step_end, step))
+
+    def _follow_turn(self, step: PlannedStep, ev: StepEvent) -> None:
+        """A spoken turn opens with a step's first words or audio, and its first audio is timed from that step's
+        input; a listen, the turn's end (or a barge-in) closes it."""
+        if step.epoch != self.state.epoch:
+            return
+        if ev.kind in ("text", "audio") and self._turn_at is None:
+            self._turn_at, self._turn_heard = step.planned_at, False
+        if ev.kind == "audio" and len(ev.audio) and self._turn_at is not None and not self._turn_heard:
+            self._turn_heard = True
+            self.metrics.first_audio_sent(self.state.dialect, time.monotonic() - self._turn_at)
+        if ev.kind in ("listen", "done") or ev.end_of_turn:
+            self._turn_at = None
+
+    async def _step_failed(self, step: PlannedStep, ev: StepEvent) -> None:
+        code = ev.code or Code.STAGE_ERROR
+        self._turn_at = None
+        if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
+            await self.apply(await self.in_order(self.state.on_step_error, step, ClientCode(code), ev.message))
+        elif code in RETRYABLE:  # no room now (its KV pool), or a stage Triton could not run: told to retry
+            err = ProtocolError(ClientCode(CLOSE_REASONS[code]), ev.message, close_code=CLOSE_TRY_AGAIN,
+                                error_type="server_error", retryable=True)
+            await self.emit([self.state.error_event(err)])
+            self._spawn(self.close(err.code, message=err.message, ws_code=CLOSE_TRY_AGAIN))
+        else:
+            reason = CLOSE_REASONS.get(code, "backend_error")
+            # its type and place are in the Triton log (no caller data here: the message may quote it)
+            log.warning("session %s: a step failed with %s (message of %d characters): closing (%s)",
+                        self.session_id, code, len(ev.message), reason)
+            self.fail(reason, f"{code}: {ev.message}")
 
     def lost(self) -> None:
         """Triton went away (its stream broke): the client is told `backend_unavailable`, retryable, and the
@@ -454,6 +500,7 @@ class Session:
             return
         self._closing = asyncio.get_running_loop().create_future()
         log.info("session %s: closing (%s)", self.session_id, reason)
+        self.metrics.session_closed(self.state.dialect, reason)
         try:
             if self._grace is not None and self._grace is not asyncio.current_task():
                 self._grace.cancel()
@@ -505,10 +552,11 @@ async def running(gw: Gateway, state: DialectState, ws: WebSocket, resumable: bo
     except Exception as exc:
         raise ProtocolError(ClientCode.BACKEND_UNAVAILABLE, str(exc), close_code=CLOSE_SERVER_ERROR,
                             error_type="server_error") from exc
-    session = Session(state, triton, gw.settings, resumable, owner, awaiting_first, bytes_in)
+    session = Session(state, triton, gw.settings, resumable, owner, awaiting_first, bytes_in, gw.metrics, gw.tracer)
     triton.on_lost = lambda: gw.stream_lost(session)  # the endpoint takes no new sessions until it answers
     triton.on_unended = lambda: gw.pool.orphaned(url, corr_id)  # ENDed everywhere once the endpoint answers
     gw.add(session)
+    gw.metrics.session_opened(state.dialect)
     try:
         await session.attach(ws)
         await session.emit(state.created())
@@ -569,4 +617,5 @@ async def resume(gw: Gateway, ws: WebSocket, msg: dict[str, Any], owner: str = A
         raise ProtocolError(ClientCode.INVALID_VALUE, "last_received_server_event_seq must be an integer >= 0",
                             "last_received_server_event_seq", close_code=CLOSE_POLICY)
     await session.attach(ws, after_seq=last)
+    gw.metrics.resumed(session.state.dialect)
     await serve(session, ws)

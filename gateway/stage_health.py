@@ -49,8 +49,8 @@ from .triton.stream import ENTRY_MODEL, TritonStream, next_correlation_id
 log = logging.getLogger("gateway.health")
 
 STATEFUL = ("llm", "tts", "token2wav")  # probed with the reserved probe request, answered before any stage work
-STATELESS_PROBES: dict[str, Any] = {"audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)),
-                                    "vision_encoder": VisionEncoderRequest()}
+STATELESS_PROBES: dict[str, AudioEncoderRequest | VisionEncoderRequest] = {
+    "audio_encoder": AudioEncoderRequest(np.zeros(1600, np.float32)), "vision_encoder": VisionEncoderRequest()}
 MODELS = (ENTRY_MODEL, *STATEFUL, *STATELESS_PROBES)
 
 
@@ -191,8 +191,9 @@ class StageHealth:
     def __init__(self, url: str, period_s: float, timeout_s: float, hang_s: float,
                  on_change: Callable[[str, str], None], tell_sessions: Callable[[], None],
                  owned: OwnedTriton | None = None, reloads_before_restart: int = 3, control_key: str = "",
-                 deadline_s: float = 180.0) -> None:
+                 deadline_s: float = 180.0, on_heal: Callable[[str], None] = lambda action: None) -> None:
         self.url = url
+        self.on_heal = on_heal  # told "reload" per model reloaded, "restart" per Triton restarted (the metrics)
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.verdict = Verdict(timeout_s, hang_s)
@@ -227,6 +228,7 @@ class StageHealth:
                 assert self.owned is not None
                 log.error("endpoint %s: a stage is broken (%s) and is not reloaded (%s): restarting Triton", self.url,
                           self.verdict.why, effect.why)
+                self.on_heal("restart")
                 self.owned.kill()
             elif isinstance(effect, Cancel) and self._reload is not None:
                 log.error("endpoint %s: %s", self.url, self.healer.why)
@@ -244,6 +246,8 @@ class StageHealth:
             log.error("endpoint %s: %s", self.url, self.healer.why)
         else:
             effects = self.healer.ended(time.monotonic(), reloaded=reloaded)
+            for _ in reloaded:
+                self.on_heal("reload")
             if self.owned is not None:
                 self.owned.note_regions()  # the new stubs' too: reaped with the server
             log.warning("endpoint %s: %s", self.url, f"reloaded {', '.join(reloaded)}" if reloaded

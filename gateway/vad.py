@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class SileroVad:
 
 @dataclass
 class VadEvent:
-    kind: str  # speech_started | speech_stopped
+    kind: Literal["speech_started", "speech_stopped"]
     audio_ms: int  # audio_start_ms (prefix padding included) or audio_end_ms, from the stream's start
 
 

@@ -18,6 +18,10 @@ from .codes import ClientCode
 
 T = TypeVar("T")
 
+# A JSON object as parsed from a client: opaque until a parse function reads its fields into typed values (a
+# dialect's client event; `session.update`'s `session`, read field by field by `openai_config`).
+JsonObject = dict[str, Any]
+
 # WebSocket close codes
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server shutdown
@@ -171,7 +175,7 @@ def _check_tree(value: Any) -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
-def json_object(message: dict[str, Any], key: str) -> dict[str, Any]:
+def json_object(message: JsonObject, key: str) -> JsonObject:
     """`message[key]` when it is a JSON object, else an empty one (absent, null, or another type)."""
     value = message.get(key)
     return value if isinstance(value, dict) else {}

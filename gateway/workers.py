@@ -1,22 +1,31 @@
 """`python -m gateway.serve --workers N`: N gateway processes on one host behind one port (docs/deploy.md).
 
 Each worker binds the public port with SO_REUSEPORT, so the kernel spreads new connections over the workers,
-and a port of its own (the public port + 1 + its index), which its resume tokens name (MINICPMO_GATEWAY_URL): a
+and a port of its own (the public port + 1 + its index), which its resume tokens name (its `gateway_url`): a
 resume the kernel hands to another worker is redirected to that port. The parent starts the Triton server
 unless it was given endpoints, then starts the workers with that list, starts again one that dies (after a
-second), and stops them all when it is stopped.
+second), and stops them all when it is stopped. Their metrics are one exposition: the parent makes a private
+directory for prometheus_client's multiprocess mode, names it to the workers, marks a dead worker's live gauges
+gone, and removes it when it stops (gateway/metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from urllib.parse import urlsplit, urlunsplit
+
+from prometheus_client.multiprocess import mark_process_dead
+
+from .metrics import MULTIPROC_ENV
+from .settings import env_name
 
 log = logging.getLogger("gateway.workers")
 RESTART_S = 1.0
@@ -62,14 +71,16 @@ def strip(argv: list[str], *flags: str) -> list[str]:
     return out
 
 
-def run(argv: list[str], host: str, port: int, workers: int, triton_url: str) -> int:
-    """Start the workers and keep them running until this process is stopped."""
+def run(argv: list[str], host: str, port: int, workers: int, triton_url: str, public: str) -> int:
+    """Start the workers and keep them running until this process is stopped; `public`: where clients reach
+    the gateway (its `gateway_url` setting; empty: its host and port)."""
     base = strip(argv, "--workers", "--triton-url", "--worker-port")
-    public = os.environ.get("MINICPMO_GATEWAY_URL", "")
+    # Private to this run, whatever the environment names: a directory left by another run would be summed in.
+    metrics_dir = tempfile.mkdtemp(prefix="minicpmo-metrics-")
 
     def start(i: int) -> subprocess.Popen[bytes]:
         own = port + 1 + i
-        env = {**os.environ, "MINICPMO_GATEWAY_URL": worker_url(public, host, own)}
+        env = {**os.environ, env_name("gateway_url"): worker_url(public, host, own), MULTIPROC_ENV: metrics_dir}
         return subprocess.Popen([sys.executable, "-m", "gateway.serve", *base, "--triton-url", triton_url,
                                  "--worker-port", str(own)], env=env)
 
@@ -82,6 +93,7 @@ def run(argv: list[str], host: str, port: int, workers: int, triton_url: str) ->
                 if proc.poll() is not None:
                     log.error("gateway worker %d (pid %d) exited with code %s: starting it again", i, proc.pid,
                               proc.returncode)
+                    mark_process_dead(proc.pid, metrics_dir)  # its gauges leave the sums; its counts stay
                     procs[i] = start(i)
     finally:
         for proc in procs:  # each tells its sessions server_shutdown and ends their Triton sequences
@@ -93,3 +105,4 @@ def run(argv: list[str], host: str, port: int, workers: int, triton_url: str) ->
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(metrics_dir, ignore_errors=True)

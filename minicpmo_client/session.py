@@ -121,11 +121,16 @@ class Session:
             if ev.get("type") == kind:
                 return ev
 
+    def _socket(self) -> ClientConnection:
+        """The socket of the session: set before the reader starts and `_online` is set, and by each resume."""
+        assert self._ws is not None, "the session is connected"
+        return self._ws
+
     # ---- reading ----
     async def _read(self) -> None:
         while True:
             try:
-                raw = await self._ws.recv()
+                raw = await self._socket().recv()
             except ConnectionClosed:
                 if self._closing or self.state.closed:  # we, or the server (`session.closed`), ended it
                     await self._put(Closed(self.state.closed or "socket_closed"))
@@ -145,7 +150,7 @@ class Session:
             for out in self.state.on_server(ev, time.monotonic()):
                 await self._put(out)
             if self.state.closed:
-                await self._ws.close()
+                await self._socket().close()
                 return
 
     async def _put(self, ev: ClientEvent) -> None:
@@ -222,7 +227,7 @@ class Session:
                 if self._closing and is_input:
                     return
                 try:
-                    await self._ws.send(text)
+                    await self._socket().send(text)
                     break
                 except ConnectionClosed:  # the reader resumes (clearing _online); send it again on the new socket
                     await asyncio.sleep(0.05)
@@ -257,11 +262,16 @@ class Session:
         much of the latest reply it played, and that reply, in progress or done, is cut there
         (`conversation.item.truncate`). Returns the cut reply's id (None if there was nothing to cut)."""
         reply = self.state.reply if played_ms is None else self.state.last_reply
-        if reply is None or (played_ms is not None and reply.item_id is None):
+        if reply is None:
+            return None
+        if played_ms is None:
+            message = wire.event("response.cancel")
+        elif reply.item_id is not None:
+            message = wire.truncate(reply.item_id, played_ms)
+        else:
             return None
         if self.state.reply is reply:
             self._cut.add(reply.id)
-        message = wire.event("response.cancel") if played_ms is None else wire.truncate(reply.item_id, played_ms)
         await self._send(message, is_input=False)
         return reply.id
 

@@ -122,7 +122,8 @@ class ConversationState:
 
     def _done(self, ev: dict[str, Any], now: float) -> list[ClientEvent]:
         response = ev.get("response") or {}
-        rid, status = response.get("id"), response.get("status", "completed")
+        rid: str = response.get("id", "")
+        status: str = response.get("status", "completed")
         reply, self.reply = self.reply, None
         if reply is None or reply.id != rid:
             reply = Reply(rid, None)
@@ -134,7 +135,7 @@ class ConversationState:
         if had_audio:
             out.append(AudioChunk(rid, np.zeros(0, np.float32), self.output_rate, is_final=True))
         latency = None
-        if had_audio and reply.input_at is not None:
+        if reply.first_audio_at is not None and reply.input_at is not None:
             latency = (reply.first_audio_at - reply.input_at) * 1000
         kept = _transcript(response)
         out.append(TurnFinal(rid, reply.transcript if kept is None else kept, had_audio, status, latency))

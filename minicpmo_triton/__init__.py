@@ -1,2 +1,2 @@
-"""Runtime code shared by the Triton models, the gateway and the exporter (no torch here, but in `paged/`: the paged
-LLM engine, imported only where one is built)."""
+"""Runtime code shared by the Triton models, the gateway and the exporter (no torch here, but in `engine/`: the
+device engine core, imported only where one is built; `engine/protocol.py` is torch-free for the stages)."""

@@ -12,6 +12,7 @@ computes each frame once: it keeps the per-frame maxima of the frames that no lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,12 +60,18 @@ def log_mel(audio: np.ndarray, filters: np.ndarray) -> np.ndarray:
     return log_mel_frames(audio, filters, 0, len(audio) // HOP)
 
 
+def frame_samples(audio: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The samples the windows of frames lo..hi-1 cover (float64), reflected at the audio's own edges as Whisper's
+    centred framing does: (hi - lo - 1) * HOP + N_FFT of them."""
+    n, half = len(audio), N_FFT // 2
+    first, last = lo * HOP - half, (hi - 1) * HOP + half
+    x = np.asarray(audio[max(0, first): min(n, last)], np.float64)
+    return np.pad(x, (max(0, -first), max(0, last - n)), mode="reflect")  # only at the audio's own edges
+
+
 def log_mel_frames(audio: np.ndarray, filters: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Frames lo..hi-1 of `log_mel(audio)`, computing only those: [n_mels, hi - lo]."""
-    n, half = len(audio), N_FFT // 2
-    first, last = lo * HOP - half, (hi - 1) * HOP + half  # the samples those frames' windows cover
-    x = np.asarray(audio[max(0, first): min(n, last)], np.float64)
-    x = np.pad(x, (max(0, -first), max(0, last - n)), mode="reflect")  # only at the audio's own edges
+    x = frame_samples(audio, lo, hi)
     frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP]
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)
     power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2  # [hi - lo, n_fft/2 + 1]
@@ -77,8 +84,24 @@ def scale(log_spec: np.ndarray, floor: float) -> np.ndarray:
 
 @dataclass
 class MelChunk:
-    mel: np.ndarray  # [n_mels, CONTEXT_FRAMES? + core + CONTEXT_FRAMES]
+    mel: Any  # [n_mels, CONTEXT_FRAMES? + core + CONTEXT_FRAMES]: np.ndarray (or a device tensor: engine/mel.py)
     first: bool  # the stream's first chunk has no left context
+
+
+@dataclass(frozen=True)
+class MelPlan:
+    """What a chunk's mel is made of, once the stream's audio is moved on (`MelStream.advance`): kept's frames
+    lo..total-1 to compute; the new stable ones (stable_from..stable) join the maxima; the chunk is start..end."""
+
+    lo: int
+    total: int
+    stable_from: int
+    stable: int
+    start: int
+    end: int
+    dropped: int  # frames a slide dropped: kept's first two frames' maxima are computed again (their reflection)
+    fixed_floor: bool  # under 5 s kept: the floor is LOG_FLOOR
+    first: bool
 
 
 @dataclass
@@ -101,6 +124,24 @@ class MelStream:
 
     def push(self, audio: np.ndarray, filters: np.ndarray) -> MelChunk:
         """The mel of the next chunk: len(audio) // 160 core frames (a multiple of 10) and their context."""
+        plan = self.advance(audio)
+        if plan.dropped:
+            # a new array, never a write into the old one: a stage's undo keeps the old arrays (stages/base.py)
+            edge = log_mel_frames(self.kept, filters, 0, 2).max(axis=0)
+            self.maxima = np.concatenate([edge, self.maxima[plan.dropped + 2:]])
+        spec = log_mel_frames(self.kept, filters, plan.lo, plan.total)  # kept's frames lo.. (the whole mel's)
+        self.maxima = np.concatenate([self.maxima, spec[:, plan.stable_from - plan.lo: plan.stable - plan.lo]
+                                      .max(axis=0)])
+        if plan.fixed_floor:
+            floor = LOG_FLOOR
+        else:
+            floor = max(float(self.maxima.max()),
+                        float(spec[:, plan.stable - plan.lo:].max(initial=-np.inf))) - DYNAMIC_RANGE
+        return MelChunk(scale(spec[:, plan.start - plan.lo: plan.end - plan.lo], floor), plan.first)
+
+    def advance(self, audio: np.ndarray) -> MelPlan:
+        """The stream's audio moved on by a chunk of len(audio) // 160 core frames: what its mel needs (the
+        maxima are the caller's to update, with the frames it computes)."""
         core = len(audio) // HOP
         self.pending = np.concatenate([self.pending, np.asarray(audio, np.float32)])
         first = self.chunks == 0
@@ -110,25 +151,16 @@ class MelStream:
         self.kept = np.concatenate([self.kept, self.pending[:take]])
         self.pending = self.pending[take:]
         dropped = self._slide()
-        if dropped:
-            # a new array, never a write into the old one: a stage's undo keeps the old arrays (stages/base.py)
-            edge = log_mel_frames(self.kept, filters, 0, 2).max(axis=0)
-            self.maxima = np.concatenate([edge, self.maxima[dropped + 2:]])
         total = len(self.kept) // HOP
         stable = min(total, (len(self.kept) - N_FFT // 2) // HOP + 1)  # frames with their whole window
         start = max(0, self.emitted - CONTEXT_FRAMES) - self.base_frame
         end = self.emitted + core + CONTEXT_FRAMES - self.base_frame
         assert end <= stable, "a chunk's mel needs its right context"
-        lo = min(len(self.maxima), start)
-        spec = log_mel_frames(self.kept, filters, lo, total)  # kept's frames lo.. (the whole mel's)
-        self.maxima = np.concatenate([self.maxima, spec[:, len(self.maxima) - lo: stable - lo].max(axis=0)])
-        if len(self.kept) < FIXED_FLOOR_SAMPLES:
-            floor = LOG_FLOOR
-        else:
-            floor = max(float(self.maxima.max()), float(spec[:, stable - lo:].max(initial=-np.inf))) - DYNAMIC_RANGE
+        known = len(self.maxima) - dropped if dropped else len(self.maxima)  # after the slide's shift
+        lo = min(known, start)
         self.emitted += core
         self.chunks += 1
-        return MelChunk(scale(spec[:, start - lo: end - lo], floor), first)
+        return MelPlan(lo, total, known, stable, start, end, dropped, len(self.kept) < FIXED_FLOOR_SAMPLES, first)
 
     def _slide(self) -> int:
         """Past 30 s, drop 10 s from the left (keeping at least 1 s), hop-aligned, as the reference does.

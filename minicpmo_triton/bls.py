@@ -10,6 +10,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from . import stage_io as io
+from . import tracing
 from .errors import Code, StepError, from_wire
 from .pipeline import Ready
 from .stages.base import StageCall
@@ -94,7 +95,8 @@ class TritonBlsStages:
         if ready is not None:
             # Built first: steps released from the door together reach the batcher together.
             await ready()
-        response = await _answer(infer, model in io.DECOUPLED_STAGES, self.finished)
+        with tracing.stage_span(model):
+            response = await _answer(infer, model in io.DECOUPLED_STAGES, self.finished)
         if response.has_error():
             raise from_wire(response.error().message(), model)  # the stage's code, or stage_error
 

@@ -21,7 +21,7 @@ import base64
 import binascii
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -55,13 +55,18 @@ class Context:
     respond: bool = True
 
 
+# A chat message's images: HD slices as MiniCPM-o's processor slices them by default (MiniCPM-o-Demo
+# processing_minicpmo.py:128, its chat worker passes None through); a duplex step's frames stay at 1, as its worker's
+CHAT_MAX_SLICE_NUMS = 9
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     text: str = ""
     audio: np.ndarray | None = None  # 16 kHz float32
     images: tuple[bytes, ...] = ()  # encoded images
-    max_slice_nums: int = 1
+    max_slice_nums: int = CHAT_MAX_SLICE_NUMS
 
     def key(self) -> tuple[str, str, bytes]:
         """What identifies a message already in the context (audio and images by their bytes)."""
@@ -122,8 +127,11 @@ class StepMetrics:
     sent the measured ones (`to_dict`). A step's events share one as it grows: each event carries a copy."""
 
     backend: str | None = None  # "triton"
-    kv_cache_length: int | None = None  # the session's LLM context after the step, from the call's start
-    kv_window_tokens: int | None = None  # ... of which the LLM holds now (the sliding window dropped the rest)
+    # the LLM's KV cache after the step's decode (the sliding window's slides shrink it), as MiniCPM-o's worker reports
+    # `kv_cache_length` (its decoder's `get_cache_length()` after streaming_generate, before finalize_unit)
+    kv_cache_length: int | None = None
+    kv_tokens_total: int | None = None  # ... counted from the call's start (what the window dropped included): a
+    # point in the call that stays valid across slides (the OpenAI dialect's rollback points)
     llm_wait_ms: float | None = None  # held at the batch window before the LLM
     cost_llm_ms: float | None = None
     cost_audio_encoder_ms: float | None = None
@@ -140,7 +148,7 @@ class StepMetrics:
     cost_token2wav_ms: float | None = None
     wall_clock_ms: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
@@ -152,9 +160,12 @@ class StepMetrics:
         return cls(**{k: v for k, v in (value or {}).items() if k in known})
 
 
+EventKind = Literal["listen", "text", "audio", "done", "error"]  # done: a turn-based turn's end
+
+
 @dataclass
 class StepEvent:
-    kind: str  # listen | text | audio | done (turn-based) | error
+    kind: EventKind
     text: str = ""
     audio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # 24 kHz float32
     end_of_turn: bool = False
@@ -277,7 +288,7 @@ def _chat_input(chat: dict[str, Any], options: DuplexOptions | None, voice: Voic
     try:
         messages = [ChatMessage(str(m["role"]), str(m.get("text") or ""), _audio_b64(m.get("audio")),
                                 tuple(base64.b64decode(i) for i in m.get("images") or ()),
-                                int(m.get("max_slice_nums") or 1))
+                                int(m.get("max_slice_nums") or CHAT_MAX_SLICE_NUMS))
                     for m in chat["messages"]]
         return ChatInput(messages, int(chat.get("max_new_tokens", 256)), bool(chat.get("generate_audio", False)),
                          options, voice, tts_ref_audio=_audio_b64(chat.get("tts_ref_audio")), say=bool(chat.get("say")))

@@ -122,7 +122,8 @@ class ChunkDecoder:
     text_ids: list[int] = field(default_factory=list)
     fed: int = 0  # tokens fed this chunk (j in the reference's loop counts decisions; this counts feeds)
     is_listen: bool = False
-    end_of_turn: bool = False
+    end_of_turn: bool = False  # the last token fed was <|turn_eos|> (the reference's loop variable)
+    turn_closed: bool = False  # a forced listen closed the open turn (<|turn_eos|> fed before <|listen|>)
     turn_start: bool = False  # this chunk opened a turn (a token was fed while no turn was open)
     pending: list[int] = field(default_factory=list)  # fed with </unit> at the next prefill
     done: bool = False
@@ -173,7 +174,7 @@ class ChunkDecoder:
         5003-5011)."""
         if not self.turn_ended:
             self.pending = [self.tokens.turn_eos]
-            self.turn_ended = self.end_of_turn = True
+            self.turn_ended = self.end_of_turn = self.turn_closed = True
         self.generated.append(self.tokens.listen)
         self.is_listen = True
         self._finish(self.tokens.listen)

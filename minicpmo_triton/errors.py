@@ -37,6 +37,7 @@ class Code(StrEnum):
     SEQUENCE_NOT_STARTED = "sequence_not_started"
     STAGE_ERROR = "stage_error"  # a stage failed for a reason it did not code: the server's fault
     STAGE_UNAVAILABLE = "stage_unavailable"  # Triton could not run the stage (its stub died, its model reloads)
+    DEVICE_UNAVAILABLE = "device_unavailable"  # a model given a GPU cannot reach it: it refuses to load (/health)
     INTERNAL_ERROR = "internal_error"
 
     def __str__(self) -> str:  # the value, in f-strings and logs, on every Python version

@@ -15,10 +15,14 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import Code, StepError
+
+if TYPE_CHECKING:  # PIL is imported where an image is decoded (a stage that sees none never loads it)
+    import PIL.Image
 
 MAX_PIXELS = 4096 * 4096  # larger images are refused before they are decoded (decompression bombs)
 # The only formats opened (the gateway refuses others at the edge): PIL would hand an EPS to Ghostscript.
@@ -95,7 +99,7 @@ def _most_patches(width: int, height: int, max_slice_nums: int, size: int, patch
     return most // (patch * patch)
 
 
-def _by_patch(image: object, patch: int) -> Slice:
+def _by_patch(image: PIL.Image.Image, patch: int) -> Slice:
     arr = np.asarray(image, dtype=np.float32) / 255  # [H, W, 3]
     arr = (arr - np.float32(0.5)) / np.float32(0.5)
     h, w = arr.shape[0] // patch, arr.shape[1] // patch
@@ -103,17 +107,18 @@ def _by_patch(image: object, patch: int) -> Slice:
     return Slice(np.ascontiguousarray(patches.reshape(3, patch, h * w * patch)), h, w)
 
 
-def _decode(data: bytes) -> object:
-    from PIL import Image, UnidentifiedImageError
+def _decode(data: bytes) -> PIL.Image.Image:
+    import PIL.Image
+    from PIL import UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            warnings.simplefilter("error", PIL.Image.DecompressionBombWarning)
+            with PIL.Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
                 if img.width * img.height > MAX_PIXELS:
                     raise ImageError(f"image of {img.width}x{img.height} is over {MAX_PIXELS} pixels")
                 return img.convert("RGB")
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except (PIL.Image.DecompressionBombError, PIL.Image.DecompressionBombWarning) as exc:
         raise ImageError(f"image over the pixel limit: {exc}") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         if isinstance(exc, ImageError):
@@ -127,19 +132,19 @@ def image_slices(data: bytes, max_slice_nums: int = 1, size: int = 448, patch: i
 
     An image so narrow that a slice would pass `max_patches` (aspect ratios past about 4000:1; the
     reference's slices grow without bound) is refused rather than given an engine shape it was not built for."""
-    from PIL import Image
+    import PIL.Image
 
     image = _decode(data)
-    too_many = _most_patches(image.width, image.height, max_slice_nums, size, patch)  # type: ignore[attr-defined]
+    too_many = _most_patches(image.width, image.height, max_slice_nums, size, patch)
     if too_many > max_patches:
-        raise ImageError(f"image of {image.width}x{image.height} is too narrow: "  # type: ignore[attr-defined]
+        raise ImageError(f"image of {image.width}x{image.height} is too narrow: "
                          f"a slice of {too_many} patches is over {max_patches}")
-    bicubic = Image.Resampling.BICUBIC
-    grid = slice_grid(image.width, image.height, max_slice_nums, size)  # type: ignore[attr-defined]
-    overview = best_resize(image.width, image.height, size, patch, upscale=grid is None)  # type: ignore[attr-defined]
-    out = [_by_patch(image.resize(overview, resample=bicubic), patch)]  # type: ignore[attr-defined]
+    bicubic = PIL.Image.Resampling.BICUBIC
+    grid = slice_grid(image.width, image.height, max_slice_nums, size)
+    overview = best_resize(image.width, image.height, size, patch, upscale=grid is None)
+    out = [_by_patch(image.resize(overview, resample=bicubic), patch)]
     if grid is not None:
-        refined = image.resize(refine_size(image.width, image.height, grid, size, patch),  # type: ignore[attr-defined]
+        refined = image.resize(refine_size(image.width, image.height, grid, size, patch),
                                resample=bicubic)
         w, h = refined.width // grid[1], refined.height // grid[0]
         out += [_by_patch(refined.crop((c * w, r * h, (c + 1) * w, (r + 1) * h)), patch)

@@ -19,7 +19,7 @@ from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from .stages.base import SequenceStage, StageCall
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage
-from .stages.tts import TtsStage
+from .stages.tts import TtsStage, with_tts_sampling
 from .stages.vision_encoder import VisionEncoderStage
 from .stages.voice_prep import VoicePreparer
 from .tokenizer import load_tokenizer
@@ -48,7 +48,9 @@ class InProcessStages:
                                                  self.preset.samples_per_audio_token)
         self.llm_stage = LlmStage(load_engine(v("llm"), threads), self.preset, self.tokenizer, ttl_s,
                                   self.stream_encoder)
-        self.tts_stage = TtsStage(load_engine(v("tts"), threads), self.preset, ttl_s)
+        tts_preset = with_tts_sampling(self.preset, int(stage_setting("tts_top_k", {})),
+                                       float(stage_setting("tts_top_p", {})))
+        self.tts_stage = TtsStage(load_engine(v("tts"), threads), tts_preset, ttl_s)
         self.t2w_stage = Token2WavStage.load(v("token2wav"), self.preset, ttl_s, threads)
         self.voices = VoicePreparer(self.t2w_stage, int(stage_setting("voice_prep_queue", {})))
 

@@ -162,8 +162,11 @@ class DuplexDefaults:
     length_penalty: float = 1.1
     tts_tokens_per_chunk: int = 25  # returned per chunk; a 26th is sampled and dropped (generate_chunk)
     tts_temperature: float = 0.8
-    tts_top_k: int = 20
-    tts_top_p: float = 0.7
+    # The Demo's `generate_chunk` builds top-k 20 / top-p 0.7 warpers and never applies them
+    # (modeling_minicpmo_unified.py:6711, 6788-6822): its codes come from temperature and the penalty alone.
+    # 0 / 1.0 = off; the `tts_top_k` / `tts_top_p` settings turn them on (stage_settings.py).
+    tts_top_k: int = 0
+    tts_top_p: float = 1.0
     tts_repetition_penalty: float = 1.05
     tts_repetition_window: int = 16  # over the chunk's own speech tokens
     context_tokens: int = 8192

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 PACKAGE = "stepaudio2"
@@ -60,3 +61,25 @@ def load_tagged_yaml(text: str, tags: dict[str, str], overrides: dict[str, Any] 
 
     localize(root)
     return load_hyperpyyaml(yaml.serialize(root), overrides=overrides or {}, overrides_must_match=False)
+
+
+# flow.yaml's class tags -> the modules that hold them in minicpmo-utils
+FLOW_TAGS = {
+    "cosyvoice2.flow.flow.CausalMaskedDiffWithXvec": "stepaudio2.cosyvoice2.flow.flow",
+    "cosyvoice2.flow.flow_matching.CausalConditionalCFM": "stepaudio2.cosyvoice2.flow.flow_matching",
+    "cosyvoice2.flow.decoder_dit.DiT": "stepaudio2.cosyvoice2.flow.decoder_dit",
+    "cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2":
+        "stepaudio2.cosyvoice2.transformer.upsample_encoder_v2",
+}
+
+
+def load_flow_yaml(path: Path) -> Any:
+    """The `flow` object of a checkpoint's flow.yaml (CausalMaskedDiffWithXvec), weights not loaded."""
+    tags = {tag: f"{module}:{tag.rpartition('.')[2]}" for tag, module in FLOW_TAGS.items()}
+    return load_tagged_yaml(Path(path).read_text(), tags)["flow"]
+
+
+def hift_class() -> tuple[Any, Any]:
+    """(HiFTGenerator, ConvRNNF0Predictor): the original (non-causal) HiFT of hift.pt."""
+    hifigan = stepaudio2_module("flashcosyvoice.modules.hifigan")
+    return hifigan.HiFTGenerator, hifigan.ConvRNNF0Predictor

@@ -329,8 +329,7 @@ class DuplexPipeline:
         metrics = replace(metrics, cost_llm_ms=round(_ms(t) - wait_ms, 2),
                           cost_audio_encoder_ms=round(llm.encode_ms, 2), prefill_ms=round(llm.prefill_ms, 2),
                           generate_ms=round(llm.decode_ms, 2), n_tokens=len(llm.generated),
-                          kv_cache_length=llm.kv_length + llm.kv_dropped,  # from the call's start: rollbacks
-                          kv_window_tokens=llm.kv_length)
+                          kv_cache_length=llm.kv_cache_length, kv_tokens_total=llm.kv_length + llm.kv_dropped)
         usage = {"input_text_tokens": n_text_in, "input_audio_tokens": len(embeds) - n_vision + n_audio,
                  "input_vision_tokens": n_vision, "output_text_tokens": len(llm.text_ids), "output_speech_tokens": 0}
         text = state.decoder.feed([int(i) for i in llm.text_ids])
@@ -340,9 +339,9 @@ class DuplexPipeline:
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
         if llm.is_listen:  # the TTS keeps its turn: only a voiced <|turn_eos|> ends it (as MiniCPM-o's loop)
-            state.turn.listened(request.force_listen, llm.end_of_turn)
+            state.turn.listened(llm.turn_closed)
             metrics.n_tts_tokens, metrics.wall_clock_ms = 0, _ms(t0)
-            await emit(StepEvent("listen", end_of_turn=llm.end_of_turn, metrics=metrics, chunk_usage=usage))
+            await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))

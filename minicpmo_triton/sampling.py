@@ -7,6 +7,7 @@ its row (`check_sampling`), so a bad setting fails its own session and never its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +65,27 @@ def seeded_rng(seed: int, corr_id: int) -> np.random.Generator:
     if seed < 0:
         raise StepError(Code.INVALID_CONFIG, f"a seed must be within [0, 2**63-1], got {seed}")
     return np.random.default_rng(seed or corr_id)
+
+
+class DrawnAhead:
+    """A session rng's uniforms drawn ahead for a row the device decodes (all it may use, before it runs), and given
+    back when the row is done: the rng set to where it was and advanced by the draws the row made, so the session's
+    next draws are the host path's."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self._at: Any = None
+        self.used = 0
+
+    def draw(self, n: int) -> np.ndarray:
+        self._at = self.rng.bit_generator.state
+        return self.rng.random(n)  # the same doubles as n `random()` calls
+
+    def give_back(self) -> None:
+        if self._at is not None:
+            self.rng.bit_generator.state = self._at
+            self.rng.random(self.used)
+            self._at = None
 
 
 def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float, window: int,

@@ -140,7 +140,8 @@ class LlmResult:
     text_ids: np.ndarray = tensor(np.int64, 1)
     tts_hidden: np.ndarray = tensor(np.float32, 2)  # hidden states of text_ids, for the TTS
     is_listen: bool = True
-    end_of_turn: bool = False
+    end_of_turn: bool = False  # a spoken chunk that ended its turn (a listen: False, as the reference's result)
+    turn_closed: bool = False  # a forced listen closed the turn the model had open: token2wav restarts
     turn_start: bool = False
     kv_length: int = 0
     n_prefill: int = 0
@@ -154,6 +155,13 @@ class LlmResult:
     # (0 on the ONNX path). A row that joined while another decoded has join_iteration within that one's span.
     join_iteration: int = 0
     done_iteration: int = 0
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The cache's length as MiniCPM-o's worker reports it after a step (after streaming_generate, before
+        finalize_unit): `kv_length`, and a forced listen's <|turn_eos|>, which the reference feeds at once
+        (modeling_minicpmo_unified.py:5003-5011) and the stage with the unit's close."""
+        return self.kv_length + int(self.turn_closed)
 
 
 # ---- tts ----

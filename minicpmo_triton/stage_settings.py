@@ -10,9 +10,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from .model_config import DuplexDefaults
+
 ENV_PREFIX = "MINICPMO_"
 STATEFUL = ("duplex", "llm", "tts", "token2wav")  # the models that keep state per sequence
 ENGINES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")  # the models that run an engine
+_D = DuplexDefaults()
 
 
 @dataclass(frozen=True)
@@ -35,23 +38,49 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "how often idle state is swept and the live-sequence gauge published"),
     StageSetting("ort_threads", "1", int, ENGINES, "onnxruntime intra-op threads per model instance"),
     StageSetting("llm_engine", "auto", str, ("llm",),
-                 "auto (the paged engine on a GPU instance, ONNX on the CPU), paged or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
+                 "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
     StageSetting("kv_pool_size", "0.5", float, ("llm",),
-                 "the paged engine's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "(CPU: of 8 GB)"),
     StageSetting("kv_dtype", "auto", str, ("llm",),
-                 "the paged engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
+                 "the device engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
     StageSetting("audio_engine", "auto", str, ("llm",),
-                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a paged pool on "
+                 "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a pool on "
                  "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
     StageSetting("audio_pool_size", "0.3", float, ("llm",),
-                 "the paged Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
+                 "the device Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
                  "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts",),
-                 "auto (the paged TTS on a GPU instance, ONNX on the CPU), paged or onnx"),
+                 "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
     StageSetting("tts_pool_size", "0.05", float, ("tts",),
-                 "the paged TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+                 "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+    StageSetting("engine_rows", "256", int, ("llm", "tts"),
+                 "the device engine's persistent batch: rows decoding at once (its largest CUDA graph bucket)"),
+    StageSetting("engine_graphs", "1", int, ("llm", "tts"),
+                 "the device engine's decode step replayed as CUDA graphs per batch bucket (0: eager; the CPU: eager)"),
+    StageSetting("engine_overlap", "1", int, ("llm", "tts"),
+                 "the device engine launches an iteration before reading the previous one's tokens (0: one by one)"),
+    StageSetting("engine_compile", "1", int, ("llm", "tts"),
+                 "the device engines' layers and flex attention torch.compile'd on a GPU (0: eager)"),
+    StageSetting("tts_top_k", str(_D.tts_top_k), int, ("tts",),
+                 "the TTS's speech codes from its k likeliest only (0: off, as MiniCPM-o's own generate_chunk, "
+                 "which builds the warper and never applies it)"),
+    StageSetting("tts_top_p", str(_D.tts_top_p), float, ("tts",),
+                 "... and from the likeliest whose probabilities reach p (1.0: off, as the reference; "
+                 "vllm-omni applies top-k 20 / top-p 0.7)"),
     StageSetting("admit_tokens", "1024", int, ("llm",),
                  "the pool room a new session needs; refused with pool_full (retryable) when there is less"),
+    StageSetting("stage_engine", "auto", str, ("token2wav", "vision_encoder", "audio_encoder"),
+                 "auto (on a GPU instance the device path: token2wav's batched ring-cache path in torch, the encoders' "
+                 "TensorRT bf16 plans, built at first load and kept by hash; ONNX Runtime on a CPU instance), device "
+                 "(the device path on the instance's device: token2wav's in torch on the CPU too) or onnx; a GPU "
+                 "instance that cannot reach its GPU refuses to load (device_unavailable, on /health)"),
+    StageSetting("token2wav_slots", "64", int, ("token2wav",),
+                 "the device path: turns speaking at once per instance (a slot each, its caches preallocated; a "
+                 "turn's first chunk waits while all are taken)"),
+    StageSetting("token2wav_cache_dtype", "auto", str, ("token2wav",),
+                 "the device path's flow caches: auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32"),
     StageSetting("voice_prompt_cache_mb", "2048", float, ("token2wav",),
                  "voice prompts (their flow caches) kept for reuse across sessions, in MiB"),
     StageSetting("voice_prep_queue", "8", int, ("token2wav",),
@@ -76,6 +105,9 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "threads for the BLS calls in flight, all sessions together"),
     StageSetting("voices_dir", "", str, ("duplex",),
                  "named voices: `<voices_dir>/<name>.wav` (empty: none)"),
+    StageSetting("otlp_endpoint", "", str, ("duplex",),
+                 "an OTLP/HTTP collector (http://host:4318) for the spans of the steps the gateway traces; the "
+                 "gateway's MINICPMO_OTLP_ENDPOINT, in tritonserver's environment (empty: none)"),
 )}
 
 

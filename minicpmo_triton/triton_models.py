@@ -2,7 +2,8 @@
 
 Stateful stages read the sequence batcher's START / END / CORRID controls, run one batched compute
 over every request of an `execute()`, and publish their live sequence count as the
-`minicpmo_live_sequences{model=...}` gauge on Triton's metrics port.
+`minicpmo_<model>_live_sequences` gauge on Triton's metrics port: every series of a model is named
+`minicpmo_<model>_<what>` (`stage_metric`; docs/deploy.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -20,37 +21,46 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from . import duplex_contract as contract
+from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
-from .engines import Engine, gpu_available, load_engine
+from .engine.protocol import pick_engine
+from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
-from .model_config import load_stage_config
-from .paged.protocol import pick_engine, pick_llm_engine
+from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
+from .stage_engine import Placement, Probe, place
 from .stage_io import PROBE, STAGE_IO, decode, encode
 from .stage_settings import stage_setting
-from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
+from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from .stages.base import SequenceStage, StageCall, answer_order
+from .stages.kv import StageKv
 from .stages.llm import LlmStage
 from .stages.token2wav import Token2WavStage, VoicePrompts
-from .stages.tts import TtsStage
+from .stages.tts import TtsStage, with_tts_sampling
 from .stages.vision_encoder import VisionEncoderStage
 from .stages.voice_prep import VoicePreparer, as_bulk
 from .state_store import SequenceNotStarted, SequenceStore
 from .tokenizer import load_tokenizer
 from .voice_prompt import VoiceLibrary, default_ref_audio
 
-if TYPE_CHECKING:  # torch: imported only where the paged engine is built
-    from .paged.engine import PagedLlmEngine
-    from .paged.tts import PagedTtsEngine
-    from .paged.whisper import PagedWhisper
+if TYPE_CHECKING:  # torch: imported only where the device engine is built
     from .stages.inflight import InflightLoop
+    from .stages.token2wav_inflight import InflightToken2Wav
+    from .tokenizer import Tokenizer
 
-LIVE_METRIC = "minicpmo_live_sequences"
-VOICE_PROMPTS_METRIC = "minicpmo_voice_prompts_total"
-EVICTED_METRIC = "minicpmo_evicted_sequences_total"
-KV_FREE_METRIC = "minicpmo_kv_free_blocks"
+_FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
+
+
+def stage_metric(model: str, what: str, description: str, counter: bool = False, **labels: str) -> Any:
+    """One series of a model on Triton's metrics port, named `minicpmo_<model>_<what>` (a counter's `what` ends in
+    `_total`); Triton writes its `# HELP` and `# TYPE`."""
+    name = f"minicpmo_{model}_{what}"
+    if name not in _FAMILIES:
+        kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
+        _FAMILIES[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+    return _FAMILIES[name].Metric(labels=labels)
 
 
 class _ModelContext:
@@ -69,18 +79,36 @@ class _ModelContext:
         """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
         return stage_setting(key, self.params)
 
+    def placement(self, plans: bool) -> Placement:
+        """Where this model runs (`stage_engine`); a GPU it was given and cannot reach fails its load, with the
+        coded reason Triton keeps for it (and the gateway's /health shows)."""
+        try:
+            return place(self.name, self.setting("stage_engine"), Probe.machine(self.kind, self.device_id), plans)
+        except StepError as exc:
+            raise RuntimeError(to_wire(exc)) from exc
+
+
+class _DeviceGauge:
+    """Publishes where a model runs: `minicpmo_<model>_device{device} 1` on Triton's metrics port (/health)."""
+
+    def __init__(self, model: str, device: str) -> None:
+        self._metric = stage_metric(model, "device", "Where this model runs (1, labelled with the device)",
+                                    device=device)
+        self._metric.set(1)
+
 
 class _LiveGauge:
     """Publishes a store's size (and evictions) and sweeps idle state on a timer thread."""
 
-    def __init__(self, model: str, store: SequenceStore[Any], period_s: float, evicts: bool = True) -> None:
-        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-            name=LIVE_METRIC, description="Live per-session state entries", kind=pb_utils.MetricFamily.GAUGE)
-        self._evicted_family = pb_utils.MetricFamily(
-            name=EVICTED_METRIC, description="Session states evicted after the idle TTL",
-            kind=pb_utils.MetricFamily.COUNTER)
-        self._gauge = self._family.Metric(labels={"model": model})
-        self._evicted = self._evicted_family.Metric(labels={"model": model})
+    def __init__(self, model: str, store: SequenceStore[Any], period_s: float, evicts: bool = True,
+                 counted: Callable[[], dict[str, int]] = dict) -> None:
+        self._gauge = stage_metric(model, "live_sequences", "Live per-session state entries")
+        self._evicted = stage_metric(model, "evicted_sequences_total", "Session states evicted after the idle TTL",
+                                     counter=True)
+        self._counted = counted  # the stage's own running counts, by name: published as counters
+        self._counters: dict[str, Any] = {}
+        self._reported_counts: dict[str, int] = {}
+        self._model = model
         self._store = store
         self._reported_evictions = 0
         self._reported_live = -1
@@ -99,6 +127,13 @@ class _LiveGauge:
         if new:
             self._evicted.increment(new)
             self._reported_evictions += new
+        for name, count in self._counted().items():
+            if name not in self._counters:
+                help_text = f"{name.replace('_', ' ').capitalize()} (the {self._model} stage's own count)"
+                self._counters[name] = stage_metric(self._model, f"{name}_total", help_text, counter=True)
+            if new := count - self._reported_counts.get(name, 0):
+                self._counters[name].increment(new)
+                self._reported_counts[name] = count
 
     def _sweep(self, period_s: float) -> None:
         while not self._stop.wait(period_s):
@@ -146,7 +181,12 @@ class _StatefulStageModel:
         ctx = _ModelContext(args)
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"))
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"), counted=self.stage.counted)
+        self.device_gauge = _DeviceGauge(ctx.name, self.device_label(ctx))
+
+    def device_label(self, ctx: _ModelContext) -> str:
+        """Where the model runs, for /health (the models that choose, by `stage_engine`, say so)."""
+        return _device(ctx)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:  # None: a decoupled model answers by its senders
         results = self.stage.run(self._calls(requests))
@@ -196,10 +236,10 @@ def _threads(ctx: _ModelContext) -> int:
 
 class _InflightStageModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): each request is answered through its response sender with the final flag. On the
-    paged engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
+    device engine, execute() only queues the calls for the engine thread's in-flight loop (`stages.inflight`), which
     answers each when its row is done; on ONNX it answers its batch before it returns, as a plain model would."""
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
@@ -207,15 +247,13 @@ class _InflightStageModel(_StatefulStageModel):
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
-        paged = getattr(self.stage, "paged", None)
-        self.inflight: InflightLoop[Any, Any, Any] | None = None
-        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=paged is None)
-        if paged is not None:
-            pool = paged.pool
-            self._kv_family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-                name=KV_FREE_METRIC, description="Free blocks in the paged engine's KV pool",
-                kind=pb_utils.MetricFamily.GAUGE)
-            kv_free = self._kv_family.Metric(labels={"model": ctx.name})
+        core = getattr(getattr(self.stage, "kv", None), "core", None)
+        self.inflight: InflightLoop[Any, Any] | None = None
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=core is None, counted=self.stage.counted)
+        self.device_gauge = _DeviceGauge(ctx.name, self.device_label(ctx))
+        if core is not None:
+            pool = core.runner.pool
+            kv_free = stage_metric(ctx.name, "kv_free_blocks", "Free blocks in the device engine's KV pool")
 
             def changed() -> None:  # on the engine thread, after a call's admission or its answer
                 self.gauge.update()
@@ -248,8 +286,8 @@ class LlmModel(_InflightStageModel):
     stage_name = "llm"
     stage: LlmStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.llm_inflight import InflightLlm  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.llm_inflight import InflightLlm  # torch, as the device engine
 
         return InflightLlm(self.stage, period_s, changed)
 
@@ -257,21 +295,22 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        llm = _llm_engine(ctx)  # first: on a GPU its pool's share is of the memory free before the Whisper's
-        encoder = AudioStreamEncoder(_audio_stream_engine(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
+        llm = _llm_kv(ctx, tokenizer)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        encoder = AudioStreamEncoder(_audio_stream_kv(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
                                      ctx.preset.samples_per_audio_token)
         return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
 
 
-def _audio_stream_engine(ctx: _ModelContext, folder: Path) -> Engine | PagedWhisper:
-    """The duplex stream's Whisper: the stream.onnx graph, or the paged encoder (its KV pool on the instance's
+def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
+    """The duplex stream's Whisper: the stream.onnx graph, or the device encoder (its KV pool on the instance's
     device), as `audio_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("audio_engine"), device != "cpu", "audio_engine") == "onnx":
         return load_engine(folder, _threads(ctx), "stream")
-    from .paged.whisper import load_paged_whisper  # torch
+    from .engine.whisper import load_paged_whisper  # torch
 
-    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"))
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
+                              compiled=_compiled(ctx))
 
 
 def _device(ctx: _ModelContext) -> str:
@@ -279,51 +318,64 @@ def _device(ctx: _ModelContext) -> str:
     return f"cuda:{ctx.device_id}" if ctx.kind == "GPU" and gpu_available() else "cpu"
 
 
-def _llm_engine(ctx: _ModelContext) -> Engine | PagedLlmEngine:
-    """ONNX (TensorRT where a plan is), or the paged engine: the KV pool and the token choice on the instance's
-    device (its GPU for a KIND_GPU instance where CUDA is, else the CPU)."""
-    device = _device(ctx)
-    if pick_llm_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
-        return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.engine import load_paged_engine  # torch
+def _compiled(ctx: _ModelContext) -> bool | None:
+    """`engine_compile`: the device engines' layers and attention compiled (None: on CUDA); 0 turns it off."""
+    return None if ctx.setting("engine_compile") else False
 
-    return load_paged_engine(ctx.version_dir, ctx.preset.llm, device, ctx.preset.duplex.context_tokens,
-                             pool_size=ctx.setting("kv_pool_size"), kv_dtype=ctx.setting("kv_dtype"))
+
+def _core_settings(ctx: _ModelContext) -> dict[str, Any]:
+    """The engine core's settings: its batch rows, CUDA graphs, overlap, compiled layers."""
+    return {"rows": ctx.setting("engine_rows"), "graphs": None if ctx.setting("engine_graphs") else False,
+            "overlap": bool(ctx.setting("engine_overlap")), "compile_layers": _compiled(ctx)}
+
+
+def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
+    """The exported ONNX graph with host caches, or the device engine: the KV pool and the token choice on the
+    instance's device (its GPU for a KIND_GPU instance where CUDA is, else the CPU), as `llm_engine` says."""
+    device = _device(ctx)
+    if pick_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
+        from .engines import OnnxEngine
+
+        return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
+    from .engine.stage_kv import load_llm_kv  # torch
+
+    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
+                       kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
 
 
 class TtsModel(_InflightStageModel):
     stage_name = "tts"
     stage: TtsStage
 
-    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any, Any]:
-        from .stages.tts_inflight import InflightTts  # torch, as the paged engine
+    def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
+        from .stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        return TtsStage(_tts_engine(ctx), ctx.preset, _ttl(ctx))
+        preset = with_tts_sampling(ctx.preset, int(ctx.setting("tts_top_k")), float(ctx.setting("tts_top_p")))
+        return TtsStage(_tts_kv(ctx, preset), preset, _ttl(ctx))
 
 
-def _tts_engine(ctx: _ModelContext) -> Engine | PagedTtsEngine:
-    """ONNX, or the paged TTS (its own KV pool on the instance's device), as `tts_engine` says."""
+def _tts_kv(ctx: _ModelContext, preset: PresetConfig) -> Engine | StageKv:
+    """ONNX, or the device TTS (its own KV pool on the instance's device), as `tts_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
         return load_engine(ctx.version_dir, _threads(ctx))
-    from .paged.tts import load_paged_tts  # torch
+    from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    return load_paged_tts(ctx.version_dir, ctx.preset.tts, device, pool_size=ctx.setting("tts_pool_size"),
-                          max_tokens=TURN_TOKENS)
+    return load_tts_kv(ctx.version_dir, preset, device, pool_size=ctx.setting("tts_pool_size"),
+                       max_tokens=TURN_TOKENS, **_core_settings(ctx))
 
 
 class _VoicePromptCounter:
     """Publishes how many voice prompts were computed and how many sessions reused one."""
 
     def __init__(self, prompts: VoicePrompts) -> None:
-        self._family = pb_utils.MetricFamily(  # kept: a Metric must not outlive its family
-            name=VOICE_PROMPTS_METRIC, description="Voice prompts computed, and reused by a session",
-            kind=pb_utils.MetricFamily.COUNTER)
-        self._metrics = {event: self._family.Metric(labels={"event": event}) for event in ("computed", "reused")}
+        self._metrics = {event: stage_metric("token2wav", "voice_prompts_total", "Voice prompts computed, and reused "
+                                             "by a session", counter=True, event=event)
+                         for event in ("computed", "reused")}
         self._prompts = prompts
         self._reported = {"computed": 0, "reused": 0}
 
@@ -337,16 +389,43 @@ class _VoicePromptCounter:
 
 class Token2WavModel(_StatefulStageModel):
     """Decoupled (config.pbtxt): a call with a new voice reference is answered once its prompt is prepared on a
-    worker of its own (`VoicePreparer`), after execute() has answered the other calls of its batch."""
+    worker of its own (`VoicePreparer`), after execute() has answered the other calls of its batch. On the device
+    path (`stage_engine`) execute() only queues the calls for the engine thread's in-flight loop
+    (`stages.token2wav_inflight`), which answers each when its last chunk is done."""
 
     stage_name = "token2wav"
+    stage: Token2WavStage
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
+        streamer = None
+        if self.placement.engine == "device":
+            from .stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
+
+            streamer = DeviceStreamer.load(ctx.version_dir, ctx.preset.token2wav, self.placement.device,
+                                           ctx.setting("token2wav_slots"),
+                                           cache_dtype(ctx.setting("token2wav_cache_dtype"), self.placement.device),
+                                           _threads(ctx))
         stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    ctx.setting("voice_prompt_cache_mb"), _device(ctx))
+                                    ctx.setting("voice_prompt_cache_mb"), streamer)
         self.voice_counter = _VoicePromptCounter(stage.prompts)
-        self.voices = VoicePreparer(stage, ctx.setting("voice_prep_queue"))
         return stage
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads
+        self.stage = self.make_stage(ctx)
+        self.request_cls = STAGE_IO[self.stage_name][0]
+        period = ctx.setting("sweep_period_s")
+        device = self.placement.engine == "device"
+        self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=not device)  # else the engine thread
+        self.inflight: InflightToken2Wav | None = None
+        if device:
+            from .stages.token2wav_inflight import InflightToken2Wav  # torch
+
+            self.inflight = InflightToken2Wav(self.stage, period, self._counted)
+        self.voices = VoicePreparer(self.stage, ctx.setting("voice_prep_queue"),
+                                    submit=None if self.inflight is None else self.inflight.submit)
+        self.device_gauge = _DeviceGauge(ctx.name, self.placement.label)
 
     def execute(self, requests: list[Any]) -> None:
         requests = self._answer_probes(requests)
@@ -362,6 +441,8 @@ class Token2WavModel(_StatefulStageModel):
 
     def finalize(self) -> None:
         self.voices.close()
+        if self.inflight is not None:
+            self.inflight.close()
         super().finalize()
 
 
@@ -374,7 +455,10 @@ class _StatelessStageModel:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
-        self.stage = self.make_stage(_ModelContext(args))
+        ctx = _ModelContext(args)
+        self.placement = ctx.placement(plans=True)
+        self.stage = self.make_stage(ctx)
+        self.device_gauge = _DeviceGauge(ctx.name, self.placement.label)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         calls: list[Any] = [decode(STAGE_IO[self.stage_name][0], _rows(r).get) for r in requests]
@@ -389,14 +473,29 @@ class AudioEncoderModel(_StatelessStageModel):
 
     def make_stage(self, ctx: _ModelContext) -> AudioEncoderStage:
         as_bulk(whole_process=True)
-        return AudioEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.samples_per_audio_token)
+        return AudioEncoderStage(_encoder_engine(ctx, self.placement), ctx.preset.samples_per_audio_token)
 
 
 class VisionEncoderModel(_StatelessStageModel):
     stage_name = "vision_encoder"
 
     def make_stage(self, ctx: _ModelContext) -> VisionEncoderStage:
-        return VisionEncoderStage(load_engine(ctx.version_dir, _threads(ctx)), ctx.preset.vision)
+        return VisionEncoderStage(_encoder_engine(ctx, self.placement), ctx.preset.vision)
+
+
+def _encoder_engine(ctx: _ModelContext, placement: Placement) -> Engine:
+    """An encoder's graph: its TensorRT bf16 plan on its GPU (built at its first load there, kept by hash:
+    plan_cache.py), or ONNX Runtime on the CPU."""
+    if placement.engine == "onnx":
+        return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))
+    import torch
+
+    from .engines import TensorRTEngine
+    from .plan_cache import cached_plan
+
+    torch.cuda.set_device(placement.device)  # the plan binds on the current device
+    max_batch = int(ctx.config["max_batch_size"])
+    return TensorRTEngine(cached_plan(ctx.version_dir, "model", ctx.name, ctx.preset, max_batch))
 
 
 def _event_response(event: StepEvent) -> Any:
@@ -418,16 +517,24 @@ class DuplexModel:
                              min_sessions=ctx.setting("llm_batch_min_sessions"),
                              max_sessions=ctx.setting("llm_batch_max_sessions"),
                              budget_s=ctx.setting("llm_batch_budget_ms") / 1000)
+        gather_s = ctx.setting("llm_gather_ms") / 1000
+        # The door batches steps for an engine that runs a batch at a time (ONNX); the device engine batches in
+        # flight (a step joins the running loop between iterations), where the door would only add its wait. As
+        # the llm model decides it (`llm_engine`: its environment or the default, auto = the device engine where a
+        # GPU is), the door stands aside.
+        if pick_engine(ctx.setting("llm_engine"), gpu_available()) == "paged":
+            gather_s, window = 0.0, BatchWindow()
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.stages = TritonBlsStages()
         self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
-                                       llm_gather_s=ctx.setting("llm_gather_ms") / 1000, batch_window=window,
+                                       llm_gather_s=gather_s, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
                                        prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None
+        tracing.start(ctx.setting("otlp_endpoint"))  # a traced step's spans (the gateway sends their context)
 
     async def execute(self, requests: list[Any]) -> None:
         loop = asyncio.get_running_loop()
@@ -462,7 +569,8 @@ class DuplexModel:
                 self.gauge.update()  # a sequence started by this step is counted before the client hears of it
                 send(_event_response(event))
 
-            await self.pipeline.step(corr_id, start, end, inp, emit)
+            with tracing.step_span(tracing.traceparent(request.parameters), corr_id):
+                await self.pipeline.step(corr_id, start, end, inp, emit)
         except StepError as exc:
             send(_event_response(StepEvent.error(exc)))
         except SequenceNotStarted as exc:
@@ -477,5 +585,6 @@ class DuplexModel:
 
     def finalize(self) -> None:
         self.gauge.close()
+        tracing.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

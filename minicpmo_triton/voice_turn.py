@@ -16,9 +16,9 @@ class VoiceTurn:
     tts_open: bool = False
     restart: bool = False  # token2wav's stream restarts at the next voiced chunk
 
-    def listened(self, forced: bool, end_of_turn: bool) -> None:
+    def listened(self, turn_closed: bool) -> None:
         """A chunk that listened; a forced listen that closed the model's turn restarts token2wav."""
-        if forced and end_of_turn:
+        if turn_closed:
             self.restart = True
 
     def starts(self) -> tuple[bool, bool]:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The paged engines on one GPU with no checkpoint (bench/gpu_check.py), random weights at MiniCPM-o 4.5's dims:
-# the LLM (CUDA backend vs reference parity, ms per step at 32/64/128 sessions), the TTS (parity, the device
-# sampler's greedy codes vs the host's, ms per decode iteration and per chunk at 32/64/128 speaking sessions) and
-# the streaming Whisper (parity, ms per 1 s chunk at 32/64/128 sessions with 10 s of history); pool memory.
+# The device engine core on one GPU with no checkpoint (bench/gpu_check.py), random weights at MiniCPM-o 4.5's dims,
+# rows scripted: parity (CUDA graphs vs eager, flex vs gather, one wait per decode iteration: the run FAILS past its
+# thresholds), ms per LLM and TTS iteration at 32/64/128/256 rows with and without graphs, the whole duplex step
+# loop (Whisper, LLM, TTS, token2wav; staggered sessions, 30% speaking: p50/p95 of a speaking step at
+# 32/64/128/256 sessions), the TTS's and the Whisper's parity and speed; pool memory; token2wav's device path
+# (bench/gpu_check_token2wav.py: the waveform against the CPU's fp32 with bf16 and fp32 caches, ms per iteration at
+# 8/32/64/128 speaking sessions through the CUDA graphs, memory per slot).
 # Results under $OUT (default ./gpu_out). Needs python3 with torch (CUDA) and numpy; nothing is downloaded.
-# Under 8 minutes (the LLM's sizes start before 300 s, the TTS's and Whisper's within 90 s of their start).
+# Under 8 minutes (speed starts no new size past 240 s, step within 150 s of its start, TTS+Whisper within 60 s).
 #   scripts/gpu_check.sh                      # on the GPU
-#   scripts/gpu_check.sh --stages tts,whisper # a subset (of parity, speed, tts, whisper)
+#   scripts/gpu_check.sh --stages step        # a subset (of parity, speed, step, tts, whisper, token2wav)
 #   scripts/gpu_check.sh --device cpu --quick # the same code at small dims, to test the script
 set -u
 cd "$(dirname "$0")/.."

@@ -9,6 +9,7 @@ command -v espeak-ng >/dev/null || need_apt+=(espeak-ng)
 dpkg -s libb64-0d >/dev/null 2>&1 || need_apt+=(libb64-0d)  # perf_analyzer
 dpkg -s libsndfile1 >/dev/null 2>&1 || need_apt+=(libsndfile1)
 command -v chromium >/dev/null || need_apt+=(chromium)  # the browser page's test (headless, via Playwright)
+command -v prometheus >/dev/null || need_apt+=(prometheus)  # the ops tests' real Prometheus (tests/test_ops_metrics.py)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq

@@ -74,7 +74,8 @@ def ensure_exported() -> None:
     if not all((MODEL_REPOSITORY / path).exists()
                for path in ("llm/1/model.onnx", "audio_encoder/1/stream.onnx", "token2wav/1/campplus.onnx",
                             "duplex/1/default_ref_audio.wav", "llm/1/weights.safetensors",
-                            "tts/1/weights.safetensors", "audio_encoder/1/weights.safetensors")):
+                            "tts/1/weights.safetensors", "audio_encoder/1/weights.safetensors",
+                            "token2wav/1/torch/flow.pt")):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 
@@ -107,14 +108,23 @@ class RunningTriton:
             return resp.read().decode()
 
     def metric(self, name: str, model: str) -> float:
+        """One of Triton's own series for a model (`nv_inference_count{model="llm",...}`)."""
         prefix = f'{name}{{model="{model}"'
         for line in self.metrics_text().splitlines():
             if line.startswith(prefix):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} for {model} not on the metrics page")
 
+    def stage_metric(self, what: str, model: str) -> float:
+        """A stage's own series, `minicpmo_<model>_<what>` (minicpmo_triton/triton_models.py stage_metric)."""
+        name = f"minicpmo_{model}_{what}"
+        for line in self.metrics_text().splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name} not on the metrics page")
+
     def live(self) -> dict[str, float]:
-        return {m: self.metric("minicpmo_live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
+        return {m: self.stage_metric("live_sequences", m) for m in ("duplex", "llm", "tts", "token2wav")}
 
     def wait_live(self, expected: Callable[[dict[str, float]], bool], timeout_s: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s
@@ -147,13 +157,14 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
         server.stop()
 
 
-def triton_with(env: dict[str, str], folder: Path) -> Iterator[RunningTriton]:
-    """A tritonserver of its own, started with these MINICPMO_<KEY> settings in its environment (for a fixture)."""
+def triton_with(env: dict[str, str], folder: Path, repository: Path = MODEL_REPOSITORY) -> Iterator[RunningTriton]:
+    """A tritonserver of its own, started with these MINICPMO_<KEY> settings in its environment (for a fixture),
+    on `repository` (a copy of the exported one whose configs a test edits)."""
     ensure_exported()
     log = folder / "tritonserver.log"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # tritonserver's environment is this process's
-    server = TritonServer(MODEL_REPOSITORY, free_ports(), work_dir=folder / "work", log_path=log)
+    server = TritonServer(repository, free_ports(), work_dir=folder / "work", log_path=log)
     try:
         server.start()
     finally:

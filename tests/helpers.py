@@ -79,15 +79,12 @@ def audio_of(events: list[dict]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def placed(streamer: Any, arrays: str) -> Any:
-    """A `Token2WavStreamer` on the same graphs and tables with its flow caches on the host (`host`: numpy, the CPU
-    default) or in torch tensors on a device (`cpu`, `cuda`: what a GPU instance holds; on the CPU the same code)."""
-    from minicpmo_triton.array_ops import DeviceArrays
-    from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
+def ring_streamer(model: Any, d: Any, device: str = "cpu", causal: Any = None, **kw: Any) -> Any:
+    """token2wav's device path (`DeviceStreamer`: the ring caches, batched) over a `Token2WavModel`'s flow and HiFT
+    (copies: a CUDA run must not move the host path's modules), its tables; `device` cpu here, cuda on a GPU."""
+    import copy
 
-    if arrays == "host":
-        return streamer
-    tables = {"rand_noise": streamer.xp.host(streamer.rand_noise), "spk_weight": streamer.spk_weight,
-              "spk_bias": streamer.spk_bias, "harmonics": np.asarray(streamer.harmonics)}
-    engines = {"encoder": streamer.enc, "estimator": streamer.est, "vocoder": streamer.voc}
-    return Token2WavStreamer(engines, tables, streamer.d, causal=streamer.causal, arrays=DeviceArrays(arrays))
+    from minicpmo_triton.stages.token2wav_device import DeviceStreamer
+
+    return DeviceStreamer(copy.deepcopy(model.flow).to(device), copy.deepcopy(model.hift).to(device), model.tables(),
+                          d, device, causal=causal, **kw)

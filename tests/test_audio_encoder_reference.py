@@ -40,6 +40,7 @@ from minicpmo_triton.stages.audio_encoder import AudioEncoderStage, AudioStream,
 
 from .reference_checkpoint import SEED, SMALL_CONFIG, build_audio_encoder
 from .reference_demo import demo_module
+from .reference_model import transformers4_whisper
 
 HIDDEN = tiny().llm.hidden  # the LLM width the projector maps to
 SR = 16_000
@@ -86,21 +87,6 @@ def reference_embeddings(encoder: HfWhisperEncoder, projection: nn.Sequential, s
     return nn.functional.avg_pool1d(x, 5, 5).transpose(1, 2)[0].detach().numpy()
 
 
-class Transformers4Attention(nn.Module):
-    """transformers 5's `WhisperAttention` answering as transformers 4's did, (output, weights, cache): the
-    reference's `MiniCPMWhisperEncoderLayer.forward` (modeling_minicpmo_unified.py:5779) unpacks three values."""
-
-    def __init__(self, attention: nn.Module) -> None:
-        super().__init__()
-        self.attention = attention
-
-    def forward(self, hidden_states, attention_mask=None, layer_head_mask=None, output_attentions=False,
-                past_key_value=None):
-        assert layer_head_mask is None and past_key_value is None  # the whole-utterance path passes neither
-        out, weights = self.attention(hidden_states=hidden_states, attention_mask=attention_mask)
-        return out, weights, None
-
-
 def demo_get_audio_embedding(apm_tensors: dict[str, torch.Tensor], audio_config: dict, pool: int,
                              audio: np.ndarray, chunk_length: float) -> np.ndarray:
     """The reference's own whole-utterance path, run: `process_audio_batch` with `MiniCPMAAudioProcessor`
@@ -113,8 +99,7 @@ def demo_get_audio_embedding(apm_tensors: dict[str, torch.Tensor], audio_config:
     config._attn_implementation = "eager"  # MiniCPMO.init_audio_module's choice when the model runs eager
     apm = modeling.MiniCPMWhisperEncoder(config).eval()
     apm.load_state_dict({k.removeprefix("apm."): v for k, v in apm_tensors.items() if k.startswith("apm.")})
-    for layer in apm.layers:
-        layer.self_attn = Transformers4Attention(layer.self_attn)
+    transformers4_whisper(apm)
     projection = modeling.MultiModalProjector(audio_config["d_model"], apm_tensors[
         "audio_projection_layer.linear1.weight"].shape[0]).eval()
     projection.load_state_dict({k.removeprefix("audio_projection_layer."): v for k, v in apm_tensors.items()

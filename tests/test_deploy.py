@@ -26,6 +26,8 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SETUP = (REPO / "scripts" / "setup.sh").read_text()
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 COMPOSE = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())
+OPS_IMAGES = ("prom/prometheus:", "grafana/grafana:")  # the operators' services beside ours (docs/deploy.md, "Metrics")
+OURS = {name: s for name, s in COMPOSE["services"].items() if not s["image"].startswith(OPS_IMAGES)}
 MANIFESTS = [doc for path in sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
              for doc in yaml.safe_load_all(path.read_text()) if doc]
 PIN = re.compile(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)")
@@ -145,8 +147,15 @@ def test_endpoint_lists_parse_and_files_they_name_exist() -> None:
         assert (REPO / "deploy" / volume.split(":")[0]).exists(), volume
     assert gateway["environment"]["MINICPMO_TRITON_ENDPOINTS_FILE"] == gateway["volumes"][0].split(":")[1]
     version = PYPROJECT["project"]["version"]
-    images = {s["image"] for s in COMPOSE["services"].values()} | {c["image"] for c in containers()}
+    images = {s["image"] for s in OURS.values()} | {c["image"] for c in containers()}
     assert images == {f"minicpmo-triton:{version}"}
+    for name, service in COMPOSE["services"].items():  # the others: pinned, and what they mount is here
+        if name not in OURS:
+            assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", service["image"]), service["image"]
+            for volume in service.get("volumes", []):
+                assert (REPO / "deploy" / volume.split(":")[0]).exists(), volume
+    secrets = {s for service in COMPOSE["services"].values() for s in service.get("secrets", [])}
+    assert secrets == set(COMPOSE["secrets"])
 
 
 def test_commands_and_probes_exist() -> None:
@@ -154,7 +163,7 @@ def test_commands_and_probes_exist() -> None:
     from gateway.settings import Settings
 
     paths = {r.path for r in create_app(Settings(triton_url="127.0.0.1:9")).routes if isinstance(r, Route)}
-    commands = [s["command"] for s in COMPOSE["services"].values()] + [c["command"] for c in containers()]
+    commands = [s["command"] for s in OURS.values()] + [c["command"] for c in containers()]
     commands.append(yaml.safe_load(next(args for op, args in instructions() if op == "CMD")))
     helps: dict[str, str] = {}
     for command in commands:

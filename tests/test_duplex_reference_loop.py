@@ -6,33 +6,28 @@ tests/reference_code/MiniCPMO45/ is OpenBMB/MiniCPM-o-Demo's code as published (
 transformers' Qwen3ForCausalLM from the small checkpoint tests/reference_checkpoint.py writes; ours is the LLM
 stage on that checkpoint's exported ONNX. What is not the reference's own, and why:
 
-- the audio: both sides get the same embeddings per chunk (the audio encoder is held to its reference in
-  tests/test_audio_encoder_reference.py); the reference's processor and `get_audio_embedding_streaming` are
-  stand-ins that hand them over (they need the Whisper weights and the mel processor, not under test here);
-- `transformers.modeling_attn_mask_utils`, gone in transformers 5, is imported by the SigLIP file only: a stub;
-- transformers 5's DynamicCache has no `key_cache` / `value_cache` lists, which StreamDecoder reads and writes
-  (utils.py:1306-1315, 1027-1140) and assigns whole on caches it builds (`_slice_cache`, `_concat_caches`,
-  1677-1742), and its `crop` takes tokens to remove where 4's took the length to keep: `LegacyCache` gives
-  StreamDecoder transformers 4's lists (readable, writable, assignable) and `crop` over the same tensors, and is
-  the `DynamicCache` its module builds; the config gets its `rope_theta` attribute back (5 moved it into
-  `rope_parameters`);
-- `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here;
-  the TTS's own decode is held to `generate_chunk` in tests/test_reference_parity.py.
+- the audio: both sides get the same embeddings per chunk; the reference's processor and
+  `get_audio_embedding_streaming` are stand-ins that hand them over. This file holds the decode loop's rules over
+  many chunks and window modes cheaply; the whole path with real speech through the demo's own streaming audio
+  encoding, the TTS, the voice and video frames is tests/test_duplex_reference_omni.py;
+- what transformers 5 took away that the demo's code calls (DynamicCache's `key_cache` / `value_cache` and 4's
+  `crop`, the config's `rope_theta`) is given back in tests/reference_model.py, which says where each is called;
+- `generate_audio=False`: the TTS condition (token ids and LLM hidden states per chunk) is compared here.
 
-Greedy, 48 chunks: forced listens (the first three and two overrides, one mid-turn), speaking turns,
-<|turn_eos|>, the 28-character cut; after every chunk the decided tokens, the TTS condition, is_listen,
-end_of_turn and the KV length after the unit is closed must be equal. The sliding window: `off`, `basic`
-(watermarks small enough to slide several times) and `context` (24 chunks holding at most 6 units and 24 tokens
-of previous text, so units that spoke, units that listened and the previous text's left cut all slide; the
-previous text equal after every chunk too).
+Greedy, 48 chunks: forced listens (the first three, one the caller forces while the model speaks and one at chunk
+33), speaking turns, <|turn_eos|>, the 28-character cut (shown: the token drawn that would reach 28 characters
+is neither decided nor in the KV cache); after every chunk the decided tokens, the TTS condition, is_listen,
+end_of_turn (a listen's too: False, as the reference's result), the KV length as the step leaves it (before the
+unit is closed: what the demo's worker reports) and after the unit is closed must be equal. The sliding window:
+`off`, `basic` (watermarks small enough to slide several times) and `context` (24 chunks holding at most 6 units
+and 24 tokens of previous text, so units that spoke, units that listened and the previous text's left cut all
+slide; the previous text equal after every chunk too).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import queue
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,8 +43,8 @@ from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
 from minicpmo_triton.duplex_rules import forbidden_token_mask, stream_decode
 from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
+from minicpmo_triton.engine.stage_kv import llm_kv
 from minicpmo_triton.engines import OnnxEngine
-from minicpmo_triton.paged.engine import PagedLlmEngine
 from minicpmo_triton.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
@@ -59,10 +54,17 @@ from minicpmo_triton.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import write_checkpoint
 from .reference_demo import demo_module
+from .reference_model import demo_duplex
+
+# .ci/run's `-m reference` step (minutes of the reference's own loop: the main command stays under 6 minutes); its
+# device-engine cases run there too, not in the `engines` step
+pytestmark = pytest.mark.reference
 
 CHUNKS = 48
 AUDIO_TOKENS = 10  # per 1 s chunk
-OVERRIDES = {20, 33}  # chunks whose listen the caller forces (force_listen_override)
+# the caller forces a listen (force_listen_override) at the first chunk from 20 on where the model speaks (its turn
+# open: <|turn_eos|> is fed before the listen), and at 33 whatever it does
+MID_TURN_FROM, OVERRIDE = 20, 33
 PREFIX = "<|im_start|>system\nStreaming Duplex Conversation! You are a helpful assistant.\n<|audio_start|>"
 SUFFIX = "<|audio_end|><|im_end|>"
 LOUDER = {MINICPMO45_TOKENS.turn_eos: 3.0, MINICPMO45_TOKENS.listen: 3.0, MINICPMO45_TOKENS.chunk_eos: 2.5}
@@ -70,73 +72,13 @@ HIGH, LOW = 400, 300  # the basic window's watermarks, small enough to slide sev
 UNITS, PREVIOUS = 6, 24  # the context window's units held and previous tokens kept, small for the same reason
 CONTEXT_CHUNKS = 24  # enough for the context window (its slides begin at the 7th unit)
 LONG = set(range(8, 16))  # chunks with a 40-token budget, so the 28-character cut comes before it
-Trace = tuple[list[torch.Tensor], list[dict[str, Any]]]  # the chunks' embeddings, the reference's decisions
+# the chunks' embeddings, the reference's decisions, the chunks whose listen was forced
+Trace = tuple[list[torch.Tensor], list[dict[str, Any]], set[int]]
 SETTINGS = {"temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "length_penalty": 1.1}
 
 
 def _reference_modules() -> types.ModuleType:
     return demo_module("modeling_minicpmo_unified")
-
-
-class _Layers:
-    """`cache.key_cache` as transformers 4 had it: a list of per-layer tensors, writable."""
-
-    def __init__(self, cache: Any, name: str) -> None:
-        self._cache, self._name = cache, name
-
-    def __len__(self) -> int:
-        return len(self._cache.layers)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return getattr(self._cache.layers[i], self._name)
-
-    def __setitem__(self, i: int, value: torch.Tensor) -> None:
-        setattr(self._cache.layers[i], self._name, value)
-
-    def assign(self, tensors: list[torch.Tensor]) -> None:
-        """`cache.key_cache = [...]` on a cache built empty: its layers made, holding these tensors."""
-        from transformers.cache_utils import DynamicLayer
-
-        while len(self._cache.layers) < len(tensors):
-            self._cache.layers.append(DynamicLayer())
-        for layer, t in zip(self._cache.layers, tensors, strict=False):
-            setattr(layer, self._name, t)
-            layer.device, layer.is_initialized = t.device, True
-
-
-@functools.cache
-def legacy_cache_class() -> type:
-    from transformers.cache_utils import DynamicCache
-
-    class LegacyCache(DynamicCache):
-        @property
-        def key_cache(self) -> _Layers:
-            return _Layers(self, "keys")
-
-        @key_cache.setter
-        def key_cache(self, tensors: list[torch.Tensor]) -> None:
-            _Layers(self, "keys").assign(tensors)
-
-        @property
-        def value_cache(self) -> _Layers:
-            return _Layers(self, "values")
-
-        @value_cache.setter
-        def value_cache(self, tensors: list[torch.Tensor]) -> None:
-            _Layers(self, "values").assign(tensors)
-
-        def crop(self, max_length: int) -> None:
-            """transformers 4's `crop`: keep the first `max_length` tokens (5's takes how many to remove)."""
-            length = self.get_seq_length()
-            keep = length + max_length if max_length < 0 else max_length
-            if keep < length:
-                super().crop(keep - length)
-
-    return LegacyCache
-
-
-def legacy_cache() -> Any:
-    return legacy_cache_class()()
 
 
 class _Features:
@@ -163,25 +105,15 @@ class _Processor:
         return _Features(self._embeds.pop(0))
 
 
-def reference_duplex(unified: types.ModuleType, llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor],
-                     tts: Any = None, **kwargs: Any) -> Any:
-    # transformers 4's Qwen3Config had `rope_theta`; 5's keeps it in `rope_parameters`, and StreamDecoder's
-    # `_get_rope_theta` (utils.py:1370) would fall back to 10000 when it re-rotates the kept keys
-    llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]
-    sys.modules[unified.StreamDecoder.__module__].DynamicCache = legacy_cache_class()  # type: ignore[attr-defined]
+def reference_duplex(llm: torch.nn.Module, tokenizer: Any, embeds: list[torch.Tensor], tts: Any = None,
+                     **kwargs: Any) -> Any:
+    """`DuplexCapability` over the reference LLM, its audio path handing over the given embeddings."""
     model = types.SimpleNamespace(
         processor=_Processor(tokenizer, embeds), llm=llm, tts=tts,
         config=types.SimpleNamespace(audio_chunk_length=1.0), init_streaming_processor=lambda: None,
         get_audio_embedding_streaming=lambda features, **_: [[features.embeds]])
-    cap = unified.DuplexCapability(model, generate_audio=tts is not None, device="cpu", force_listen_count=3, **kwargs)
-    reset = cap.decoder.reset
-
-    def reset_with_legacy_cache() -> None:
-        reset()
-        cap.decoder.cache = legacy_cache()
-
-    cap.decoder.reset = reset_with_legacy_cache
-    return cap
+    llm.config.rope_theta = llm.config.rope_parameters["rope_theta"]  # transformers 4's name (reference_model.py)
+    return demo_duplex(model, generate_audio=tts is not None, force_listen_count=3, **kwargs)
 
 
 def _louder_controls(llm: torch.nn.Module) -> None:
@@ -217,7 +149,7 @@ def reference_trace(checkpoint: dict[str, Any]) -> Callable[[str], Trace]:
     def trace(window: str) -> Trace:
         if window not in traces:
             embeds = chunk_embeds(CONTEXT_CHUNKS if window == "context" else CHUNKS, checkpoint["preset"].llm.hidden)
-            traces[window] = embeds, run_reference(checkpoint, embeds, window)
+            traces[window] = embeds, *run_reference(checkpoint, embeds, window)
         return traces[window]
 
     return trace
@@ -228,39 +160,58 @@ def chunk_embeds(n: int, hidden: int, seed: int = 5) -> list[torch.Tensor]:
     return [torch.randn(AUDIO_TOKENS, hidden, generator=gen) * 0.5 for _ in range(n)]
 
 
-def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str) -> list[dict[str, Any]]:
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+def run_reference(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str
+                  ) -> tuple[list[dict[str, Any]], set[int]]:
+    """Each chunk as the reference decides it: `decided` (its total_ids), `drawn` (what StreamDecoder.decode returned,
+    a token the 28-character cut rejected included), the result's is_listen / end_of_turn, the TTS condition,
+    `kv_live` (the cache's length after streaming_generate, before finalize_unit: what the demo's worker reports as
+    kv_cache_length, worker.py:1641-1643) and `kv` (after finalize_unit), the window's slides and previous text."""
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), sliding_window_mode=window, basic_window_high_tokens=HIGH,
                            basic_window_low_tokens=LOW, context_max_units=UNITS, context_previous_max_tokens=PREVIOUS)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX)
-    out = []
+    drawn: list[int] = []
+    decode = cap.decoder.decode
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        token = decode(*args, **kwargs)
+        drawn.append(int(token))
+        return token
+
+    cap.decoder.decode = recorded
+    out, overrides = [], set()
     for i in range(len(embeds)):
+        kv_before = cap.decoder.get_cache_length()
         assert cap.streaming_prefill(audio_waveform=np.zeros(16_000, np.float32))["success"]
+        if i == OVERRIDE or (i >= MID_TURN_FROM and not cap.current_turn_ended and not overrides):
+            overrides.add(i)
         start = len(cap.total_ids)
-        res = cap.streaming_generate(decode_mode="greedy", force_listen_override=i in OVERRIDES,
+        drawn.clear()
+        res = cap.streaming_generate(decode_mode="greedy", force_listen_override=i in overrides,
                                      max_new_speak_tokens_per_chunk=40 if i in LONG else 20,
                                      text_repetition_penalty=1.05,
                                      length_penalty=1.1)
         condition = [] if res["is_listen"] else cap.total_hidden[-1]
+        kv_live = cap.decoder.get_cache_length()
         cap.finalize_unit()
-        out.append({"decided": cap.total_ids[start:-1], "is_listen": res["is_listen"],
+        out.append({"decided": cap.total_ids[start:-1], "drawn": list(drawn), "is_listen": res["is_listen"],
                     "end_of_turn": res["end_of_turn"], "tts_ids": [int(c[0]) for c in condition],
                     "tts_hidden": np.stack([c[1][0, 0].numpy() for c in condition]) if condition else None,
-                    "kv": cap.decoder.get_cache_length(), "slides": cap.decoder._sliding_event_count,
-                    "previous": list(cap.decoder._previous_token_ids)})
-    return out
+                    "kv_live": kv_live, "kv": cap.decoder.get_cache_length(),
+                    "grew": cap.decoder.get_cache_length() - kv_before,
+                    "slides": cap.decoder._sliding_event_count, "previous": list(cap.decoder._previous_token_ids)})
+    return out, overrides
 
 
-def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str,
-             engine: str = "onnx", overrides: set[int] = OVERRIDES) -> list[dict[str, Any]]:
-    """The LLM stage on today's engine (ONNX, host KV caches) or on the paged one (KV pool, decode rules and
-    sampling on the device), called as a batch (`paged`) or through the in-flight loop the Triton model runs
-    (`inflight`: each call queued, answered when its row is done)."""
+def run_ours(checkpoint: dict[str, Any], embeds: list[torch.Tensor], window: str, overrides: set[int],
+             engine: str = "onnx") -> list[dict[str, Any]]:
+    """The LLM stage on the host path (ONNX, host KV caches) or on the engine core (KV pool, decode rules and
+    sampling on the device, iterations overlapped), called as a batch (`paged`) or through the in-flight loop the
+    Triton model runs (`inflight`: each call queued, answered when its row is done)."""
     preset = checkpoint["preset"]
     tokenizer = HuggingFaceTokenizer(checkpoint["ref"].folder, set(vars(preset.tokens).values()))
     llm = OnnxEngine(checkpoint["onnx"], threads=1) if engine == "onnx" else \
-        PagedLlmEngine.build(checkpoint["llm_weights"], preset.llm, pool_tokens=4096, attention="gather",
-                             max_tokens=preset.duplex.context_tokens)
+        llm_kv(checkpoint["llm_weights"], preset, tokenizer, pool_tokens=4096, attention="gather")
     stage = LlmStage(llm, preset, tokenizer, 600.0)
     loop = InflightLlm(stage, 600.0) if engine == "inflight" else None
     try:
@@ -307,8 +258,9 @@ def _drive(checkpoint: dict[str, Any], stage: LlmStage, loop: InflightLlm | None
         if len(pending) == 3:
             decided.insert(0, tk.turn_eos)  # a forced listen's <|turn_eos|>, fed before the listen
         out.append({"decided": decided, "is_listen": res.is_listen, "end_of_turn": res.end_of_turn,
-                    "tts_ids": [int(t) for t in res.text_ids], "tts_hidden": res.tts_hidden if len(res.text_ids)
-                    else None, "kv": closed, "slides": ledger.events, "previous": ledger.previous})
+                    "turn_closed": res.turn_closed, "tts_ids": [int(t) for t in res.text_ids],
+                    "tts_hidden": res.tts_hidden if len(res.text_ids) else None, "kv_live": res.kv_cache_length,
+                    "kv": closed, "slides": ledger.events, "previous": ledger.previous})
     return out
 
 
@@ -318,17 +270,17 @@ def _drive(checkpoint: dict[str, Any], stage: LlmStage, loop: InflightLlm | None
 @pytest.mark.parametrize("window", ["off", "basic", "context"])
 def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], reference_trace: Callable[[str], Trace],
                                                    window: str, engine: str) -> None:
-    embeds, want = reference_trace(window)
-    got = run_ours(checkpoint, embeds, window, engine)
+    embeds, want, overrides = reference_trace(window)
+    got = run_ours(checkpoint, embeds, window, overrides, engine)
     tk = checkpoint["preset"].tokens
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         print(i, "listen" if w["is_listen"] else "speak", w["decided"], w["kv"], len(w["previous"]))
-        for key in ("decided", "is_listen", "tts_ids", "kv", "slides", "previous"):
+        for key in ("decided", "is_listen", "end_of_turn", "tts_ids", "kv_live", "kv", "slides", "previous"):
             assert g[key] == w[key], f"chunk {i}: {key} {g[key]} != reference {w[key]}"
         if w["tts_hidden"] is not None:
             np.testing.assert_allclose(g["tts_hidden"], w["tts_hidden"], atol=2e-3, err_msg=f"chunk {i}")
-        if not w["is_listen"]:
-            assert g["end_of_turn"] == w["end_of_turn"], f"chunk {i}"
+        # a forced listen that closed the model's turn: <|turn_eos|> fed before <|listen|> (MU:5003-5011)
+        assert g["turn_closed"] == (i in overrides and w["decided"][:1] == [tk.turn_eos]), f"chunk {i}"
     if window == "context":
         # units that spoke and units that listened have slid out, and the previous text has been cut on the left
         marker = len(checkpoint["tokenizer"].encode("\n\nprevious: ", add_special_tokens=False))
@@ -338,16 +290,34 @@ def test_the_duplex_loop_decides_as_minicpm_o_s_own(checkpoint: dict[str, Any], 
         assert ours == checkpoint["unified"].StreamDecoder(None, checkpoint["tokenizer"])._all_special_ids
         return
     # the script holds what the loop's rules decide on: a <|turn_eos|> the model said with the chunk going on,
-    # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), and the 28-character cut
-    tok = checkpoint["tokenizer"]
-    listened = [w for i, w in enumerate(want) if w["is_listen"] and i >= 3 and i not in OVERRIDES]
+    # <|listen|> the model chose, a <|chunk_eos|> at once (the first draw), a listen forced while the model spoke,
+    # and the 28-character cut
+    listened = [w for i, w in enumerate(want) if w["is_listen"] and i >= 3 and i not in overrides]
     assert any(tk.turn_eos in w["decided"][:-2] for w in want), "a <|turn_eos|> with the chunk going on"
     assert listened and any(w["decided"] == [tk.chunk_eos] for w in want)
-    cut = [i for i, w in enumerate(want) if i in LONG and w["decided"][-1] == tk.chunk_eos and len(w["decided"]) < 39
-           and len(tok.decode(w["tts_ids"], skip_special_tokens=True)) >= 20]
+    assert any(want[i]["decided"] == [tk.turn_eos, tk.listen] for i in overrides), "a forced listen mid-turn"
+    assert any(w["is_listen"] and tk.turn_eos in w["decided"] and not w["end_of_turn"] for w in want), \
+        "a listen after <|turn_eos|>: end_of_turn False, as the reference's result"
+    cut = [i for i, w in enumerate(want) if _cut(w, checkpoint["tokenizer"], tk, window)]
     assert cut, "a chunk cut at 28 characters"
     if window == "basic":
         assert want[-1]["slides"] >= 2 and max(w["kv"] for w in want) <= HIGH + 60
+
+
+def _cut(w: dict[str, Any], tok: Any, tk: Any, window: str) -> bool:
+    """The chunk ended at the 28-character cut (modeling_minicpmo_unified.py:5068-5082): the last token drawn would
+    have brought the chunk's text to 28 characters, and it is neither decided (a <|chunk_eos|> in its place) nor in
+    the KV cache (the unit's length is its <unit>, audio, decided tokens and </unit>: with the window off, what
+    the cache grew by)."""
+    drawn, decided = w["drawn"], w["decided"]  # the same but for a mid-turn <|listen|> fed as <|tts_bos|>
+    if not drawn or len(drawn) != len(decided) or decided[-1] != tk.chunk_eos:
+        return False
+    last = drawn[-1]
+    if last in (tk.listen, tk.chunk_eos, tk.chunk_tts_eos):
+        return False
+    before = len(tok.decode(w["tts_ids"], skip_special_tokens=True))
+    return before < 28 <= len(tok.decode([*w["tts_ids"], last], skip_special_tokens=True)) and (
+        window != "off" or w["grew"] == 1 + AUDIO_TOKENS + len(w["decided"]) + 1)
 
 
 @pytest.fixture
@@ -381,7 +351,7 @@ def test_sampled_draws_follow_the_reference_distribution(checkpoint: dict[str, A
     history = [int(t) for t in words[:8]] + [tk.speak]
     settings = {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
 
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"], [])
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"], [])
     torch.manual_seed(11)
     want = np.zeros(vocab)
     for _ in range(n):
@@ -448,7 +418,7 @@ def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint
     gen = np.random.default_rng(4)
     speech = [[int(t) for t in gen.integers(0, 4000, 25)] for _ in range(VOICE_CHUNKS)]
     tts = _SpeechScript(speech)
-    cap = reference_duplex(checkpoint["unified"], checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
+    cap = reference_duplex(checkpoint["ref"].modules["llm"], checkpoint["tokenizer"],
                            list(embeds), tts=tts)
     cap._convert_results_to_tts_input = lambda hidden: torch.zeros(1, len(hidden) + 1, 1)
     cap.prepare(prefix_system_prompt=PREFIX, suffix_system_prompt=SUFFIX, prompt_wav_path="voice.wav")
@@ -476,10 +446,10 @@ def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint
 
     stage.streamer.chunk = chunk  # type: ignore[method-assign]
     turn, voiced = VoiceTurn(), iter(speech)
-    for i, r in enumerate(run_ours(checkpoint, embeds, "off", overrides=set(closed))):
+    for r in run_ours(checkpoint, embeds, "off", overrides=set(closed)):
         got.append([])
         if r["is_listen"]:
-            turn.listened(i < 3 or i in closed, r["end_of_turn"])
+            turn.listened(r["turn_closed"])
             continue
         _, restart = turn.starts()
         [out] = stage.run([StageCall(Token2WavRequest(speech_tokens=np.asarray(next(voiced), np.int64),

@@ -30,7 +30,7 @@ async def first_step_kv(stages: InProcessStages, voice: VoiceRefs | None, defaul
 
     inp = StepInput(audio=np.zeros(16_000, np.float32), options=DuplexOptions.from_config(GREEDY), voice=voice)
     await pipeline.step(1, True, True, inp, emit)
-    return int(events[-1].metrics.kv_window_tokens)
+    return int(events[-1].metrics.kv_cache_length)
 
 
 async def test_the_default_reference_is_embedded_unless_the_session_sends_one() -> None:

@@ -111,9 +111,9 @@ async def served_hour(url: str, chunks: list[np.ndarray], server_pid: int) -> tu
 async def test_an_hour_long_call_slides_its_window_and_stays_bounded(gateway, triton, speech) -> None:
     chunks = hour_of_calls(speech(SPEAKING_TEXT))
     events, rss = await served_hour(gateway.ws, chunks, triton.server.process.pid)
-    metrics = [e["metrics"] for e in events if "kv_window_tokens" in e.get("metrics", {})]
-    held = [m["kv_window_tokens"] for m in metrics]
-    said = [m["kv_cache_length"] for m in metrics]
+    metrics = [e["metrics"] for e in events if "kv_tokens_total" in e.get("metrics", {})]
+    held = [m["kv_cache_length"] for m in metrics]
+    said = [m["kv_tokens_total"] for m in metrics]
     spoken = len(deltas(events, "audio"))
     print(f"\n{len(chunks)} steps ({spoken} with audio): context {said[-1]} tokens from the call's start; the LLM "
           f"held at most {max(held)} (high watermark {HIGH}); tritonserver tree RSS (MB) every 10 min: "

@@ -2,7 +2,7 @@
 running decode loop between its iterations and each is answered in the iteration its row finishes.
 
 What the loop did is read from each answer's `join_iteration` / `done_iteration` (the engine's forward count when
-the row joined, and when it left), and the pool's room from the `minicpmo_kv_free_blocks` gauge: no wall-clock
+the row joined, and when it left), and the pool's room from the `minicpmo_<model>_kv_free_blocks` gauge: no wall-clock
 window is assumed anywhere; the only waits are for an event (a gauge reaching a value, an answer)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ async def until(triton: RunningTriton, name: str, holds: object, timeout_s: floa
     """Waits for the `llm` model's gauge `name` to satisfy `holds` (an event: a call admitted, blocks freed)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not holds(value := await asyncio.to_thread(triton.metric, name, "llm")):  # type: ignore[operator]
+    while not holds(value := await asyncio.to_thread(triton.stage_metric, name, "llm")):  # type: ignore[operator]
         assert loop.time() < deadline, f"{name} stayed at {value}"
         await asyncio.sleep(0.01)
     return value
@@ -58,9 +58,9 @@ def ok(result: LlmResult | Exception) -> LlmResult:
 async def test_a_session_that_starts_joins_the_running_decode_and_is_answered_first(paged_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_triton.grpc_url)
     try:
-        live = await asyncio.to_thread(paged_triton.metric, "minicpmo_live_sequences", "llm")
+        live = await asyncio.to_thread(paged_triton.stage_metric, "live_sequences", "llm")
         talking = asyncio.create_task(llm_call(client, long_row(), 101, start=True))
-        await until(paged_triton, "minicpmo_live_sequences", lambda n: n > live)  # admitted: it is in the loop
+        await until(paged_triton, "live_sequences", lambda n: n > live)  # admitted: it is in the loop
         joining = ok(await llm_call(client, LlmRequest(input_ids=SYSTEM_PROMPT, decode=False), 102, start=True))
         assert not talking.done(), "the new session's prompt was answered while the long row went on"
         long = ok(await talking)
@@ -76,12 +76,12 @@ async def test_a_session_that_starts_joins_the_running_decode_and_is_answered_fi
 async def test_end_gives_the_sessions_blocks_back(paged_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_triton.grpc_url)
     try:
-        free = await asyncio.to_thread(paged_triton.metric, "minicpmo_kv_free_blocks", "llm")
+        free = await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm")
         ok(await llm_call(client, LlmRequest(input_ids=SYSTEM_PROMPT, decode=False), 201, start=True))
-        held = await asyncio.to_thread(paged_triton.metric, "minicpmo_kv_free_blocks", "llm")
+        held = await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm")
         assert held < free, (held, free)
         ok(await llm_call(client, LlmRequest(decode=False), 201, end=True))  # an END-only call: nothing to decode
-        assert await asyncio.to_thread(paged_triton.metric, "minicpmo_kv_free_blocks", "llm") == free
+        assert await asyncio.to_thread(paged_triton.stage_metric, "kv_free_blocks", "llm") == free
     finally:
         await client.close()
 
@@ -94,9 +94,9 @@ async def test_a_row_that_fails_is_answered_with_its_code_and_the_others_run_on(
         unit = load_stage_config(MODEL_REPOSITORY / "llm" / "1").tokens.unit
         prompt = np.concatenate([SYSTEM_PROMPT, [unit]])  # the first <unit> ends the kept prompt
         ok(await llm_call(client, LlmRequest(input_ids=prompt, decode=False), 301, start=True))
-        live = await asyncio.to_thread(paged_triton.metric, "minicpmo_live_sequences", "llm")
+        live = await asyncio.to_thread(paged_triton.stage_metric, "live_sequences", "llm")
         talking = asyncio.create_task(llm_call(client, long_row(), 302, start=True))
-        await until(paged_triton, "minicpmo_live_sequences", lambda n: n > live)
+        await until(paged_triton, "live_sequences", lambda n: n > live)
         failed = await llm_call(client, LlmRequest(rollback_to=5, decode=False), 301)
         assert isinstance(failed, Exception) and from_wire(failed.message(), "llm").code == "invalid_input", failed
         assert not talking.done()

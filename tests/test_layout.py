@@ -9,16 +9,17 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Lower layers first; a module may import only from layers below its own.
 LAYERS = [
-    {"codes"},
-    {"wire", "settings", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page", "healing",
-     "triton.endpoints", "triton.placement", "triton.decoupled", "workers"},
+    {"codes", "settings", "metrics", "tracing", "healing"},
+    {"wire", "audio", "journal", "overlap", "vad", "triton.launcher", "triton.stream", "page", "triton.endpoints",
+     "triton.placement", "triton.decoupled", "triton.devices", "workers", "dialects.openai_objects"},
     {"limits", "triton.reload", "triton.orphans"},
     {"dialects.state", "dialects.openai_extensions", "inputs", "triton", "auth", "triton.supervisor", "triton.pool",
      "peers", "http_body", "stage_health"},
     {"registry", "fairness"},
     {"dialects.realtime_events", "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex"},
     {"dialects.openai_events"},
-    {"dialects.openai_input", "dialects.openai_states", "dialects.openai_response"},
+    {"dialects.openai_input", "dialects.openai_response"},
+    {"dialects.openai_states", "dialects.openai_turns"},
     {"dialects.backend", "dialects.openai", "dialects.minicpm", "shell"},
     {"endpoints", "admin"},
     {"routes"},
@@ -31,7 +32,7 @@ DIALECTS = {
     "dialects.openai": {"dialects.state", "dialects.realtime_events", "dialects.openai_events",
                         "dialects.openai_config", "dialects.openai_conversation", "dialects.openai_duplex",
                         "dialects.openai_input", "dialects.openai_states", "dialects.openai_response",
-                        "dialects.openai_extensions"},
+                        "dialects.openai_extensions", "dialects.openai_turns", "dialects.openai_objects"},
 }
 
 

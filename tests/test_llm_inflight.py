@@ -7,7 +7,6 @@ import queue
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from minicpmo_triton.errors import StepError
@@ -15,7 +14,7 @@ from minicpmo_triton.stage_io import LlmResult
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm_inflight import InflightLlm
 
-from .test_paged_engine import SESSIONS, assert_same, chunk, paged_engine, preset, stage, weights
+from .test_engine_llm import SESSIONS, assert_same, breaking, chunk, paged_engine, preset, stage, weights
 
 __all__ = ["preset", "weights"]  # the fixtures, used by name
 
@@ -80,15 +79,16 @@ def test_a_row_that_fails_in_the_loop_fails_alone_and_leaves_its_session_as_it_w
 
 def test_end_gives_the_sessions_blocks_back(preset, weights) -> None:
     live = stage(preset, paged_engine(preset, weights))
-    free = live.paged.pool.free_blocks
+    pool = live.kv.pool  # type: ignore[attr-defined]
+    free = pool.free_blocks
     loop, answers = InflightLlm(live, 5.0), Answers()
     try:
         loop.submit(StageCall(chunk(preset, 7, 0, temperature=0.0), 7, start=True), answers.reply(7))
         answers.take(1)
-        assert live.paged.pool.free_blocks < free
+        assert pool.free_blocks < free
         loop.submit(StageCall(chunk(preset, 7, 1, temperature=0.0), 7, end=True), answers.reply(7))
         answers.take(1)
-        assert live.paged.pool.free_blocks == free and not live.store.values()
+        assert pool.free_blocks == free and not live.store.values()
     finally:
         loop.close()
 
@@ -115,16 +115,7 @@ def test_a_forward_that_fails_runs_each_unfinished_row_alone(preset, weights) ->
     tk = preset.tokens
 
     def breaking_stage() -> Any:
-        eng = paged_engine(preset, weights)
-        forward = eng.forward
-
-        def breaking(seqs: list[int], pasts: list[int], rows: list[Any]) -> Any:
-            if any(tk.audio_start in r.ids for r in rows):
-                raise RuntimeError("the forward failed")
-            return forward(seqs, pasts, rows)
-
-        eng.forward = breaking  # type: ignore[method-assign]
-        return stage(preset, eng)
+        return stage(preset, breaking(paged_engine(preset, weights), tk.audio_start))
 
     def calls(step: int) -> list[StageCall]:
         out = [StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
@@ -136,9 +127,9 @@ def test_a_forward_that_fails_runs_each_unfinished_row_alone(preset, weights) ->
     class Counted(InflightLlm):
         alone = 0  # rows the loop ran alone after a forward failed
 
-        def _run_alone(self, indices: list[int]) -> None:
-            self.alone += len(indices)
-            super()._run_alone(indices)
+        def _run_alone(self, rows: list[Any]) -> None:
+            self.alone += len(rows)
+            super()._run_alone(rows)
 
     sync, live = breaking_stage(), breaking_stage()
     loop, answers = Counted(live, 5.0), Answers()
@@ -158,12 +149,9 @@ def test_a_forward_that_fails_runs_each_unfinished_row_alone(preset, weights) ->
         loop.close()
 
 
-@pytest.mark.parametrize("rows_per_run", [2, 4096])
-def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights, monkeypatch, rows_per_run) -> None:
+def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights) -> None:
     """Three steps of every session queued at once (a client that does not wait for its answers): each session's
-    next call waits for its row in flight, so every answer is the one the steps give one batch at a time; with a
-    run capped at 2 rows the loop drains and starts again between them, with the same answers."""
-    monkeypatch.setattr(InflightLlm, "rows_per_run", rows_per_run)
+    next call waits for its row in flight, so every answer is the one the steps give one batch at a time."""
     sync, live = stage(preset, paged_engine(preset, weights)), stage(preset, paged_engine(preset, weights))
     steps = [[StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
              for step in range(3)]

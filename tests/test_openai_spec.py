@@ -148,9 +148,9 @@ class Driver:
 
     def speak(self, step: PlannedStep, text: str = "hello ", kv: int = 100) -> None:
         """The step says something: words, then a second of audio."""
-        self.step_event(step, StepEvent("text", text=text, metrics={"kv_cache_length": kv}))
-        self.step_event(step, StepEvent("audio", audio=np.full(24_000, 0.1, np.float32),
-                                        metrics={"kv_cache_length": kv}))
+        metrics = {"kv_cache_length": kv, "kv_tokens_total": kv}
+        self.step_event(step, StepEvent("text", text=text, metrics=metrics))
+        self.step_event(step, StepEvent("audio", audio=np.full(24_000, 0.1, np.float32), metrics=metrics))
         self.clock.now += 0.3
 
     def finish(self, step: PlannedStep) -> None:
@@ -177,7 +177,7 @@ class Driver:
         assert planned, f"{self.scenario}: the caller's turn planned no step"
         for step in planned[:-1]:
             if step.kind != "chat":
-                self.step_event(step, StepEvent("listen", metrics={"kv_cache_length": 50}))
+                self.step_event(step, StepEvent("listen", metrics={"kv_cache_length": 50, "kv_tokens_total": 50}))
                 self.step_end(step)
         self.speak(planned[-1])
         assert self.state.active is not None, f"{self.scenario}: no response opened"

@@ -1,7 +1,7 @@
 """Over the real servers, the TTS on its paged engine (`tts_engine=paged`, on the CPU here): the tts model loads
 it from the export's weights and a spoken reply comes as one-second audio deltas, 25 speech tokens each. The `tts`
 model is decoupled there, with one engine thread (`InflightTts`): called directly over gRPC, two sessions speaking
-at once say what each says alone, END mid-turn gives the session's blocks back (the `minicpmo_kv_free_blocks`
+at once say what each says alone, END mid-turn gives the session's blocks back (the `minicpmo_<model>_kv_free_blocks`
 gauge), and a call refused at the door fails alone beside a row that decodes on."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ async def test_two_sessions_in_flight_speak_as_each_alone(paged_tts_triton) -> N
 
 async def test_end_mid_turn_gives_the_sessions_blocks_back(paged_tts_triton) -> None:
     client = grpcclient.InferenceServerClient(paged_tts_triton.grpc_url)
-    free_blocks = lambda: asyncio.to_thread(paged_tts_triton.metric, "minicpmo_kv_free_blocks", "tts")  # noqa: E731
+    free_blocks = lambda: asyncio.to_thread(paged_tts_triton.stage_metric, "kv_free_blocks", "tts")  # noqa: E731
     try:
         free = await free_blocks()
         first, second, _ = turn(4, 25, 21, temperature=0.0)

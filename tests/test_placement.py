@@ -18,10 +18,11 @@ from gateway.triton.pool import DOWN, LOADING, READY, EndpointPool
 from gateway.triton.stream import next_correlation_id
 from minicpmo_client import wire as client_wire
 
-METRICS = """# HELP minicpmo_live_sequences Live per-session state entries
-minicpmo_live_sequences{model="duplex"} 3
-minicpmo_live_sequences{model="llm"} 3
-minicpmo_live_sequences{model="tts"} 1
+METRICS = """# HELP minicpmo_duplex_live_sequences Live per-session state entries
+# TYPE minicpmo_duplex_live_sequences gauge
+minicpmo_duplex_live_sequences 3
+minicpmo_llm_live_sequences 3
+minicpmo_tts_live_sequences 1
 nv_inference_queue_duration_us{model="llm",version="1"} 40000
 nv_inference_request_success{model="llm",version="1"} 20
 nv_inference_queue_duration_us{model="tts",version="1"} 1000

@@ -120,6 +120,31 @@ async def test_a_chunked_duplex_session_says_what_the_unchunked_one_says(stages:
     _same(whole, chunked)
 
 
+async def test_a_chunked_step_slides_the_window_only_where_a_unit_closes(stages: InProcessStages) -> None:
+    """Short units, then one whose prefill is long (an HD frame's slices), past the basic window's high watermark,
+    in calls of at most 32 tokens: the window slides as a unit closes (MiniCPM-o's `finalize_unit`), never between
+    two chunks of the next unit (which the reference does not know: it prefills a unit whole); the session says
+    what the unchunked one says."""
+    import base64
+
+    from .test_vision_e2e import jpeg
+
+    frame = base64.b64decode(jpeg(1280, 480))
+    rng = np.random.default_rng(6)
+    options = DuplexOptions.from_config({**GREEDY, "sliding_window_mode": "basic", "basic_window_high_tokens": 260,
+                                         "basic_window_low_tokens": 220})
+    steps: list[StepInput | ChatInput] = [
+        StepInput(audio=(0.1 * rng.standard_normal(16_000)).astype(np.float32), frames=[frame] if i == 9 else [],
+                  max_slice_nums=[4] if i == 9 else [], options=options if i == 0 else None) for i in range(11)]
+    whole, _ = await _session(stages, 0, steps, 65)
+    chunked, chunked_calls = await _session(stages, 32, steps, 66)
+    assert max(chunked_calls) <= 32
+    last = whole[-1].metrics
+    assert last.kv_cache_length is not None and last.kv_tokens_total is not None
+    assert last.kv_tokens_total > last.kv_cache_length + 100  # it slid
+    _same(whole, chunked)
+
+
 async def test_a_chunked_chat_history_answers_as_the_unchunked_one(stages: InProcessStages) -> None:
     history = [ChatMessage("user" if i % 2 == 0 else "assistant", f"Message number {i} of a long chat history.")
                for i in range(12)]
@@ -175,13 +200,14 @@ def test_a_prefill_chunk_never_lends_its_long_past_to_a_decoding_row(stages: InP
     ids = lambda n: np.full(n, ord("a"), np.int64)  # noqa: E731 (plain text tokens)
     [first] = llm.run([StageCall(LlmRequest(input_ids=ids(300), decode=False), 71, start=True)])
     assert not isinstance(first, Exception), first
-    recorder = ShapeRecorder(llm.engine)
-    llm.engine = recorder
+    kv = llm.kv  # the host caches' batch runner (stages.kv.HostKv)
+    recorder = ShapeRecorder(kv.engine)
+    kv.engine = recorder
     try:
         results = llm.run([StageCall(LlmRequest(input_ids=ids(100), decode=False), 71),
                            StageCall(LlmRequest(input_ids=ids(20), max_new_tokens=4, temperature=0.0), 72, start=True)])
     finally:
-        llm.engine = recorder.engine
+        kv.engine = recorder.engine
     assert not any(isinstance(r, Exception) for r in results), results
     assert results[0].kv_length == 400 and results[1].kv_length > 20
     long_past = [f for f in recorder.forwards if f[2] >= 300]

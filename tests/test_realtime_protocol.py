@@ -63,10 +63,13 @@ def encoded(fx) -> list[dict]:
     return [e.encode() for e in fx.events]
 
 
-def speak(st: OpenAIRealtimeState, step, text: str = "hi", kv: int = 100, seconds: float = 1.0) -> list[str]:
-    out = st.on_step_event(step, StepEvent("text", text=text, metrics={"kv_cache_length": kv}))
+def speak(st: OpenAIRealtimeState, step, text: str = "hi", kv: int = 100, seconds: float = 1.0,
+          dropped: int = 0) -> list[str]:
+    """`kv`: the LLM's cache after the step; `dropped`: what the sliding window has dropped before it."""
+    metrics = {"kv_cache_length": kv, "kv_tokens_total": kv + dropped}
+    out = st.on_step_event(step, StepEvent("text", text=text, metrics=metrics))
     audio = np.full(int(24_000 * seconds), 0.1, np.float32)
-    out.extend(st.on_step_event(step, StepEvent("audio", audio=audio, metrics={"kv_cache_length": kv})))
+    out.extend(st.on_step_event(step, StepEvent("audio", audio=audio, metrics=metrics)))
     return types(out)
 
 
@@ -216,10 +219,11 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     steps = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(4, loud=False)}).steps
     for s in steps:
         st.prepare(s)
-    st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 40}))
-    speak(st, steps[1], "one ", kv=60)
+    # the window slid 1000 tokens off before: a rollback point counts from the call's start (kv_tokens_total)
+    st.on_step_event(steps[0], StepEvent("listen", metrics={"kv_cache_length": 40, "kv_tokens_total": 1040}))
+    speak(st, steps[1], "one ", kv=60, dropped=1000)
     clock.now += 0.5
-    speak(st, steps[2], "two ", kv=80)
+    speak(st, steps[2], "two ", kv=80, dropped=1000)
     fx = st.on_client({"type": "response.cancel"})
     assert fx.cancel and st.epoch == 1
     done = next(e for e in encoded(fx) if e["type"] == "response.done")["response"]
@@ -235,7 +239,7 @@ def test_cancel_fences_the_old_epoch_and_rolls_back_to_what_was_heard() -> None:
     # The next step rolls the LLM back to step 1 (partly heard) and hears steps 2 and 3 again.
     nxt = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0]
     req = st.prepare(nxt)
-    assert req.rollback_to == 60 and len(req.replay_audio) == 2 * 16_000
+    assert req.rollback_to == 1060 and len(req.replay_audio) == 2 * 16_000
     assert st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)}).steps[0].request \
         .rollback_to == -1
 
@@ -303,6 +307,18 @@ def test_turn_based_response_carries_the_conversation_and_the_heard_reply() -> N
                                                                "content": [{"type": "input_text", "text": "Go"}]}})
     nxt = st.on_client({"type": "response.create"}).steps[0].request.messages
     assert [(m.role, m.text) for m in nxt] == [("user", "Hi"), ("assistant", "He"), ("user", "Go")]
+
+
+def test_chat_images_are_sliced_as_the_reference_processor_slices_them() -> None:
+    """A conversation item's image goes to the model with `max_slice_nums` 9, as /backend's turn-based messages and
+    MiniCPM-o's chat (its MiniCPMVImageProcessor's default, processing_minicpmo.py:128), not 1 (a duplex frame's)."""
+    from .test_vision_e2e import jpeg
+
+    st, _ = state(turn_detection=None)
+    st.on_client({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{jpeg(640, 480)}"}]}})
+    [message] = st.on_client({"type": "response.create"}).steps[0].request.messages
+    assert len(message.images) == 1 and message.max_slice_nums == 9
 
 
 def test_the_stream_resampler_has_no_seams_between_chunks() -> None:

@@ -164,3 +164,93 @@ def test_tts_stage_decodes_chunks_as_generate_chunk(exported) -> None:
         got = stage.run([StageCall(request, 5, start=chunk == 0)])[0]
         assert got.speech_tokens.tolist() == want
         assert len(got.speech_tokens) == 25 and got.kv_length == past.shape[1]
+
+
+def _demo_draws(tts: torch.nn.Module, condition: torch.Tensor, temperature: float, monkeypatch) -> torch.Tensor:
+    """The distribution `MiniCPMTTS.generate_chunk` (the demo's own, run) draws a chunk's first code from, as its
+    `torch.multinomial` is given it (modeling_minicpmo_unified.py:6815)."""
+    seen: list[torch.Tensor] = []
+    draw = torch.multinomial
+
+    def recorded(scores: torch.Tensor, num_samples: int) -> torch.Tensor:
+        seen.append(scores.detach().clone())
+        return draw(scores, num_samples)
+
+    monkeypatch.setattr(torch, "multinomial", recorded)
+    with torch.no_grad():
+        tts.generate_chunk(inputs_embeds=condition, temperature=torch.tensor([temperature]), repetition_penalty=1.05,
+                           eos_token=torch.tensor([tts.config.num_audio_tokens - 1]), max_new_token=1,
+                           min_new_tokens=1, past_key_values=None, text_start_pos=0)
+    monkeypatch.undo()
+    [scores] = seen
+    return scores[0].double()
+
+
+def _our_draws(stage: TtsStage, request: TtsRequest, monkeypatch) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution our stage draws the same code from (what `sampling.sample` is given, through
+    `sampling.distribution`) as a vector over the codes, and the logits it was given (temperature, penalty and the
+    EOS mask applied)."""
+    import minicpmo_triton.stages.tts as tts_stage
+    from minicpmo_triton.sampling import distribution
+
+    seen: list[tuple[np.ndarray, object]] = []
+    draw = tts_stage.sample
+
+    def recorded(logits: np.ndarray, params, rng) -> int:
+        seen.append((logits.copy(), params))
+        return draw(logits, params, rng)
+
+    monkeypatch.setattr(tts_stage, "sample", recorded)
+    stage.run([StageCall(request, 9, start=True, end=True)])
+    monkeypatch.undo()
+    logits, params = seen[0]
+    ids, probs = distribution(logits, params)
+    out = np.zeros(len(logits))
+    out[ids] = probs
+    return out, logits
+
+
+def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
+    """MiniCPM-o's own `generate_chunk` builds top-k 20 / top-p 0.7 warpers (`gen_logits`) and never applies them
+    (modeling_minicpmo_unified.py:6711, 6788-6822): each code is drawn from softmax(logits / T) after the
+    repetition penalty and the EOS mask alone. The demo's `MiniCPMTTS` and `_convert_results_to_tts_input` run on
+    the checkpoint's tensors; the distribution its multinomial is given for a chunk's first code equals the one our
+    stage draws from, on the host (ONNX) and on the device (the paged TTS's sampler, its rules from the stage)."""
+    from types import SimpleNamespace
+
+    from minicpmo_triton.engine.sampler import candidates, value_ordered
+    from minicpmo_triton.stages.tts import tts_rules, with_tts_sampling
+
+    from .reference_demo import demo_module
+    from .reference_model import demo_tts
+
+    ref, preset, paths = exported
+    tts = demo_tts(ref.config, ref.tensors)
+    gen = torch.Generator().manual_seed(4)
+    text = torch.randint(0, preset.tts.num_text_tokens, (5,), generator=gen)
+    hidden = torch.randn(len(text), preset.llm.hidden, generator=gen)
+    demo = SimpleNamespace(model=SimpleNamespace(tts=tts), device="cpu")
+    with torch.no_grad():
+        condition = demo_module("modeling_minicpmo_unified").DuplexCapability._convert_results_to_tts_input(
+            demo, [[int(t), h[None, None]] for t, h in zip(text, hidden, strict=True)])
+    want = _demo_draws(tts, condition, 0.8, monkeypatch).numpy()
+
+    request = TtsRequest(text_ids=text.numpy(), tts_hidden=hidden.numpy(), n_tokens=25, temperature=0.8)
+    stage = TtsStage(OnnxEngine(paths["tts"], threads=1), preset, 600.0)
+    got, logits = _our_draws(stage, request, monkeypatch)
+    # the device engine's draw (engine/tts.py's TtsHead: its k and top-p per row from the stage's rules)
+    rules, vocab = tts_rules(preset), len(logits)
+    ids, probs = value_ordered(torch.from_numpy(logits)[None].double(),
+                               torch.tensor([min(rules.top_k, vocab) if rules.top_k > 0 else vocab]),
+                               candidates(rules.top_k, vocab), torch.tensor([rules.top_p], dtype=torch.float64))
+    device = np.zeros(len(logits))
+    device[ids[0].numpy()] = probs[0].numpy()
+    print(f"first code: {np.count_nonzero(want)} codes drawable (ours {np.count_nonzero(got)}), max |p - reference| "
+          f"host {np.abs(got - want).max():.3g}, device {np.abs(device - want).max():.3g}")
+    assert np.count_nonzero(want) > 1000  # the whole vocabulary (EOS masked mid-turn), not 20 codes
+    assert np.abs(got - want).max() < 1e-6 and np.abs(device - want).max() < 1e-6
+
+    # top-k / top-p stay as settings: vllm-omni's 20 / 0.7 keep at most 20 codes
+    opted, _ = _our_draws(TtsStage(OnnxEngine(paths["tts"], threads=1), with_tts_sampling(preset, 20, 0.7), 600.0),
+                          request, monkeypatch)
+    assert 0 < np.count_nonzero(opted) <= 20

@@ -3,13 +3,15 @@
 Faults are real frames the gateway does not expect (binary after init, JSON nested too deep, a number
 of many thousand digits, garbage as the first frame) and, on gateways started with the test-only
 MINICPMO_TEST_FAULTS phrase, a frame that raises wherever it is read (the receive loop, a first event).
-After each: no live sequence in any stage (the `triton` fixture's metrics) and no active session.
+After each: no live sequence in any stage (the `triton` fixture's metrics) and no active session. The tests share
+one gateway (faults on, a resume grace of 1 s, so a session whose socket went ends within a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from gateway.audio import encode_f32_base64
 from gateway.settings import TEST_FAULTS_PHRASE
 from gateway.shell import FAULT_FRAME
 
+from .conftest import RunningGateway, RunningTriton, start_gateway, stop_gateway
 from .helpers import GREEDY, append_message, open_session
 from .realtime_client import RealtimeClient, opted_in
 
@@ -28,14 +31,17 @@ BAD_FRAMES = {
     "long_number": '{"type": "input.append", "input": {"input_id": ' + "7" * 20_000 + "}}",
 }
 
+# A session an earlier test module left on this Triton may still wait out its gateway's resume grace (30 s).
+EARLIER_GRACE_S = 45.0
 
-# Before each test, sessions of earlier tests' gateways may still wait out their resume grace (30 s).
-GRACE_S = 90.0
 
-
-@pytest.fixture
-def gw(gateway_factory):
-    return gateway_factory(disconnect_grace_s="1", test_faults=TEST_FAULTS_PHRASE)
+@pytest.fixture(scope="module")
+def gw(triton: RunningTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    gw = start_gateway(triton.endpoint, tmp_path_factory.mktemp("exits") / "gateway.log", disconnect_grace_s="1",
+                       test_faults=TEST_FAULTS_PHRASE)
+    asyncio.run(settled(gw, triton, EARLIER_GRACE_S))  # each test then starts as the one before it ended: clean
+    yield gw
+    stop_gateway(gw)
 
 
 def second(speech) -> np.ndarray:
@@ -70,7 +76,6 @@ async def closed_by_server(ws: websockets.ClientConnection) -> int:
 
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 async def test_backend(gw, triton, speech, fault: str) -> None:
-    await settled(gw, triton, GRACE_S)
     ws, _ = await open_session(gw.ws)
     await ws.send(append_message(second(speech), "in_0"))
     await started(triton)
@@ -83,7 +88,6 @@ async def test_backend(gw, triton, speech, fault: str) -> None:
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 @pytest.mark.parametrize("first", [True, False], ids=["first_event", "after_a_step"])
 async def test_openai_realtime(gw, triton, speech, fault: str, first: bool) -> None:
-    await settled(gw, triton, GRACE_S)
     c = await RealtimeClient.connect(opted_in(gw.realtime))  # duplex: each second is a step, in flight at the fault
     await c.until("session.created")
     if first:
@@ -108,7 +112,6 @@ async def test_openai_realtime(gw, triton, speech, fault: str, first: bool) -> N
 @pytest.mark.parametrize("fault", [*BAD_FRAMES, "raise"])
 @pytest.mark.parametrize("first", [True, False], ids=["first_event", "after_a_step"])
 async def test_minicpm_realtime(gw, triton, speech, fault: str, first: bool) -> None:
-    await settled(gw, triton, GRACE_S)
     c = await RealtimeClient.connect(gw.realtime + "?mode=audio")
     assert (await c.recv())["type"] == "session.queue_done"
     if not first:

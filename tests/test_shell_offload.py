@@ -37,7 +37,7 @@ class FakeTriton:
         self.events: asyncio.Queue[StepEvent] = asyncio.Queue()
         self.yielded = threading.Event()  # set as the latest event is handed to the shell
 
-    async def step(self, request: object) -> AsyncIterator[StepEvent]:
+    async def step(self, request: object, trace: str | None = None) -> AsyncIterator[StepEvent]:
         while True:
             ev = await self.events.get()
             self.yielded.set()

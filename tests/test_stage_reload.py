@@ -66,6 +66,7 @@ async def test_an_external_triton_in_explicit_mode_is_healed_by_a_reload(explici
         took_s = await kill_stub_and_heal(gw.port, explicit.pid, "llm")
         assert explicit.process is not None and explicit.process.poll() is None  # the same Triton
         assert loads(explicit, "llm") == before + 1
+        assert 'minicpmo_gateway_heals_total{action="reload"} 1.0' in httpx.get(f"{gw.http}/metrics").text
         live = RunningTriton(explicit).wait_live(lambda lv: not any(lv.values()))
         assert not any(live.values()), live  # the told session's sequences ended in every stage
         print(f"kill -9 of the llm stub to a new session speaking: {took_s:.1f} s")
@@ -89,6 +90,8 @@ async def test_with_two_workers_one_reloads_and_both_are_ready(explicit: TritonS
         await kill_stub_and_heal(port, explicit.pid, "tts", ports=own)
         assert loads(explicit, "tts") == before + 1, log.read_text()[-3000:]  # one reload, not one per worker
         assert len(stubs_of(explicit.pid, "tts")) == 1
+        # the reload counted once, by the worker that made it, in the exposition every worker answers for both
+        assert 'minicpmo_gateway_heals_total{action="reload"} 1.0' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
         live = RunningTriton(explicit).wait_live(lambda lv: not any(lv.values()))
         assert not any(live.values()), live
         text = log.read_text()

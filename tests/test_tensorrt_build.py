@@ -34,25 +34,25 @@ def _ranges(profile: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("preset", ["tiny", "minicpm-o-4.5"])
 def test_the_profiles_hold_what_is_served(preset: str) -> None:
     p = get_preset(preset)
-    every = {stage: profiles(stage, p, 64) for stage in ("llm", "tts", "audio_encoder", "audio_encoder_stream")}
+    every = {stage: profiles(stage, p, 64) for stage in ("tts", "audio_encoder", "audio_encoder_stream")}
     for stage, built in every.items():
         for profile in built:
             for name, (lo, opt, hi) in profile.items():
                 assert all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)), (stage, name)
-    llm = [_ranges(x) for x in every["llm"]]
-    d, ctx = p.llm, p.duplex.context_tokens
+    tts = [_ranges(x) for x in every["tts"]]
+    d, ctx = p.tts.decoder, p.duplex.context_tokens
 
-    def llm_call(rows: int, new: int, past: int) -> dict[str, tuple[int, ...]]:
+    def tts_call(rows: int, new: int, past: int) -> dict[str, tuple[int, ...]]:
         kv = (d.layers, rows, d.kv_heads, past, d.head_dim)
-        return {"input_ids": (rows, new), "use_embeds": (rows, new), "position_ids": (rows, new),
-                "embeds": (rows, new, d.hidden), "past_mask": (rows, past), "past_key": kv, "past_value": kv,
-                "last_index": (rows,)}
+        return {"text_ids": (rows, new), "has_hidden": (rows, new), "code_ids": (rows, new), "is_code": (rows, new),
+                "position_ids": (rows, new), "llm_hidden": (rows, new, p.llm.hidden), "past_mask": (rows, past),
+                "past_key": kv, "past_value": kv, "last_index": (rows,)}
 
-    assert pick_profile(llm, llm_call(64, 11, ctx)) == 0  # a full batch's duplex step at the whole context
-    assert pick_profile(llm, llm_call(1, 300, 0)) == 1  # a system prompt: over 256 tokens
-    assert pick_profile(llm, llm_call(2, PREFILL_TOKENS, ctx - PREFILL_TOKENS)) == 1
+    assert pick_profile(tts, tts_call(64, 11, ctx)) == 0  # a full batch's chunk conditions at the whole context
+    assert pick_profile(tts, tts_call(1, 300, 0)) == 1  # a long condition: over 256 tokens
+    assert pick_profile(tts, tts_call(2, PREFILL_TOKENS, ctx - PREFILL_TOKENS)) == 1
     with pytest.raises(ValueError, match="no TensorRT profile"):
-        pick_profile(llm, llm_call(64, 300, 0))
+        pick_profile(tts, tts_call(64, 300, 0))
     audio = [_ranges(x) for x in every["audio_encoder"]]
     assert pick_profile(audio, {"audio": (64, 16_000)}) == 0
     assert pick_profile(audio, {"audio": (1, 16_000 * 10)}) == 1  # over 4 s
@@ -118,8 +118,38 @@ class _FakeTrt:
 def test_the_build_sets_bf16_and_every_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeTrt()
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
-    shapes = profiles("llm", get_preset("tiny"), 64)
+    shapes = profiles("tts", get_preset("tiny"), 64)
     build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", shapes)
     assert fake.flags == ["BF16"] and "FP16" not in fake.flags
     assert fake.profiles == shapes and len(shapes) == 2
     assert (tmp_path / "model.plan").read_bytes() == b"plan"
+
+
+def test_an_encoder_s_plan_is_built_once_and_kept_by_what_it_was_built_from(tmp_path: Path, monkeypatch) -> None:
+    """minicpmo_triton/plan_cache.py: the first load on a GPU builds the plan (TensorRT stands in here), the next
+    finds it; a new graph, another TensorRT or another GPU builds another one beside it."""
+    import torch
+
+    from export import tensorrt_build
+    from minicpmo_triton.plan_cache import cached_plan
+
+    built: list[Path] = []
+
+    def build(onnx: Path, plan: Path, shapes: Any, precision: str = "bf16") -> None:
+        built.append(plan)
+        plan.write_bytes(b"plan of " + onnx.read_bytes())
+
+    monkeypatch.setattr(tensorrt_build, "build_engine", build)
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    (tmp_path / "model.onnx").write_bytes(b"graph one")
+    preset = get_preset("tiny")
+    first = cached_plan(tmp_path, "model", "audio_encoder", preset, 64)
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) == first and len(built) == 1
+    assert first.parent == tmp_path / "plans" and first.read_bytes() == b"plan of graph one"
+    assert not list(tmp_path.glob("plans/*.partial"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA B200")
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) != first
+    (tmp_path / "model.onnx").write_bytes(b"graph two")  # a new export
+    assert cached_plan(tmp_path, "model", "audio_encoder", preset, 64) not in (first, built[1])
+    assert len(built) == 3

@@ -1,4 +1,6 @@
-"""Our token2wav stream (numpy + ONNX Runtime) against the official modules' own streaming, same weights.
+"""Our token2wav streams against the official modules' own streaming, same weights: the host path (numpy + ONNX
+Runtime) and the device path (torch, ring caches in slots, batched: token2wav_device), on the CPU here and on CUDA
+where there is one.
 
 Random weights at small widths in the checkpoint's file layout (flow.yaml, flow.pt, hift.pt). The reference
 loop is MiniCPM-o's Token2wav.stream (stepaudio2-minicpmo 0.1.1: 3 x token 4218 after the prompt, the original
@@ -28,7 +30,7 @@ from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, V
 from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
 from minicpmo_triton.voice_prompt import VoiceFeatures
 
-from .helpers import placed
+from .helpers import ring_streamer
 from .reference_demo import demo_module
 
 D = Token2WavDims()
@@ -36,7 +38,7 @@ SILENCE = [D.silence_token] * 3
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Token2WavStreamer]:
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Token2WavStreamer, Token2WavModel]:
     """Random weights saved in the real layout, loaded back, and our three graphs exported from them."""
     folder = tmp_path_factory.mktemp("token2wav")
     Token2WavModel.random(D, seed=3).save(folder / "assets", D)
@@ -46,7 +48,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Token2WavStr
         path = folder / graph.file
         export_onnx(graph, path)
         engines[graph.name.removeprefix("token2wav_")] = OnnxEngine(path)
-    return folder / "assets", Token2WavStreamer(engines, model.tables(), D)
+    return folder / "assets", Token2WavStreamer(engines, model.tables(), D), model
 
 
 def fit_scratch_buffers(flow: torch.nn.Module, rand_noise: np.ndarray) -> None:
@@ -65,7 +67,7 @@ def _official(folder: Path, streamer: Token2WavStreamer) -> tuple[torch.nn.Modul
     flow.load_state_dict(torch.load(folder / "flow.pt", weights_only=True))
     hift = build_hift(D)
     hift.load_state_dict({k.removeprefix("generator."): v for k, v in torch.load(folder / "hift.pt").items()})
-    fit_scratch_buffers(flow, streamer.xp.host(streamer.rand_noise))
+    fit_scratch_buffers(flow, streamer.rand_noise)
     return flow.eval(), hift.eval()
 
 
@@ -164,25 +166,41 @@ def _voice(seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
             rng.standard_normal(192).astype(np.float32))
 
 
-ARRAYS = ["host", "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="no CUDA"))]
+# the device path on the CPU: .ci/run's engines step (half a minute); on CUDA where there is one
+PATHS = ["host", pytest.param("ring", marks=pytest.mark.engines),
+         pytest.param("ring-cuda", marks=[pytest.mark.engines, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="no CUDA")])]
 
 
-@pytest.mark.parametrize("arrays", ARRAYS)
-def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch, arrays: str) -> None:
-    folder, streamer = assets
-    streamer = placed(streamer, arrays)
-    # the conformer's forward_chunk is torch.compile'd; raising=False: torch's config module loses the name once a
-    # monkeypatch of it is undone, so a second test in this process could not patch it otherwise
-    monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)
-    flow, hift = _official(folder, streamer)
-    rng = np.random.default_rng(7)
-    # two sessions with different voices (prompts of different lengths), two turns each; 90 tokens a turn
-    # pass the attention caches' prompt + 100 frames, so the trimming is exercised
-    voices = [_voice(1, 20), _voice(2, 13)]
-    turns = [[rng.integers(0, D.vocab, 90).tolist(), rng.integers(0, D.vocab, 30).tolist()] for _ in voices]
-    expected, noises = zip(*(reference_stream(flow, hift, *v, t) for v, t in zip(voices, turns, strict=True)),
-                           strict=True)
+def path_streamer(assets, path: str):
+    """The host path's streamer, or the device path's over the same weights (cpu, or cuda)."""
+    _, streamer, model = assets
+    return streamer if path == "host" else ring_streamer(model, D, "cuda" if path == "ring-cuda" else "cpu")
+
+
+@pytest.fixture(scope="module")
+def official_streaming(assets):
+    """The official streaming of two sessions with different voices (prompts of different lengths), two turns each
+    (90 tokens a turn pass the attention caches' prompt + 100 frames, so the trimming is exercised): (voices, turns,
+    each turn's audio pieces per session, HiFT's random draws per session). Run once for every path."""
+    folder, host, _ = assets
+    with pytest.MonkeyPatch.context() as mp:
+        # the conformer's forward_chunk is torch.compile'd; raising=False: torch's config module loses the name
+        # once a monkeypatch of it is undone, so a second patch in this process could not set it otherwise
+        mp.setattr(torch._dynamo.config, "disable", True, raising=False)
+        flow, hift = _official(folder, host)
+        rng = np.random.default_rng(7)
+        voices = [_voice(1, 20), _voice(2, 13)]
+        turns = [[rng.integers(0, D.vocab, 90).tolist(), rng.integers(0, D.vocab, 30).tolist()] for _ in voices]
+        expected, noises = zip(*(reference_stream(flow, hift, *v, t) for v, t in zip(voices, turns, strict=True)),
+                               strict=True)
+    return voices, turns, expected, noises
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_streamed_utterances_match_the_official_streaming(assets, official_streaming, monkeypatch, path: str) -> None:
+    streamer = path_streamer(assets, path)
+    voices, turns, expected, noises = official_streaming
     queues = [list(n) for n in noises]
     streams = [streamer.new_stream(streamer.setup(*v)) for v in voices]
     monkeypatch.setattr(streamer, "noise", lambda s, n: queues[streams.index(s)].pop(0))
@@ -199,14 +217,14 @@ def test_streamed_utterances_match_the_official_streaming(assets, monkeypatch, a
                 assert wav.shape == want.shape, (turn, r)
                 worst = max(worst, float(np.abs(wav - want).max()))
     rms = float(np.sqrt(np.mean(np.concatenate([p for e in expected for t in e for p in t]) ** 2)))
-    print(f"token2wav streamed vs official streaming: max |diff| = {worst:.3g} (reference RMS {rms:.3g})")
+    print(f"token2wav streamed ({path}) vs official streaming: max |diff| = {worst:.3g} (reference RMS {rms:.3g})")
     assert rms > 1e-2  # the reference is audio, not near-silence, so the tolerance below means something
     assert worst < 1e-5
     assert all(not q for q in queues)  # every HiFT call of the reference had its twin
 
 
 def test_middle_chunks_are_one_second(assets) -> None:
-    _, streamer = assets
+    _, streamer, _ = assets
     stream = streamer.new_stream(streamer.setup(*_voice(4, 16)))
     streamer.restart(stream)
     lengths = [len(streamer.chunk([(stream, toks, last)])[0]) for toks, last in _chunks(list(range(80)))]
@@ -233,18 +251,30 @@ def demo_waveforms(official: OfficialStream, steps: list[list[int]]) -> list[np.
         for i, toks in enumerate(steps)]
 
 
-def test_steps_flush_as_the_duplex_demo_does(assets, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def demo_steps(assets):
+    """One turn through the duplex demo's own flush, its first step 10 tokens: (the voice, the steps, the demo's
+    audio per step, HiFT's random draws). Run once for every path."""
+    folder, host, _ = assets
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch._dynamo.config, "disable", True, raising=False)
+        flow, hift = _official(folder, host)
+        rng = np.random.default_rng(11)
+        steps = [rng.integers(0, D.vocab, n).tolist() for n in (10, 25, 26, 40, 7)]
+        voice = _voice(5, 17)
+        official = OfficialStream(flow, hift, *voice)
+        want = demo_waveforms(official, steps)
+    return voice, steps, want, official.noise()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_steps_flush_as_the_duplex_demo_does(assets, demo_steps, monkeypatch, path: str) -> None:
     """A turn whose first step brings 10 tokens (a short first chunk): the forced flush voices them at once
     (left-padded to 1 s), and every step's audio equals the demo's, 16-bit PCM as it makes it."""
-    folder, streamer = assets
-    monkeypatch.setattr(torch._dynamo.config, "disable", True, raising=False)
-    flow, hift = _official(folder, streamer)
-    rng = np.random.default_rng(11)
-    steps = [rng.integers(0, D.vocab, n).tolist() for n in (10, 25, 26, 40, 7)]
-    official = OfficialStream(flow, hift, *_voice(5, 17))
-    want = demo_waveforms(official, steps)
-    queue = official.noise()
-    stage = Token2WavStage(streamer, VoicePrompts(streamer, lambda a: None, VoiceFeatures(*_voice(5, 17))),
+    streamer = path_streamer(assets, path)
+    voice, steps, want, draws = demo_steps
+    queue = list(draws)
+    stage = Token2WavStage(streamer, VoicePrompts(streamer, lambda a: None, VoiceFeatures(*voice)),
                            get_preset("tiny"), ttl_s=60)
     monkeypatch.setattr(streamer, "noise", lambda s, n: queue.pop(0))
     sess = Token2WavSession()

@@ -1,4 +1,4 @@
-"""The TTS stage's in-flight loop (`InflightTts`) in this process, on the paged TTS engine: each chunk answered as
+"""The TTS stage's in-flight loop (`InflightTts`) in this process, on the TTS's engine core: each chunk answered as
 its row finishes, the same codes as the stage's synchronous batch (greedy and sampled, same seeds), END freeing a
 session's blocks mid-turn, and a row whose logits break failing alone."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from minicpmo_triton.errors import Code, StepError
@@ -15,8 +14,8 @@ from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.stages.tts_inflight import InflightTts
 
+from .test_engine_tts import SESSIONS, TURNS, paged, preset, request, weights
 from .test_llm_inflight import Answers
-from .test_paged_tts import SESSIONS, TURNS, paged, preset, request, weights
 
 __all__ = ["preset", "weights"]  # the fixtures, used by name
 
@@ -52,7 +51,7 @@ def test_the_inflight_loop_speaks_as_the_synchronous_batch_does(preset, weights)
 
 def test_end_mid_turn_gives_the_sessions_blocks_back(preset, weights) -> None:
     live = TtsStage(paged(preset, weights), preset, 600.0)
-    pool = live.paged.pool
+    pool = live.kv.pool  # type: ignore[attr-defined]
     loop, answers = InflightTts(live, 5.0), Answers()
     try:
         loop.submit(StageCall(request(preset, 5, 0, 4, n_tokens=25, turn_start=True), 5, start=True), answers.reply(5))
@@ -73,17 +72,21 @@ def test_a_row_whose_logits_break_fails_alone_and_its_session_goes_on(preset, we
     session 2's next call is what it would have been."""
     eng = paged(preset, weights)
     live = TtsStage(eng, preset, 600.0)
-    forward, broken = eng.forward, {"at": -1, "calls": 0}
+    head = eng.core.runner.head
+    choose, broken = head.choose, {"at": -1}
 
-    def breaking(seqs: list[int], pasts: list[int], feeds: list[Any]) -> torch.Tensor:
-        out = forward(seqs, pasts, feeds)
+    def breaking(raw: torch.Tensor, rows: Any, state: Any, was_live: torch.Tensor, *args: Any) -> None:
+        seqs = (state.seq[rows] if isinstance(rows, slice) else state.seq.index_select(0, rows)).tolist()
         seq = live.store.get(2).cache.seq
-        if seq in seqs and broken["at"] == 0:
-            out[seqs.index(seq)] = float("nan")
-        broken["at"] -= 1
-        return out
+        mine = [i for i, q in enumerate(seqs) if q == seq and bool(was_live[i])]
+        if mine:
+            if broken["at"] == 0:
+                raw = raw.clone()
+                raw[mine[0]] = float("nan")
+            broken["at"] -= 1
+        choose(raw, rows, state, was_live, *args)
 
-    eng.forward = breaking  # type: ignore[method-assign]
+    head.choose = breaking  # type: ignore[method-assign]
     alone = {c: TtsStage(paged(preset, weights), preset, 600.0) for c in SESSIONS}
     loop, answers = InflightTts(live, 5.0), Answers()
     try:
@@ -106,11 +109,9 @@ def test_a_row_whose_logits_break_fails_alone_and_its_session_goes_on(preset, we
         loop.close()
 
 
-@pytest.mark.parametrize("rows_per_run", [2])
-def test_a_sessions_chunks_queued_together_run_one_after_another(preset, weights, monkeypatch, rows_per_run) -> None:
+def test_a_sessions_chunks_queued_together_run_one_after_another(preset, weights) -> None:
     """Every chunk of every session queued at once: a session's next chunk waits for its row in flight, so the
-    answers are the synchronous batches'; with a run capped at 2 rows the loop drains and starts again."""
-    monkeypatch.setattr(InflightTts, "rows_per_run", rows_per_run)
+    answers are the synchronous batches'."""
     sync, live = TtsStage(paged(preset, weights), preset, 600.0), TtsStage(paged(preset, weights), preset, 600.0)
     steps = [chunk_calls(preset, chunk) for chunk in range(len(TURNS))]
     expected = [dict(zip(SESSIONS, sync.run(calls), strict=True)) for calls in steps]

@@ -91,7 +91,7 @@ def voice_prompts(triton) -> dict[str, float]:
     counts = {"computed": 0.0, "reused": 0.0}
     for line in triton.metrics_text().splitlines():
         for event in counts:
-            if line.startswith(f'minicpmo_voice_prompts_total{{event="{event}"'):
+            if line.startswith(f'minicpmo_token2wav_voice_prompts_total{{event="{event}"'):
                 counts[event] = float(line.rsplit(" ", 1)[1])
     return counts
 

@@ -57,12 +57,15 @@ def input_data(repository: Path, chunks: list[np.ndarray]) -> dict[str, dict]:
     rng = np.random.default_rng(0)
     streams: dict[str, list] = {k: [] for k in ("duplex", "llm", "tts", "token2wav", "audio_encoder")}
     for s in range(STREAMS):
-        steps = {k: [] for k in streams}
+        steps: dict[str, list[dict[str, dict]]] = {k: [] for k in streams}
         for i in range(STEPS):
             chunk = chunks[s * STEPS + i].astype(np.float32)
             steps["duplex"].append({"audio": tensor(chunk)})
             steps["audio_encoder"].append({"audio": tensor(chunk)})
-            embeds = stages.encoder.run([AudioEncoderRequest(chunk)])[0].embeds
+            encoded = stages.encoder.run([AudioEncoderRequest(chunk)])[0]
+            if isinstance(encoded, Exception):
+                raise encoded
+            embeds = encoded.embeds
             ids = np.array([tk.unit] + [tk.audio_placeholder] * len(embeds), np.int64)
             steps["llm"].append({"input_ids": tensor(ids), "embeds": tensor(embeds),
                                  "temperature": tensor(np.zeros(1, np.float32))})
@@ -75,7 +78,7 @@ def input_data(repository: Path, chunks: list[np.ndarray]) -> dict[str, dict]:
         for k in streams:
             streams[k].append(steps[k])
     # a sanity check that the LLM data is valid for the stage
-    stages.llm_stage.run([StageCall(LlmRequest(**{"input_ids": ids, "embeds": embeds}), 1, start=True)])
+    stages.llm_stage.run([StageCall(LlmRequest(input_ids=ids, embeds=embeds), 1, start=True)])
     return {k: {"data": v} for k, v in streams.items()}
 
 

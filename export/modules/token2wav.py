@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from minicpmo_triton.hift import VocoderChunk, build_hift
 from minicpmo_triton.model_config import Token2WavDims
+from minicpmo_triton.stages.token2wav_flow import dit_input, guided
 
-from .stepaudio2 import hift_class, load_flow_yaml
+from .stepaudio2 import load_flow_yaml
 
 FLOW_YAML = """\
 # A flow.yaml in the layout of MiniCPM-o 4.5's assets/token2wav/flow.yaml (same classes and keys)
@@ -128,14 +129,6 @@ def flow_yaml(d: Token2WavDims) -> str:
         "linear_units", "dit_mlp_ratio", "dit_depth", "dit_heads", "dit_head_dim", "dit_hidden")})
 
 
-def build_hift(d: Token2WavDims) -> nn.Module:
-    hift_cls, f0_cls = hift_class()
-    if d.hift_channels == 512 and d.f0_channels == 512:
-        return hift_cls()  # the checkpoint's: every default
-    return hift_cls(in_channels=d.n_mels, base_channels=d.hift_channels,
-                    f0_predictor=f0_cls(in_channels=d.n_mels, cond_channels=d.f0_channels))
-
-
 def _out_channels(state: dict[str, torch.Tensor], prefix: str) -> int:
     """A weight-normed conv's output channels (its `v`, or its plain weight) under `prefix`."""
     return next(v.shape[0] for k, v in state.items()
@@ -216,9 +209,20 @@ class Token2WavModel(nn.Module):
     def save(self, folder: Path, d: Token2WavDims) -> None:
         """Write flow.yaml, flow.pt and hift.pt in the checkpoint's layout."""
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "flow.yaml").write_text(flow_yaml(d))
-        torch.save(self.flow.state_dict(), folder / "flow.pt")
-        torch.save({HIFT_PREFIX + k: v for k, v in self.hift.state_dict().items()}, folder / "hift.pt")
+        for name, data in self.files(d).items():
+            (folder / name).write_bytes(data)
+
+    def files(self, d: Token2WavDims) -> dict[str, bytes]:
+        """flow.yaml, flow.pt and hift.pt (HiFT's keys `generator.*`) as the checkpoint lays them out: what the
+        device path loads its torch modules from (model_repository/token2wav/1/torch)."""
+
+        def saved(state: dict[str, torch.Tensor]) -> bytes:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            return buf.getvalue()
+
+        return {"flow.yaml": flow_yaml(d).encode(), "flow.pt": saved(self.flow.state_dict()),
+                "hift.pt": saved({HIFT_PREFIX + k: v for k, v in self.hift.state_dict().items()})}
 
     def tables(self) -> dict[str, np.ndarray]:
         """What the stage computes itself: the CFM noise table, the voice projection, the guidance rate."""
@@ -302,13 +306,9 @@ class EstimatorStep(nn.Module):
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor,
                 cnn_cache: torch.Tensor, att_cache: torch.Tensor, cache_len: torch.Tensor):
-        est, rate = self.est, self.cfm.inference_cfg_rate
+        est = self.est
         b, _, n = x.shape
-        temb = est.t_embedder(torch.cat([t, t])).unsqueeze(1)
-        h = torch.cat([torch.cat([x, x]), torch.cat([mu, torch.zeros_like(mu)]),
-                       torch.cat([spk, torch.zeros_like(spk)])[:, :, None].expand(2 * b, spk.shape[1], n),
-                       torch.cat([cond, torch.zeros_like(cond)])], dim=1)  # the DiT's pack([x, mu, spks, cond])
-        h = est.in_proj(h.transpose(1, 2))
+        h, temb = dit_input(est, x, mu, t, spk, cond)
         tc = att_cache.shape[3]
         valid = torch.arange(tc)[None, :] < torch.cat([cache_len, cache_len])[:, None]
         mask = torch.cat([torch.ones(2 * b, n, dtype=torch.bool), valid], dim=1)[:, None, :].expand(2 * b, n, n + tc)
@@ -317,87 +317,8 @@ class EstimatorStep(nn.Module):
             h, cnn, att = block.forward_chunk(h, temb, cnn_cache[i], att_cache[i], mask)
             new_cnn.append(cnn)
             new_att.append(att)
-        v = est.final_layer(h, temb).transpose(1, 2)
-        v_cond, v_uncond = v[:b], v[b:]
-        return (1.0 + rate) * v_cond - rate * v_uncond, torch.stack(new_cnn), torch.stack(new_att)
-
-
-class VocoderChunk(nn.Module):
-    """HiFT on mel [B, 80, Tm] -> speech [B, 480*Tm] and its source [B, 1, 480*Tm].
-
-    The harmonic source's random parts are inputs (`rand_ini` [B, harmonics+1], column 0 zero;
-    `sine_noise` [B, 480*Tm, harmonics+1]), so streaming is reproducible; the first `cache_len` samples of
-    the source are replaced by `cache_source` [B, 1, Ls] (the previous chunk's tail), as HiFT does.
-    """
-
-    def __init__(self, hift: nn.Module) -> None:
-        super().__init__()
-        self.hift = hift
-        n_fft = hift.istft_params["n_fft"]
-        self.n_fft, self.hop = n_fft, hift.istft_params["hop_len"]
-        window = hift.stft_window.double()
-        k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)[:, None]
-        n = torch.arange(n_fft, dtype=torch.float64)[None, :]
-        angle = 2 * math.pi * k * n / n_fft
-        # STFT as a strided conv: [real bins; imag bins] <- windowed frames
-        self.register_buffer("stft_kernel", torch.cat([torch.cos(angle), -torch.sin(angle)])[:, None, :]
-                             .mul(window).float(), persistent=False)
-        # inverse real DFT of each frame, windowed: [real; imag] bins -> n_fft samples
-        scale = torch.full_like(k, 2.0 / n_fft)
-        scale[0] = scale[-1] = 1.0 / n_fft
-        inv = torch.cat([scale * torch.cos(angle), -scale * torch.sin(angle)])
-        inv[n_fft // 2 + 1] = 0  # the DC and Nyquist bins' imaginary parts are ignored (irfft)
-        inv[-1] = 0
-        self.register_buffer("istft_kernel", (inv * window)[:, None, :].float(), persistent=False)
-        self.register_buffer("window_sq", (window ** 2)[None, None, :].float(), persistent=False)
-
-    def _source(self, f0: torch.Tensor, rand_ini: torch.Tensor, sine_noise: torch.Tensor) -> torch.Tensor:
-        """SourceModuleHnNSF2 / SineGen2 with the noise given: f0 [B, N, 1] -> excitation [B, N, 1]."""
-        m = self.hift.m_source
-        sg = m.l_sin_gen
-        fn = f0 * torch.arange(1, sg.harmonic_num + 2, dtype=f0.dtype)[None, None, :]
-        rad = torch.remainder(fn / sg.sampling_rate, 1.0)
-        rad = torch.cat([rad[:, :1] + rand_ini[:, None, :], rad[:, 1:]], dim=1)
-        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / sg.upsample_scale, mode="linear").transpose(1, 2)
-        phase = torch.cumsum(rad, dim=1) * 2 * np.pi
-        phase = F.interpolate(phase.transpose(1, 2) * sg.upsample_scale, scale_factor=sg.upsample_scale,
-                              mode="linear").transpose(1, 2)
-        uv = (f0 > sg.voiced_threshold).to(f0.dtype)
-        noise_amp = uv * sg.noise_std + (1 - uv) * sg.sine_amp / 3
-        sine = torch.sin(phase) * sg.sine_amp * uv + noise_amp * sine_noise
-        return m.l_tanh(m.l_linear(sine))
-
-    def forward(self, mel: torch.Tensor, cache_source: torch.Tensor, cache_len: torch.Tensor,
-                rand_ini: torch.Tensor, sine_noise: torch.Tensor):
-        hift = self.hift
-        f0 = hift.f0_predictor(mel)
-        s = self._source(hift.f0_upsamp(f0[:, None]).transpose(1, 2), rand_ini, sine_noise).transpose(1, 2)
-        total = s.shape[2]
-        cached = F.pad(cache_source, (0, total - cache_source.shape[2]))
-        s = torch.where(torch.arange(total)[None, None, :] < cache_len[:, None, None], cached, s)
-        return self._decode(mel, s), s
-
-    def _decode(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """HiFTGenerator.decode with its torch.stft / torch.istft as convolutions."""
-        hift, half = self.hift, self.n_fft // 2
-        s_stft = F.conv1d(F.pad(s, (half, half), mode="reflect"), self.stft_kernel, stride=self.hop)
-        x = hift.conv_pre(x)
-        for i in range(hift.num_upsamples):
-            x = hift.ups[i](F.leaky_relu(x, hift.lrelu_slope))
-            if i == hift.num_upsamples - 1:
-                x = hift.reflection_pad(x)
-            x = x + hift.source_resblocks[i](hift.source_downs[i](s_stft))
-            xs = sum(hift.resblocks[i * hift.num_kernels + j](x) for j in range(hift.num_kernels))
-            x = xs / hift.num_kernels
-        x = hift.conv_post(F.leaky_relu(x))
-        magnitude = torch.clip(torch.exp(x[:, : half + 1]), max=1e2)
-        phase = torch.sin(x[:, half + 1:])
-        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-        frames = spec.shape[2]
-        wav = F.conv_transpose1d(spec, self.istft_kernel, stride=self.hop)  # overlap-add of windowed frames
-        env = F.conv_transpose1d(torch.ones(1, 1, frames), self.window_sq, stride=self.hop)
-        wav = (wav / env)[:, 0, half: half + self.hop * (frames - 1)]
-        return torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
+        v = guided(est.final_layer(h, temb).transpose(1, 2), self.cfm.inference_cfg_rate)
+        return v, torch.stack(new_cnn), torch.stack(new_att)
 
 
 def graphs(model: Token2WavModel) -> dict[str, nn.Module]:

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, Context, StepEvent, StepInput
+from minicpmo_triton.duplex_contract import (
+    CHAT_MAX_SLICE_NUMS,
+    ChatInput,
+    ChatMessage,
+    Context,
+    StepEvent,
+    StepInput,
+)
 from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
@@ -22,7 +29,7 @@ from ..codes import ClientCode
 from ..inputs import InputAppend, as_object, first, image_bytes, parse_append, slices, voice_ref
 from ..limits import Limits, identifier
 from ..wire import CLOSE_POLICY, CLOSE_UNSUPPORTED_DATA, ProtocolError, json_object, new_response_id, parse_json
-from .state import Closed, DialectState, Effects, EventFields, PlannedStep, ServerEvent
+from .state import Closed, DialectState, Effects, EventFields, PlannedStep, Refusal, ServerEvent
 
 MODES = ("full_duplex", "turn_based")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -33,7 +40,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 class SessionInit:
     mode: str
     system_prompt: str | None
-    config: dict[str, Any]
+    config: dict[str, object]  # DuplexOptions' keys as the client set them (`init_options` reads them)
     ref_audio_base64: str | None = None
     tts_ref_audio_base64: str | None = None
     voice_name: str = ""  # `voice.name`: a named voice of the model server's voice folder
@@ -206,10 +213,8 @@ def parse_chat_turn(message: dict[str, Any], limits: Limits) -> ChatTurn:
         raise ProtocolError(ClientCode.INVALID_PAYLOAD, "max_new_tokens must be an integer 1..4096")
     input_id = payload.get("input_id")
     image_opts = json_object(payload, "image")
-    # unset: 9, the reference processor's own default (MiniCPM-o-Demo processing_minicpmo.py:128; its chat
-    # worker passes None through); the duplex stream's default stays 1, as its worker's
     chosen = first(payload.get("max_slice_nums"), image_opts.get("max_slice_nums"))
-    n_slices = 9 if chosen is None else slices(chosen, 1)[0]
+    n_slices = CHAT_MAX_SLICE_NUMS if chosen is None else slices(chosen, 1)[0]
     parsed = [_chat_message(m, n_slices, limits) for m in messages]
     limits.conversation(len(parsed), sum(len(m.text.encode("utf-8")) + len(m.key()[2]) for m in parsed))
     tts_ref = first(payload.get("tts_ref_audio"), tts.get("ref_audio_data"), tts.get("ref_audio"))
@@ -254,7 +259,7 @@ class BackendEvent(EventFields):
 class SessionCreated(BackendEvent, type="session.created"):
     session_id: str
     mode: str
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     usage: dict[str, int]
 
 
@@ -269,7 +274,7 @@ class OutputDelta(BackendEvent, type="response.output.delta"):
     session_id: str
     input_id: str | None
     response_id: str | None
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     text: str | None = None
     audio: str | None = None  # base64 float32
     sample_rate: int | None = None
@@ -289,7 +294,7 @@ class ResponseDone(BackendEvent, type="response.done"):
     text: str
     audio: str | None
     reason: str
-    metrics: dict[str, Any]
+    metrics: dict[str, str | float]
     chunk_usage: dict[str, int] | None
     usage: dict[str, int]
 
@@ -302,7 +307,7 @@ class ContextAccepted(BackendEvent, type="input.context.accepted"):
     respond: bool
 
 
-class Error(BackendEvent, type="error"):
+class Error(BackendEvent, Refusal, type="error"):
     session_id: str | None
     error: dict[str, str | bool]
 
@@ -312,7 +317,8 @@ def error_event(code: str, message: str, session_id: str | None = None, retryabl
 
 
 @dataclass
-class BackendState(DialectState):
+class BackendState(DialectState[ClientMessage]):
+    dialect = "backend"
     mode: str = "full_duplex"
     duplex: DuplexOptions = field(default_factory=DuplexOptions)  # from session.init
     chunk_index: int = 0
@@ -354,27 +360,27 @@ class BackendState(DialectState):
     def error_event(self, err: ProtocolError) -> ServerEvent:
         return error_event(err.code, err.message, self.session_id, err.retryable)
 
-    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
+    def prepare(self, step: PlannedStep[ClientMessage]) -> StepInput | ChatInput:
         self._turn_audio = []
         return super().prepare(step)
 
-    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def on_step_event(self, step: PlannedStep[ClientMessage], ev: StepEvent) -> Effects:
         msg = step.cause
-        if not isinstance(msg, ChatTurn):
-            return Effects([self.delta(msg.input_id, ev)])
+        if not isinstance(msg, ChatTurn):  # every step here has its cause: an append or a context
+            return Effects([self.delta(msg.input_id if msg is not None else None, ev)])
         if ev.kind == "audio":
             self._turn_audio.append(ev.audio)
         whole = encode_f32_base64(np.concatenate(self._turn_audio)) if ev.kind == "done" and self._turn_audio else None
         out = self.chat_event(msg.input_id, step.response_id or "", ev, msg.streaming, whole)
         return Effects([out] if out is not None else [])
 
-    def on_step_end(self, step: PlannedStep) -> Effects:
+    def on_step_end(self, step: PlannedStep[ClientMessage]) -> Effects:
         msg = step.cause
         if not isinstance(msg, InputContext):
             return Effects()
         return Effects([ContextAccepted(self.session_id, msg.input_id, msg.operation_id, msg.kind, msg.respond)])
 
-    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep[ClientMessage], code: ClientCode, message: str) -> Effects:
         return Effects([error_event(code, message, self.session_id)])
 
     def on_close(self, reason: str, message: str | None) -> list[ServerEvent]:

@@ -137,10 +137,11 @@ def decode_client(msg: dict[str, Any], limits: Limits | None = None) -> ClientEv
 
 
 @dataclass
-class MiniCPMRealtimeState(DialectState):
+class MiniCPMRealtimeState(DialectState[None]):
+    dialect = "minicpm"
     mode: str = "audio"
     instructions: str = DEFAULT_SYSTEM_PROMPT
-    model: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, object] = field(default_factory=dict)  # DuplexOptions' keys, as the client set them
     configured: bool = False
     kv_length: int = 0
 
@@ -211,7 +212,7 @@ class MiniCPMRealtimeState(DialectState):
         prompt_length = len(self.instructions.encode("utf-8"))  # bytes: the tiny model's tokens
         return Effects([SessionCreated(self.session_id, self.mode, prompt_length)])
 
-    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def on_step_event(self, step: PlannedStep[None], ev: StepEvent) -> Effects:
         if self.is_stale(step, ev):
             return Effects()
         if ev.metrics.kv_cache_length is not None:

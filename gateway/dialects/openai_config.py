@@ -23,6 +23,7 @@ from ..limits import Limits, identifier
 from ..overlap import POLICIES, OverlapSettings
 from ..wire import ProtocolError, json_object
 from .openai_extensions import Extensions
+from .openai_objects import AudioFormat, RealtimeSession, SemanticVadObject, ServerVadObject
 
 VAD_TYPES = ("server_vad", "semantic_vad")  # the spec's turn detection; null: none, the client commits
 DUPLEX = "duplex"  # our own: the model's turns (reported as turn_detection null, `duplex: true`)
@@ -55,14 +56,15 @@ class TurnDetection:
     def silence_ms(self) -> int:
         return EAGERNESS_SILENCE_MS[self.eagerness] if self.type == "semantic_vad" else self.silence_duration_ms
 
-    def to_dict(self) -> dict[str, Any] | None:
+    def to_dict(self) -> ServerVadObject | SemanticVadObject | None:
         """As the spec shows it: each type with its own fields; duplex has no VAD turns (null)."""
-        common = {"create_response": self.create_response, "interrupt_response": self.interrupt_response}
         if self.type == "server_vad":
-            return {"type": self.type, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
-                    "silence_duration_ms": self.silence_duration_ms, **common}
+            return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                    "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         if self.type == "semantic_vad":
-            return {"type": self.type, "eagerness": self.eagerness, **common}
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return None
 
 
@@ -77,7 +79,7 @@ class RealtimeConfig:
     overlap: OverlapSettings = field(default_factory=OverlapSettings)
     playback_commit_policy: str = "commit_all_on_done"
     max_output_tokens: int = 256  # a turn-based reply's token budget ("inf" means MAX_OUTPUT_TOKENS)
-    model: dict[str, Any] = field(default_factory=dict)  # DuplexOptions keys
+    model: dict[str, object] = field(default_factory=dict)  # DuplexOptions keys, as the client set them
 
     @classmethod
     def first(cls, ext: Extensions, vad: bool = True) -> RealtimeConfig:
@@ -98,10 +100,12 @@ class RealtimeConfig:
     def options(self) -> DuplexOptions:
         return DuplexOptions.from_config({**self.model, "system_prompt": self.instructions})
 
-    def to_dict(self, session_id: str, ext: Extensions) -> dict[str, Any]:
+    def to_dict(self, session_id: str, ext: Extensions) -> RealtimeSession:
         """The session as `session.created | updated` show it: the spec's fields, and ours where opted in."""
-        fmt = lambda rate: {"type": "audio/pcm", "rate": rate}  # noqa: E731 (a one-line helper, used twice)
-        out: dict[str, Any] = {
+        def fmt(rate: int) -> AudioFormat:
+            return {"type": "audio/pcm", "rate": rate}
+
+        out: RealtimeSession = {
             "id": session_id, "object": "realtime.session", "type": "realtime", "model": "minicpm-o-4.5",
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
             "audio": {
@@ -116,13 +120,18 @@ class RealtimeConfig:
             out.update({
                 "overlap_policy": self.overlap.policy, "overlap_short_ack_ms": self.overlap.short_ack_ms,
                 "overlap_barge_in_ms": self.overlap.barge_in_ms, "overlap_silence_rms": self.overlap.silence_rms,
-                "playback_commit_policy": self.playback_commit_policy, **self.model})
+                "playback_commit_policy": self.playback_commit_policy})
         return out
+
+    def shown_options(self, ext: Extensions) -> dict[str, object] | None:
+        """The model's options the client set, shown among the session's keys where it opted into `events`."""
+        return dict(self.model) if ext.events else None
 
 
 @dataclass(frozen=True)
 class Update:
-    """One `session.update`'s `session` object, and what the session it updates allows."""
+    """One `session.update`'s `session` object (JSON as parsed: its fields are read one by one below), and what the
+    session it updates allows."""
 
     session: dict[str, Any]
     started: bool  # audio has reached the model: what the Triton sequence started with stays
@@ -135,15 +144,15 @@ class Update:
         part = audio.get(direction) if isinstance(audio, dict) else None
         return part if isinstance(part, dict) else {}
 
-    def fixed(self, config: RealtimeConfig, changes: dict[str, Any], what: str) -> dict[str, Any]:
-        """Changes to what is fixed once the sequence started: refused then, unless they change nothing."""
-        if self.started and any(getattr(config, k) != v for k, v in changes.items()):
+    def fixed(self, config: RealtimeConfig, changed: RealtimeConfig, what: str) -> RealtimeConfig:
+        """A change to what is fixed once the sequence started: refused then, unless it changes nothing."""
+        if self.started and changed != config:
             raise ProtocolError(ClientCode.SESSION_UPDATE_NOT_ALLOWED, f"{what} can only change before the first audio",
                                 f"session.{what}")
-        return changes
+        return changed
 
 
-Field = Callable[[RealtimeConfig, Update], dict[str, Any]]  # a field of the update -> the config's changes
+Field = Callable[[RealtimeConfig, Update], RealtimeConfig]  # a field of the update read into the config
 
 
 def _rate(fmt: Any, param: str) -> int | None:
@@ -173,36 +182,36 @@ def max_output_tokens(value: Any, param: str) -> int:
     return _number(value, int, param, 1, MAX_OUTPUT_TOKENS)
 
 
-def _input_format(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _input_format(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     rate = _rate(u.audio("input").get("format", u.session.get("input_audio_format")), "session.audio.input.format")
-    return {"input_rate": rate} if rate else {}
+    return dataclasses.replace(config, input_rate=rate) if rate else config
 
 
-def _output_format(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _output_format(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     rate = _rate(u.audio("output").get("format", u.session.get("output_audio_format")),
                  "session.audio.output.format")
-    return {"output_rate": rate} if rate else {}
+    return dataclasses.replace(config, output_rate=rate) if rate else config
 
 
-def _modalities(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _modalities(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     modalities = u.session.get("output_modalities", u.session.get("modalities"))
     if modalities is None:
-        return {}
+        return config
     if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"audio", "text"}:
         raise ProtocolError(ClientCode.INVALID_VALUE, "output_modalities must be [\"audio\"] or [\"text\"]",
                             "session.output_modalities")
-    return {"output_modalities": ("audio",) if "audio" in modalities else ("text",)}
+    return dataclasses.replace(config, output_modalities=("audio",) if "audio" in modalities else ("text",))
 
 
-def _voice(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _voice(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     voice = u.audio("output").get("voice", u.session.get("voice"))
     if voice is None:
-        return {}
+        return config
     # echoed in every response.created / done: a name, not a payload
-    return {"voice": identifier(voice, "session.audio.output.voice", ClientCode.INVALID_VALUE)}
+    return dataclasses.replace(config, voice=identifier(voice, "session.audio.output.voice", ClientCode.INVALID_VALUE))
 
 
-def _switch(config: RealtimeConfig, u: Update, td: TurnDetection) -> dict[str, Any]:
+def _switch(config: RealtimeConfig, u: Update, td: TurnDetection) -> RealtimeConfig:
     """A new turn detection, if the session can take it."""
     if u.started and (td.type == DUPLEX) != config.duplex:
         raise ProtocolError(ClientCode.SESSION_UPDATE_NOT_ALLOWED,
@@ -211,7 +220,7 @@ def _switch(config: RealtimeConfig, u: Update, td: TurnDetection) -> dict[str, A
     if td.vad and not u.vad:
         raise ProtocolError(ClientCode.SERVER_VAD_UNAVAILABLE, "server VAD needs the silero-vad package installed",
                             f"{TD_PARAM}.type")
-    return {"turn_detection": td}
+    return dataclasses.replace(config, turn_detection=td)
 
 
 def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
@@ -237,9 +246,11 @@ def _spec_turn_detection(raw: Any, current: TurnDetection) -> TurnDetection:
             raise ProtocolError(ClientCode.INVALID_VALUE, f"eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
                                 f"{TD_PARAM}.eagerness")
         out = dataclasses.replace(out, eagerness=raw["eagerness"])
-    flags: dict[str, Any] = {key: bool(raw[key]) for key in ("create_response", "interrupt_response")
-                             if raw.get(key) is not None}
-    return dataclasses.replace(out, **flags)
+    if raw.get("create_response") is not None:
+        out = dataclasses.replace(out, create_response=bool(raw["create_response"]))
+    if raw.get("interrupt_response") is not None:
+        out = dataclasses.replace(out, interrupt_response=bool(raw["interrupt_response"]))
+    return out
 
 
 def _raw_turn_detection(u: Update) -> tuple[bool, Any]:
@@ -250,19 +261,19 @@ def _raw_turn_detection(u: Update) -> tuple[bool, Any]:
     return "turn_detection" in u.session, u.session.get("turn_detection")
 
 
-def _turn_detection(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _turn_detection(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     given, raw = _raw_turn_detection(u)
     if not given:
-        return {}
+        return config
     td = _spec_turn_detection(raw, config.turn_detection)
     if td.type is None and config.duplex:
-        return {}  # what a duplex session reports (no VAD turns), sent back: it stays duplex (`duplex: false` leaves)
+        return config  # what a duplex session reports (no VAD turns), sent back: it stays (`duplex: false` leaves)
     return _switch(config, u, td)
 
 
-def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _duplex(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     if "duplex" not in u.session:
-        return {}
+        return config
     want = u.session["duplex"]
     if not u.ext.duplex:
         raise ProtocolError(ClientCode.INVALID_VALUE,
@@ -271,7 +282,7 @@ def _duplex(config: RealtimeConfig, u: Update) -> dict[str, Any]:
     if not isinstance(want, bool):
         raise ProtocolError(ClientCode.INVALID_VALUE, "duplex must be true or false", "session.duplex")
     if want == config.duplex:
-        return {}
+        return config
     if want:
         return _switch(config, u, TurnDetection(type=DUPLEX))
     given, raw = _raw_turn_detection(u)  # leaving duplex: for the turn detection this update names, if any
@@ -285,49 +296,53 @@ def _one_of(u: Update, key: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
-def _overlap_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _overlap_policy(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     policy = _one_of(u, "overlap_policy", POLICIES)
-    return {} if policy is None else {"overlap": dataclasses.replace(config.overlap, policy=policy)}
+    return config if policy is None else dataclasses.replace(config, overlap=dataclasses.replace(config.overlap,
+                                                                                                 policy=policy))
 
 
 def _overlap_number(key: str, attr: str, kind: type, high: float) -> Field:
-    def read(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    def read(config: RealtimeConfig, u: Update) -> RealtimeConfig:
         if u.session.get(key) is None:
-            return {}
+            return config
         value = _number(u.session[key], kind, f"session.{key}", 0, high)
-        return {"overlap": dataclasses.replace(config.overlap, **{attr: value})}
+        return dataclasses.replace(config, overlap=dataclasses.replace(config.overlap, **{attr: value}))
     return read
 
 
-def _commit_policy(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _commit_policy(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     policy = _one_of(u, "playback_commit_policy", COMMIT_POLICIES)
-    return {} if policy is None else {"playback_commit_policy": policy}
+    return config if policy is None else dataclasses.replace(config, playback_commit_policy=policy)
 
 
-def _max_output_tokens(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _max_output_tokens(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     value = u.session.get("max_output_tokens")
-    return {} if value is None else {"max_output_tokens": max_output_tokens(value, "session.max_output_tokens")}
+    if value is None:
+        return config
+    return dataclasses.replace(config, max_output_tokens=max_output_tokens(value, "session.max_output_tokens"))
 
 
-def _instructions(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+def _instructions(config: RealtimeConfig, u: Update) -> RealtimeConfig:
     text = u.session.get("instructions")
     if text is None:
-        return {}
-    return u.fixed(config, {"instructions": u.limits.prompt(text, "session.instructions")}, "instructions")
+        return config
+    return u.fixed(config, dataclasses.replace(config, instructions=u.limits.prompt(text, "session.instructions")),
+                   "instructions")
 
 
 def _model_key(key: str) -> Field:
-    def read(config: RealtimeConfig, u: Update) -> dict[str, Any]:
+    def read(config: RealtimeConfig, u: Update) -> RealtimeConfig:
         extra = json_object(u.session, "extra_body")
         value = extra.get(key, u.session.get(key))
         if value is None:
-            return {}
-        changes = u.fixed(config, {"model": {**config.model, key: value}}, key)
+            return config
+        changed = u.fixed(config, dataclasses.replace(config, model={**config.model, key: value}), key)
         try:  # the init's ranges: the key is refused, the session keeps its value
-            dataclasses.replace(config, **changes).options()
+            changed.options()
         except InvalidOptions as exc:
             raise ProtocolError(ClientCode.INVALID_CONFIG, str(exc), f"session.{key}") from exc
-        return changes
+        return changed
     return read
 
 
@@ -345,7 +360,7 @@ def apply_update(config: RealtimeConfig, update: Update) -> tuple[RealtimeConfig
     refused: list[ProtocolError] = []
     for read in FIELDS:
         try:
-            config = dataclasses.replace(config, **read(config, update))
+            config = read(config, update)
         except ProtocolError as err:
             refused.append(err)
     return config, refused

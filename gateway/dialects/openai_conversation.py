@@ -13,6 +13,7 @@ import numpy as np
 from ..audio import INPUT_RATE
 from ..codes import ClientCode
 from ..wire import ProtocolError, new_id
+from .openai_objects import ItemContent, MessageItem
 
 
 @dataclass
@@ -82,8 +83,8 @@ class Item:
         audio = 0 if self.audio is None else self.audio.nbytes
         return len(self.text.encode("utf-8")) + audio + sum(len(i) for i in self.images)
 
-    def to_dict(self) -> dict[str, Any]:
-        content: list[dict[str, Any]]
+    def to_dict(self) -> MessageItem:
+        content: list[ItemContent]
         if self.role == "assistant":
             content = [{"type": "output_audio", "transcript": self.text} if self.spoken
                        else {"type": "output_text", "text": self.text}]
@@ -92,7 +93,7 @@ class Item:
             if self.text:
                 content.append({"type": "input_text", "text": self.text})
             if self.audio is not None:
-                content.append({"type": "input_audio", "transcript": None})
+                content.append({"type": "input_audio"})  # no transcription runs: no `transcript` to say
             content += [{"type": "input_image"} for _ in self.images]
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": self.status, "content": content}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Generic
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from minicpmo_triton.duplex_contract import StepInput
 
 from ..codes import ClientCode
 from ..wire import ProtocolError
-from .state import STEP_SAMPLES, PlannedStep
+from .state import STEP_SAMPLES, CauseT, PlannedStep
 
 REPLAY_SECONDS = 8  # how many seconds of caller audio a rollback may hear again
 MAX_AHEAD = 4  # steps handed to the shell and not answered yet (its queue holds 8)
@@ -34,7 +35,7 @@ class Mark:
 
 
 @dataclass
-class DuplexInput:
+class DuplexInput(Generic[CauseT]):
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # short of a whole second
     seconds: int = 0  # seconds made into steps so far
     images: list[bytes] = field(default_factory=list)  # seen with the next second
@@ -42,7 +43,7 @@ class DuplexInput:
     last_listen: Mark = Mark()  # after the latest step that did not speak
     rollback: Mark | None = None  # where the next step takes the LLM's context back to
     listen_next: bool = False  # the next step is listened to (the second in which the caller barged in)
-    waiting: deque[PlannedStep] = field(default_factory=deque)  # in order, not handed out yet
+    waiting: deque[PlannedStep[CauseT]] = field(default_factory=deque)  # in order, not handed out yet
     ahead: int = 0  # handed out, not answered yet
 
     def check_room(self) -> None:
@@ -53,7 +54,7 @@ class DuplexInput:
                                 f"{len(self.waiting)} seconds of audio are already waiting; "
                                 "this append was dropped")
 
-    def add(self, audio: np.ndarray, epoch: int) -> list[PlannedStep]:
+    def add(self, audio: np.ndarray, epoch: int) -> list[PlannedStep[CauseT]]:
         """Audio in; a step for each second it completes (handed out in turn)."""
         self.pending = np.concatenate([self.pending, audio])
         while len(self.pending) >= STEP_SAMPLES:
@@ -61,19 +62,19 @@ class DuplexInput:
             self.waiting.append(self.step(second, epoch))
         return self.release()
 
-    def queue(self, step: PlannedStep) -> list[PlannedStep]:
+    def queue(self, step: PlannedStep[CauseT]) -> list[PlannedStep[CauseT]]:
         """A step (a commit's, a context's) after those waiting."""
         self.waiting.append(step)
         return self.release()
 
-    def release(self) -> list[PlannedStep]:
+    def release(self) -> list[PlannedStep[CauseT]]:
         out = []
         while self.waiting and self.ahead < MAX_AHEAD:
             out.append(self.waiting.popleft())
             self.ahead += 1
         return out
 
-    def answered(self) -> list[PlannedStep]:
+    def answered(self) -> list[PlannedStep[CauseT]]:
         """A step handed out was answered (its events are in): the next ones waiting, if any."""
         self.ahead = max(0, self.ahead - 1)
         return self.release()
@@ -82,13 +83,13 @@ class DuplexInput:
         audio, self.pending = self.pending, np.zeros(0, np.float32)
         return audio
 
-    def step(self, audio: np.ndarray, epoch: int) -> PlannedStep:
+    def step(self, audio: np.ndarray, epoch: int) -> PlannedStep[CauseT]:
         self.seconds += 1
         frames, self.images = self.images, []
         req = StepInput(audio=audio, frames=frames, max_slice_nums=[1] * len(frames))
         return PlannedStep("duplex", req, epoch, second=self.seconds)
 
-    def amend(self, step: PlannedStep, req: StepInput) -> None:
+    def amend(self, step: PlannedStep[CauseT], req: StepInput) -> None:
         """A duplex step as it goes out: what the latest barge-in asked of the next one."""
         req.force_listen = req.force_listen or self.listen_next
         self.listen_next = False

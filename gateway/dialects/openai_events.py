@@ -1,7 +1,7 @@
 """The OpenAI Realtime dialect's events, one dataclass per `type` (pure code): server events encode
 themselves; client events decode from their JSON (field types checked here, meaning in the state).
 
-Nested payloads (a session, an item, a response) are the JSON objects OpenAI's reference describes.
+Nested payloads (a session, an item, a response) are typed as the spec types them (`openai_objects`).
 """
 
 from __future__ import annotations
@@ -9,20 +9,39 @@ from __future__ import annotations
 from typing import Any
 
 from ..codes import ClientCode
-from ..wire import ProtocolError, json_object
+from ..wire import JsonObject, ProtocolError, json_object
+from .openai_objects import (
+    AudioDeltaMetadata,
+    AudioPart,
+    Capabilities,
+    MessageItem,
+    RealtimeResponse,
+    RealtimeSession,
+    TextPart,
+)
 from .realtime_events import RealtimeEvent
 from .state import EventFields
 
-Json = dict[str, Any]
+
+class SessionShown(RealtimeEvent):
+    """The session, as `session.created | updated` show it; with `events`, the model's options as the client set
+    them go among its keys (`model`: DuplexOptions' names, opaque to the spec)."""
+
+    session: RealtimeSession
+    model: dict[str, object] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out = super().fields()
+        if out.pop("model", None):
+            out["session"] = {**self.session, **(self.model or {})}
+        return out
 
 
-class SessionCreated(RealtimeEvent, type="session.created"):
-    session: Json
-    capabilities: Json | None = None  # extension (`events`): what this server offers
+class SessionCreated(SessionShown, type="session.created"):
+    capabilities: Capabilities | None = None  # extension (`events`): what this server offers
 
 
-class SessionUpdated(RealtimeEvent, type="session.updated"):
-    session: Json
+SessionUpdated = SessionShown.retyped("SessionUpdated", "session.updated")
 
 
 class SpeechStarted(RealtimeEvent, type="input_audio_buffer.speech_started"):
@@ -66,11 +85,11 @@ class DuplexStep(RealtimeEvent, type="duplex.step"):
 
 class ItemAdded(RealtimeEvent, type="conversation.item.added"):
     previous_item_id: str | None
-    item: Json
+    item: MessageItem
 
 
 class ItemDone(RealtimeEvent, type="conversation.item.done"):
-    item: Json
+    item: MessageItem
 
 
 ItemRetrieved = ItemDone.retyped("ItemRetrieved", "conversation.item.retrieved")
@@ -115,7 +134,7 @@ class ResponseListen(TurnEvent, type="response.listen"):
 
 
 class ResponseCreated(RealtimeEvent, type="response.created"):
-    response: Json
+    response: RealtimeResponse
 
 
 ResponseDone = ResponseCreated.retyped("ResponseDone", "response.done")
@@ -124,7 +143,7 @@ ResponseDone = ResponseCreated.retyped("ResponseDone", "response.done")
 class OutputItemAdded(RealtimeEvent, type="response.output_item.added"):
     response_id: str
     output_index: int
-    item: Json
+    item: MessageItem
 
 
 OutputItemDone = OutputItemAdded.retyped("OutputItemDone", "response.output_item.done")
@@ -140,7 +159,7 @@ class ContentEvent(RealtimeEvent):
 
 
 class ContentPartAdded(ContentEvent, type="response.content_part.added"):
-    part: Json
+    part: AudioPart | TextPart
 
 
 ContentPartDone = ContentPartAdded.retyped("ContentPartDone", "response.content_part.done")
@@ -153,7 +172,7 @@ class Delta(ContentEvent):
 
 
 class OutputAudioDelta(Delta, type="response.output_audio.delta"):
-    metadata: Json | None = None  # extension (`events`): where the chunk sits in the reply
+    metadata: AudioDeltaMetadata | None = None  # extension (`events`): where the chunk sits in the reply
 
 
 OutputAudioDone = ContentEvent.retyped("OutputAudioDone", "response.output_audio.done")
@@ -173,14 +192,14 @@ class TextDone(ContentEvent, type="response.output_text.done"):
 
 # ---- client events ----
 
-def _number(msg: Json, name: str) -> float:
+def _number(msg: JsonObject, name: str) -> float:
     value = msg.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ProtocolError(ClientCode.INVALID_VALUE, f"{name} must be a number >= 0", name)
     return float(value)
 
 
-def _id(msg: Json, name: str) -> str | None:
+def _id(msg: JsonObject, name: str) -> str | None:
     value = msg.get(name)
     return value if isinstance(value, str) else None
 
@@ -189,15 +208,15 @@ class ClientEvent(EventFields):
     """A client event, decoded from its JSON object (field types checked here, meaning in the state)."""
 
     @classmethod
-    def decode(cls, msg: Json) -> ClientEvent:
+    def decode(cls, msg: JsonObject) -> ClientEvent:
         return cls()
 
 
 class SessionUpdate(ClientEvent, type="session.update"):
-    session: Json  # its fields checked one by one by openai_config.apply_update
+    session: JsonObject  # its fields checked one by one by openai_config.apply_update
 
     @classmethod
-    def decode(cls, msg: Json) -> SessionUpdate:
+    def decode(cls, msg: JsonObject) -> SessionUpdate:
         session = msg.get("session")
         if not isinstance(session, dict):
             raise ProtocolError(ClientCode.INVALID_VALUE, "session.update needs a `session` object", "session")
@@ -209,7 +228,7 @@ class AudioAppend(ClientEvent, type="input_audio_buffer.append"):
     hint: str | None = None  # extension: what the caller said, if the client knows (a backchannel?)
 
     @classmethod
-    def decode(cls, msg: Json) -> AudioAppend:
+    def decode(cls, msg: JsonObject) -> AudioAppend:
         data = msg.get("audio")
         if not isinstance(data, str) or not data:
             raise ProtocolError(ClientCode.MISSING_FIELD,
@@ -226,11 +245,11 @@ BufferClear = ClientEvent.retyped("BufferClear", "input_audio_buffer.clear")
 
 
 class ItemCreate(ClientEvent, type="conversation.item.create"):
-    item: Any  # a message item, checked as its parts are read
+    item: object  # a message item's JSON, read into a `NewItem` with its parts (openai_input.read_item)
     previous_item_id: str | None = None  # where it goes: after that item ("root": first); none: last
 
     @classmethod
-    def decode(cls, msg: Json) -> ItemCreate:
+    def decode(cls, msg: JsonObject) -> ItemCreate:
         return cls(msg.get("item"), _id(msg, "previous_item_id"))
 
 
@@ -238,7 +257,7 @@ class ItemRetrieve(ClientEvent, type="conversation.item.retrieve"):
     item_id: str | None
 
     @classmethod
-    def decode(cls, msg: Json) -> ItemRetrieve:
+    def decode(cls, msg: JsonObject) -> ItemRetrieve:
         return cls(_id(msg, "item_id"))
 
 
@@ -248,20 +267,23 @@ ItemDelete = ItemRetrieve.retyped("ItemDelete", "conversation.item.delete")
 class ItemTruncate(ClientEvent, type="conversation.item.truncate"):
     item_id: str | None
     audio_end_ms: float
-    content_index: Any = 0  # echoed back
+    content_index: int = 0  # echoed back
 
     @classmethod
-    def decode(cls, msg: Json) -> ItemTruncate:
-        return cls(_id(msg, "item_id"), _number(msg, "audio_end_ms"), msg.get("content_index", 0))
+    def decode(cls, msg: JsonObject) -> ItemTruncate:
+        index = msg.get("content_index", 0)
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ProtocolError(ClientCode.INVALID_VALUE, "content_index must be an integer >= 0", "content_index")
+        return cls(_id(msg, "item_id"), _number(msg, "audio_end_ms"), index)
 
 
 class ResponseCreate(ClientEvent, type="response.create"):
     instructions: str | None = None  # this response's, in place of the session's
-    max_output_tokens: Any = None  # checked by openai_config.max_output_tokens
+    max_output_tokens: object = None  # checked by openai_config.max_output_tokens, once the phase takes the event
     metadata: dict[str, str] | None = None  # echoed on the response (clients match their request by it)
 
     @classmethod
-    def decode(cls, msg: Json) -> ResponseCreate:
+    def decode(cls, msg: JsonObject) -> ResponseCreate:
         spec = json_object(msg, "response")
         instructions = spec.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
@@ -295,7 +317,7 @@ class PlaybackAck(ClientEvent, type="playback.ack"):
     played_ms: float
 
     @classmethod
-    def decode(cls, msg: Json) -> PlaybackAck:
+    def decode(cls, msg: JsonObject) -> PlaybackAck:
         return cls(_id(msg, "response_id"), _number(msg, "played_ms"))
 
 
@@ -310,7 +332,7 @@ CLIENT_EVENTS: dict[str, type[ClientEvent]] = {c.type: c for c in (
     ResponseCreate, ResponseCancel, OutputClear, PlaybackAck, SessionClose, Heartbeat)}
 
 
-def decode_client(msg: Json) -> ClientEvent:
+def decode_client(msg: JsonObject) -> ClientEvent:
     cls = CLIENT_EVENTS.get(msg["type"])
     if cls is None:
         raise ProtocolError(ClientCode.UNKNOWN_EVENT, f"unknown event type {msg['type']!r}", "type")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..codes import ClientCode
 from ..wire import CLOSE_POLICY, ProtocolError
+from .openai_objects import StatusDetails
 
 QUERY = "extensions"  # the URL's query parameter
 FEATURES = ("duplex", "events")
@@ -55,10 +56,10 @@ STOCK = Extensions()
 ALL = Extensions(duplex=True, events=True)
 
 
-def status_details(status: str, cause: str | None, ext: Extensions) -> dict[str, str]:
+def status_details(status: str, cause: str | None, ext: Extensions) -> StatusDetails:
     """A finished response's `status_details`: the spec's reason for `cause` (none when the spec has no word for it,
     e.g. a session that ends), and `cause` itself for a client that opted into the extensions."""
-    details = {"type": status}
+    details: StatusDetails = {"type": status}
     reason = SPEC_REASONS.get(cause or "")
     if reason is not None:
         details["reason"] = reason

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from ..codes import ClientCode
-from ..wire import ProtocolError, new_id, parse_json
-from .state import Closed, EventFields
+from ..wire import JsonObject, ProtocolError, new_id, parse_json
+from .state import Closed, EventFields, Refusal
 
 MAX_EVENT_BYTES = 15 << 20  # OpenAI's cap on one client event
 
-ClientEvent = dict[str, Any]
 
-
-def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
+def parse_event(text: str, bad_json_close: int | None) -> JsonObject:
     """A client event; `invalid_json` (closing with `bad_json_close`, if set) when it is not JSON at all."""
     if len(text) > MAX_EVENT_BYTES or (not text.isascii() and len(text.encode("utf-8")) > MAX_EVENT_BYTES):
         raise ProtocolError(ClientCode.EVENT_TOO_LARGE, f"an event may be at most {MAX_EVENT_BYTES >> 20} MiB")
@@ -31,7 +29,7 @@ def parse_event(text: str, bad_json_close: int | None) -> ClientEvent:
     return msg
 
 
-def event_id(msg: ClientEvent) -> str | None:
+def event_id(msg: JsonObject) -> str | None:
     return msg["event_id"] if isinstance(msg.get("event_id"), str) else None
 
 
@@ -59,8 +57,20 @@ class RealtimeEvent(EventFields):
         return {"type": self.type, "event_id": new_id("event"), **self.fields()}
 
 
-class Error(RealtimeEvent, type="error"):
-    error: dict[str, Any]
+class ErrorObject(TypedDict):
+    """An `error` event's `error`, as the spec types it (`param`, `event_id`: null allowed)."""
+
+    type: str
+    code: str
+    message: str
+    param: str | None
+    event_id: str | None
+    retryable: NotRequired[bool]  # extension: the same request may succeed later
+    redirect_url: NotRequired[str]  # extension: the gateway that holds the session (a resume)
+
+
+class Error(RealtimeEvent, Refusal, type="error"):
+    error: ErrorObject
 
 
 class SessionEvent(RealtimeEvent):
@@ -88,9 +98,13 @@ class SessionClosed(RealtimeEvent, Closed):
 
 
 def error_event(err: ProtocolError) -> Error:
-    return Error({"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
-                  "event_id": err.event_id, **({"retryable": True} if err.retryable else {}),
-                  **({"redirect_url": err.redirect_url} if err.redirect_url else {})})
+    error: ErrorObject = {"type": err.error_type, "code": err.code, "message": err.message, "param": err.param,
+                          "event_id": err.event_id}
+    if err.retryable:
+        error["retryable"] = True
+    if err.redirect_url:
+        error["redirect_url"] = err.redirect_url
+    return Error(error)
 
 
 def closed_event(session_id: str, reason: str, usage: dict[str, int], message: str | None) -> SessionClosed:

@@ -14,10 +14,11 @@ A client frame is taken in two parts, so the state machine stays cheap enough to
 from __future__ import annotations
 
 import builtins
+import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, Self, dataclass_transform
+from typing import Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar, dataclass_transform
 
 import numpy as np
 
@@ -60,6 +61,16 @@ class EventFields:
         return types.new_class(name, (cls,), {"type": event_type})
 
 
+class Refusal:
+    """Mixed into a dialect's `error` event: its code, which the gateway's metrics count per dialect."""
+
+    error: Mapping[str, object]  # the event's error object, its "code" a ClientCode
+
+    @property
+    def code(self) -> str:
+        return str(self.error.get("code", ""))
+
+
 class Closed(EventFields, type="session.closed"):
     """What every dialect says last (each in its envelope)."""
 
@@ -69,20 +80,27 @@ class Closed(EventFields, type="session.closed"):
     diagnostic: dict[str, str] | None = None
 
 
+# duplex: one second of caller audio; context: text into the model's context; chat: a turn-based turn
+StepKind = Literal["duplex", "context", "chat"]
+CauseT = TypeVar("CauseT")  # what a dialect keeps of the client event that asked for a step
+
+
 @dataclass
-class PlannedStep:
-    kind: str  # duplex | context | chat
+class PlannedStep(Generic[CauseT]):
+    kind: StepKind
     request: StepInput | ChatInput
     epoch: int
     second: int = -1  # duplex: which second of caller audio it hears (1, 2, ...)
     response_id: str | None = None  # chat: the response it makes
-    cause: Any = None  # the client event that asked for it, when the dialect needs it back
+    cause: CauseT | None = None  # the client event that asked for it, when the dialect needs it back
+    # when the input that completed it was decided: a step's latency and its queue time count from here
+    planned_at: float = field(default_factory=time.monotonic, compare=False, repr=False)
 
 
 @dataclass
 class Effects:
     events: list[ServerEvent] = field(default_factory=list)
-    steps: list[PlannedStep] = field(default_factory=list)
+    steps: list[PlannedStep[Any]] = field(default_factory=list)  # each dialect knows its own steps' causes
     cancel: bool = False  # stop the Triton step in flight
     close: str | None = None  # end the session with this reason
 
@@ -95,7 +113,7 @@ class Effects:
 
 
 @dataclass
-class DialectState:
+class DialectState(Generic[CauseT]):
     """Epochs fence output: a step planned before a barge-in is of an older epoch, and none of its
     events reach the client, however late they arrive."""
 
@@ -103,6 +121,7 @@ class DialectState:
     # worker thread by the shell, its reading holding the event loop longer than the hand-off costs (by default a
     # large one: a 16 MiB frame's parsing and base64 decoding; None: every frame is read on the loop).
     offload_frame_bytes: ClassVar[int | None] = LARGE_FRAME_BYTES
+    dialect: ClassVar[str] = ""  # its name in the gateway's metrics (gateway/metrics.py DIALECTS)
 
     session_id: str
     epoch: int = 0
@@ -144,14 +163,14 @@ class DialectState:
         return ProtocolError(ClientCode.INPUT_BACKPRESSURE,
                              f"{pending} inputs are already waiting; this one was dropped")
 
-    def on_step_event(self, step: PlannedStep, ev: StepEvent) -> Effects:
+    def on_step_event(self, step: PlannedStep[CauseT], ev: StepEvent) -> Effects:
         raise NotImplementedError
 
-    def on_step_error(self, step: PlannedStep, code: ClientCode, message: str) -> Effects:
+    def on_step_error(self, step: PlannedStep[CauseT], code: ClientCode, message: str) -> Effects:
         """A step the stages refused for the client's input (the session goes on)."""
         return Effects([self.error_event(ProtocolError(code, message, error_type="client_error"))])
 
-    def on_step_end(self, step: PlannedStep) -> Effects:
+    def on_step_end(self, step: PlannedStep[CauseT]) -> Effects:
         """A step whose events all arrived without an error."""
         return Effects()
 
@@ -159,7 +178,7 @@ class DialectState:
         """What the client is told as the session ends (a response still open is ended first)."""
         raise NotImplementedError
 
-    def wanted(self, step: PlannedStep) -> bool:
+    def wanted(self, step: PlannedStep[CauseT]) -> bool:
         return True
 
     # ---- shared ----
@@ -167,7 +186,7 @@ class DialectState:
         """A named voice for the session (the model server's voice folder); empty: none."""
         return ""
 
-    def prepare(self, step: PlannedStep) -> StepInput | ChatInput:
+    def prepare(self, step: PlannedStep[CauseT]) -> StepInput | ChatInput:
         """The request as it goes out: the session's options and voice ride on the very first step.
         A step belongs to the epoch it is sent in: one queued before a barge-in but sent after it counts."""
         step.epoch = self.epoch
@@ -179,7 +198,7 @@ class DialectState:
             req.voice = VoiceRefs(**self.voice, name=name) if self.voice or name else None
         return req
 
-    def is_stale(self, step: PlannedStep, ev: StepEvent) -> bool:
+    def is_stale(self, step: PlannedStep[CauseT], ev: StepEvent) -> bool:
         if ev.chunk_usage:
             self.usage.add(ev.chunk_usage)  # what the stages did counts, shown or not
         if step.epoch != self.epoch:

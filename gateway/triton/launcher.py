@@ -21,13 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..settings import env_name, env_setting
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_WORK_DIR = REPO_ROOT / ".triton_work"
 LOOPBACK = "127.0.0.1"
 # Triton's model control calls (load, unload) need this header with the control key, when one is set
 CONTROL_HEADER = "minicpmo-control-key"
-CONTROL_KEY_ENV = "MINICPMO_TRITON_CONTROL_KEY"
+CONTROL_KEY_ENV = env_name("triton_control_key")
+OTLP_ENDPOINT_ENV = env_name("otlp_endpoint")  # the gateway's and the entry model's setting, and Triton's tracer's
 
 
 class TritonNotFound(RuntimeError):
@@ -133,6 +136,7 @@ def server_command(
     address: str = LOOPBACK,
     model_control: str = "explicit",
     control_key: str = "",
+    otlp_endpoint: str = "",
 ) -> list[str]:
     cmd = [
         str(install.binary),
@@ -163,7 +167,18 @@ def server_command(
                 f"--http-restricted-api=model-repository:{CONTROL_HEADER}={control_key}"]
     if backend_dir is not None:
         cmd.append(f"--backend-directory={backend_dir}")
-    return cmd
+    return cmd + trace_flags(otlp_endpoint)
+
+
+def trace_flags(otlp_endpoint: str) -> list[str]:
+    """Triton's OpenTelemetry tracing, for the requests that carry a trace context only (rate 0: the gateway's
+    traced steps, each on a stream whose headers carry it; docs/deploy.md, "Traces"). None without an endpoint."""
+    if not otlp_endpoint:
+        return []
+    return ["--trace-config=mode=opentelemetry", "--trace-config=level=TIMESTAMPS", "--trace-config=rate=0",
+            "--trace-config=count=-1", f"--trace-config=opentelemetry,url={otlp_endpoint.rstrip('/')}/v1/traces",
+            "--trace-config=opentelemetry,resource=service.name=triton",
+            "--trace-config=opentelemetry,bsp_schedule_delay=1000"]
 
 
 def _die_with_parent() -> None:
@@ -211,10 +226,12 @@ class TritonServer:
         address: str = LOOPBACK,
         model_control: str = "explicit",
         control_key: str | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self.address = address
+        self.otlp_endpoint = env_setting("otlp_endpoint") if otlp_endpoint is None else otlp_endpoint
         self.model_control = model_control
-        self.control_key = os.environ.get(CONTROL_KEY_ENV, "") if control_key is None else control_key
+        self.control_key = env_setting("triton_control_key") if control_key is None else control_key
         self.model_repository = Path(model_repository).resolve()
         self.ports = ports or free_ports()
         self.work_dir = Path(work_dir)
@@ -229,7 +246,7 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = assemble_backends(install, self.work_dir / f"run-{self.ports.grpc}")
         cmd = server_command(install, self.model_repository, self.ports, backend_dir, self.log_verbose,
-                             self.address, self.model_control, self.control_key)
+                             self.address, self.model_control, self.control_key, self.otlp_endpoint)
         stdout = None
         if self._log_file is not None:
             self._log_file.close()
@@ -349,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help=f"serve explicit model control beyond loopback with no {CONTROL_KEY_ENV}")
     args = parser.parse_args(argv)
-    why = control_refusal(args.address, args.model_control_mode, os.environ.get(CONTROL_KEY_ENV, ""), args.insecure)
+    why = control_refusal(args.address, args.model_control_mode, env_setting("triton_control_key"), args.insecure)
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ models' sequence slots, and the choice among them. A session stays where it is p
 
 Room on a server: for each sequence-batched model, its slots (`max_candidate_sequences`: past them a new
 sequence waits for one to end, which for a conversation means stalling) less its live sequences
-(`minicpmo_live_sequences`), less the sessions placed since that page was read; and, where the operator set
+(`minicpmo_<model>_live_sequences`), less the sessions placed since that page was read; and, where the operator set
 one, its session bound (`sessions=N`, the GPU's memory) less its live sessions. The most room wins, among
 the servers keeping up: one whose stages queue a request over half a duplex step is falling behind and
 gets a session only when none keeps up.
@@ -21,8 +21,13 @@ from ..codes import ClientCode
 SEQUENCE_MODELS = ("duplex", "llm", "tts", "token2wav")  # a session holds a sequence in each while it lives
 ENTRY = "duplex"  # one live sequence per session
 QUEUE_LIMIT_MS = 500.0  # half of one duplex step (1 s of audio)
-LIVE = "minicpmo_live_sequences"
 _SAMPLE = re.compile(r'^(\w+)\{(?:[^}]*,)?model="([\w-]+)"[^}]*\} ([-+\d.eE]+|NaN)$')
+_LIVE = re.compile(r'^minicpmo_(\w+)_live_sequences(?:\{[^}]*\})? ([-+\d.eE]+|NaN)$')  # a stateful model's own gauge
+
+
+def live_metric(model: str) -> str:
+    """A stateful model's live sequences on Triton's metrics page (minicpmo_triton/triton_models.py)."""
+    return f"minicpmo_{model}_live_sequences"
 
 
 class NoEndpoint(Exception):
@@ -38,20 +43,21 @@ class NoEndpoint(Exception):
 class Scrape:
     """What one read of a server's metrics page says, per model."""
 
-    live: Mapping[str, float]  # minicpmo_live_sequences
+    live: Mapping[str, float]  # minicpmo_<model>_live_sequences
     queue_us: Mapping[str, float]  # nv_inference_queue_duration_us (a counter)
     requests: Mapping[str, float]  # nv_inference_request_success (a counter)
 
 
 def parse_metrics(text: str) -> Scrape:
-    found: dict[str, dict[str, float]] = {LIVE: {}, "nv_inference_queue_duration_us": {},
-                                          "nv_inference_request_success": {}}
+    live: dict[str, float] = {}
+    found: dict[str, dict[str, float]] = {"nv_inference_queue_duration_us": {}, "nv_inference_request_success": {}}
     for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match[1] in found:
+        if (own := _LIVE.match(line)) is not None:
+            live[own[1]] = live.get(own[1], 0.0) + float(own[2])
+        elif (match := _SAMPLE.match(line)) is not None and match[1] in found:
             table = found[match[1]]
             table[match[2]] = table.get(match[2], 0.0) + float(match[3])  # summed over a model's versions
-    return Scrape(found[LIVE], found["nv_inference_queue_duration_us"], found["nv_inference_request_success"])
+    return Scrape(live, found["nv_inference_queue_duration_us"], found["nv_inference_request_success"])
 
 
 def queue_ms(before: Scrape | None, after: Scrape) -> float:

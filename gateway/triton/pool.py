@@ -27,12 +27,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import httpx
 from tritonclient.grpc import aio as grpcaio
 
-from . import endpoints, placement
+from . import devices, endpoints, placement
 from .endpoints import EndpointSpec
 from .orphans import end_everywhere
 from .placement import Candidate, Scrape
@@ -69,6 +69,7 @@ class Endpoint:
         self.stages_why = ""  # why not ready, in the stage watch's words (a broken stage not healed: why not)
         self.orphans: dict[int, None] = {}  # correlation IDs to END once it answers (ordered: the oldest first)
         self.ending: asyncio.Task[None] | None = None
+        self.devices: dict[str, str] = {}  # where each stage model runs, or why it did not load (triton.devices)
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -107,13 +108,28 @@ class Endpoint:
     def takes_sessions(self) -> bool:
         return self.healthy and not self.draining
 
-    def describe(self, own_sessions: int) -> dict[str, Any]:
+    def describe(self, own_sessions: int) -> EndpointHealth:
         live = None if self.scrape is None else self.scrape.live.get(placement.ENTRY)
         return {"endpoint": self.url, "state": self.state, "stages": self.stages,
-                "stages_why": self.stages_why, "draining": self.draining,
+                "stages_why": self.stages_why, "draining": self.draining, "devices": self.devices,
                 "sessions": own_sessions,
                 "server_sessions": None if live is None else int(live), "room": self.room(own_sessions),
                 "queue_ms": round(self.queue_ms, 1)}
+
+
+class EndpointHealth(TypedDict):
+    """One Triton endpoint as /health (for key holders) and /admin show it."""
+
+    endpoint: str
+    state: str
+    stages: str
+    stages_why: str
+    draining: bool
+    sessions: int  # this gateway's on it
+    server_sessions: int | None  # everyone's, as its metrics count them (None: not scraped yet)
+    room: int | None  # sessions it can still take (None: not known yet)
+    queue_ms: float
+    devices: dict[str, str]  # model -> where it runs, or why it is not loaded (gateway/triton/devices.py)
 
 
 class EndpointPool:
@@ -260,6 +276,7 @@ class EndpointPool:
             self._set_state(endpoint, LOADING, f"the {placement.ENTRY} model is not ready (still loading, or failed "
                                                "to load)")
             endpoint.slots = {}  # its models may come back with other configs
+            endpoint.devices = await devices.read(endpoint.client, "", self.probe_s)
             return
         try:
             if not endpoint.slots:
@@ -268,6 +285,7 @@ class EndpointPool:
             response = await self._http.get(endpoint.spec.metrics_url)
             response.raise_for_status()
             scrape = placement.parse_metrics(response.text)
+            endpoint.devices = await devices.read(endpoint.client, response.text, self.probe_s)
             endpoint.queue_ms = placement.queue_ms(endpoint.scrape, scrape)
             endpoint.scrape, endpoint.placed = scrape, 0
         except Exception as exc:  # noqa: BLE001 (no metrics: room is judged from this gateway's own sessions)
@@ -327,23 +345,7 @@ class EndpointPool:
         if self._http is not None:
             await self._http.aclose()
 
-    # ---- what /health and /metrics show ----
-    def describe(self) -> list[dict[str, Any]]:
+    # ---- what /health shows (/metrics: gateway/metrics.py) ----
+    def describe(self) -> list[EndpointHealth]:
         on = self._sessions()
         return [e.describe(on[e.url]) for e in self.endpoints.values()]
-
-    def metrics(self) -> list[str]:
-        """Prometheus samples, one set per endpoint."""
-        on = self._sessions()
-        lines = []
-        for e in self.endpoints.values():
-            label = f'{{endpoint="{e.url}"}}'
-            room = e.room(on[e.url])
-            lines += [f"minicpmo_gateway_sessions{label} {on[e.url]}",
-                      f"minicpmo_gateway_endpoint_ready{label} {int(e.healthy)}",
-                      f"minicpmo_gateway_endpoint_draining{label} {int(e.draining)}",
-                      f"minicpmo_gateway_endpoint_room{label} {'NaN' if room is None else room}",
-                      f"minicpmo_gateway_endpoint_queue_ms{label} {e.queue_ms:.1f}",
-                      f"minicpmo_gateway_placements_total{label} {e.placements}",
-                      f"minicpmo_gateway_failovers_total{label} {e.failovers}"]
-        return lines

@@ -6,6 +6,11 @@ until Triton's empty final response. `close()` sends the sequence END exactly on
 stream broken, Triton silent, the entry model's state gone) is handed to `on_unended`, which has it ENDed later
 (gateway/triton/orphans.py). A step Triton could not run at all (an error on the stream: the entry model's stub
 died, its model is reloading) is `TritonUnavailable`: the session's state is gone with it.
+
+A traced step (`trace`: its W3C context, gateway/tracing.py) goes on a gRPC stream of its own whose headers carry
+the context, the one place Triton 2.51 reads it from (a stream's headers, not a request's): Triton's own spans
+then join that step's trace; the context rides as a request parameter too, for the entry model's spans. Its
+sequence is the session's all the same (the correlation ID names it, not the stream).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from minicpmo_triton.duplex_contract import Cancel, Request, StepEvent, StepInpu
 
 ENTRY_MODEL = "duplex"
 _FINAL = "triton_final_response"
+TRACEPARENT = "traceparent"  # W3C trace context: the stream's header, and the request's parameter
 
 
 def next_correlation_id(taken: Collection[int] = ()) -> int:
@@ -80,6 +86,7 @@ class TritonStream:
         self._pending: OrderedDict[str, asyncio.Queue[StepEvent | Exception | None]] = OrderedDict()
         self._reader: asyncio.Task[None] | None = None
         self._step_no = 0
+        self._traced: set[asyncio.Task[None]] = set()  # traced steps' own streams, being read
         self.started = False
         self.ended = False
         self._broken: Exception | None = None
@@ -94,26 +101,30 @@ class TritonStream:
         stream = self._client.stream_infer(requests())
         self._reader = asyncio.create_task(self._read(stream))
 
+    def _route(self, result: Any, error: Any) -> None:
+        """One message of a stream to the step it answers."""
+        if error is not None:
+            # Triton's stream errors carry no request id: they belong to the oldest open step. Triton could not run
+            # it (the entry model's own failures are coded events): its state is gone
+            if self._pending:
+                _, oldest = self._pending.popitem(last=False)
+                oldest.put_nowait(TritonUnavailable(f"Triton could not run the step: {error}"))
+            return
+        response = result.get_response()
+        q = self._pending.get(response.id)
+        if q is None:
+            return
+        event = parse_result(result)
+        if event is not None:
+            q.put_nowait(event)
+        if response.parameters[_FINAL].bool_param:
+            self._pending.pop(response.id, None)
+            q.put_nowait(None)
+
     async def _read(self, stream: Any) -> None:
         try:
             async for result, error in stream:
-                if error is not None:
-                    # Triton's stream errors carry no request id: they belong to the oldest open step. Triton could
-                    # not run it (the entry model's own failures are coded events): its state is gone
-                    if self._pending:
-                        _, oldest = self._pending.popitem(last=False)
-                        oldest.put_nowait(TritonUnavailable(f"Triton could not run the step: {error}"))
-                    continue
-                response = result.get_response()
-                q = self._pending.get(response.id)
-                if q is None:
-                    continue
-                event = parse_result(result)
-                if event is not None:
-                    q.put_nowait(event)
-                if response.parameters[_FINAL].bool_param:
-                    self._pending.pop(response.id, None)
-                    q.put_nowait(None)
+                self._route(result, error)
         except asyncio.CancelledError:  # closed by us (`close`): the steps still open learn the stream is gone
             self._broken = TritonStreamError("the stream to Triton was closed")
             raise
@@ -127,7 +138,22 @@ class TritonStream:
             if not self.ended and self.on_lost is not None:
                 self.on_lost()
 
-    def _send(self, req: Request, end: bool) -> asyncio.Queue[StepEvent | Exception | None]:
+    async def _read_traced(self, item: dict[str, Any], traceparent: str) -> None:
+        """A traced step's own stream: its one request, then its responses until the final one."""
+        async def one() -> AsyncIterator[dict[str, Any]]:
+            yield item
+
+        assert self._client is not None
+        try:
+            async for result, error in self._client.stream_infer(one(), headers={TRACEPARENT: traceparent}):
+                self._route(result, error)
+        except Exception as exc:  # noqa: BLE001 (this step's stream broke: the step learns why; the session's own
+            # stream tells the session when Triton went away)
+            q = self._pending.pop(item["request_id"], None)
+            if q is not None:
+                q.put_nowait(TritonUnavailable(f"stream to Triton lost: {exc}"))
+
+    def _send(self, req: Request, end: bool, trace: str | None = None) -> asyncio.Queue[StepEvent | Exception | None]:
         if self._broken is not None:
             raise TritonUnavailable(f"stream to Triton lost: {self._broken}")
         if self.ended:
@@ -136,18 +162,25 @@ class TritonStream:
         self._step_no += 1
         q: asyncio.Queue[StepEvent | Exception | None] = asyncio.Queue()
         self._pending[request_id] = q
-        self._outbox.put_nowait({
+        item: dict[str, Any] = {
             "model_name": self.model, "inputs": build_inputs(req), "request_id": request_id,
             "sequence_id": self.corr_id, "sequence_start": not self.started, "sequence_end": end,
             "parameters": {"triton_enable_empty_final_response": True},
-        })
+        }
+        if trace is None:
+            self._outbox.put_nowait(item)
+        else:
+            item["parameters"][TRACEPARENT] = trace
+            task = asyncio.get_running_loop().create_task(self._read_traced(item, trace))
+            self._traced.add(task)
+            task.add_done_callback(self._traced.discard)
         self.started = True
         self.ended = end
         return q
 
-    async def step(self, req: Request, end: bool = False) -> AsyncIterator[StepEvent]:
-        """Send one step now; iterate its events (a coded `error` event ends the step)."""
-        q = self._send(req, end)
+    async def step(self, req: Request, end: bool = False, trace: str | None = None) -> AsyncIterator[StepEvent]:
+        """Send one step now; iterate its events (a coded `error` event ends the step). `trace`: its trace context."""
+        q = self._send(req, end, trace)
         while (item := await q.get()) is not None:
             if isinstance(item, Exception):
                 raise item
@@ -177,5 +210,7 @@ class TritonStream:
             if self._reader is not None:
                 await asyncio.wait({self._reader}, timeout=2.0)  # the reader sees the stream end (it logs nothing)
                 self._reader.cancel()  # a no-op once it has
+            for task in list(self._traced):
+                task.cancel()
             if self._client is not None:
                 await self._client.close()

@@ -6,22 +6,19 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from ..audio_mel import CONTEXT_FRAMES, HOP, MelChunk, MelStream, mel_filterbank
+from ..engine.protocol import PagedCache
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvBatch, KvCache
 from ..model_config import AudioEncoderDims
-from ..paged.protocol import PagedCache
 from ..pcm import pcm_problem
 from ..stage_io import AudioEncoderRequest, AudioEncoderResult
 from .base import isolated
-
-if TYPE_CHECKING:  # torch: imported where the paged encoder is built
-    from ..paged.whisper import PagedWhisper
 
 PIECE_SAMPLES = 30 * 16_000  # the reference encodes a longer utterance as 30 s pieces (`chunk_audio`)
 
@@ -90,89 +87,75 @@ class AudioEncoderStage:
 @dataclass
 class AudioStream:
     """One duplex session's streaming audio state: its mel stream and its Whisper KV cache (host arrays for the
-    ONNX graph, or its place in the paged encoder's pool)."""
+    ONNX graph, or its place in the device encoder's pool)."""
 
     mel: MelStream = field(default_factory=MelStream)
     cache: KvCache | PagedCache | None = None  # None until the first chunk
-    restarts: int = 0  # paged: the pool entry's restarts this stream has seen (an undo may put back an older count)
+    restarts: int = 0  # device pool: the entry's restarts this stream has seen (an undo may put back an older count)
 
     @property
     def nbytes(self) -> int:
         return self.mel.nbytes + (self.cache.nbytes if isinstance(self.cache, KvCache) else 0)
 
 
-class AudioStreamEncoder:
-    """Each session's duplex chunk against its own Whisper KV cache (positions continue across chunks; the
-    cache restarts before it would pass `max_positions`, 1500 = 30 s), all sessions' chunks in one batch.
-    `engine`: the `stream.onnx` graph (the cache goes in and comes back grown each call) or the paged encoder
-    (`paged/whisper.py`: the cache stays in its pool, written in place)."""
+class StreamKv(Protocol):
+    """Where the streams' Whisper KV caches live and how a group of equal chunks is encoded over them: host arrays
+    through the `stream.onnx` graph (`GraphStreamKv`), or a pool on the device (`engine.whisper.PagedWhisper`)."""
 
-    def __init__(self, engine: Engine | PagedWhisper, dims: AudioEncoderDims, samples_per_token: int) -> None:
-        self.paged = cast("PagedWhisper", engine) if getattr(engine, "name", "") == "paged" else None
-        self.engine = cast(Engine, engine)  # used only where self.paged is None
-        self.dims = dims
-        self.samples_per_token = samples_per_token
-        self.filters = mel_filterbank(dims.n_mels)
-        # the pool's tables change on the stage's thread (reserve, run) and on an idle sweep's (release)
-        self._lock = threading.RLock()
-        self._restarted: dict[int, int] = {}  # paged: restarts of each pool entry (its frames rewritten from 0)
+    name: str
 
-    def _new_frames(self, n_samples: int) -> int:
-        """Encoder frames a chunk of `n_samples` adds to the cache: its core mel frames after the stride-2 conv."""
-        return (n_samples + -n_samples % self.samples_per_token) // HOP // 2
+    def reserve(self, stream: AudioStream, frames: int) -> None:
+        """Room for the stream's next chunk of `frames` encoder frames, taken before the batch (a pool refuses
+        now: pool_full); a new stream is admitted with one chunk's room."""
+        ...
 
-    def reserve(self, stream: AudioStream, n_samples: int) -> None:
-        """The paged pool's room for the stream's next chunk, taken before the batch (a new stream is admitted
-        with room for one chunk): `pool_full` (retryable) is raised here, never mid-step. ONNX: nothing to do."""
-        if self.paged is None:
-            return
-        pool, new = self.paged.pool, self._new_frames(n_samples)
-        with self._lock:
-            if not isinstance(stream.cache, PagedCache):
-                stream.cache = PagedCache(pool.open(new), 0)
-            elif not self._restarts(stream.cache.length, new + 2):  # a restart needs no more than the stream holds
-                pool.reserve(stream.cache.seq, stream.cache.length + new)
+    def release(self, stream: AudioStream) -> None: ...
+
+    def restart(self, stream: AudioStream, due: bool) -> None:
+        """The stream's cache starts over before this chunk when `due` (the stream's first chunk, or the positions
+        would run out), or when the cache it holds is stale (a device pool's entry restarted after an undo)."""
+        ...
+
+    def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
+        """Each stream's next chunk's mel (`MelStream.push`: on the host, or on the device, batched)."""
+        ...
+
+    def encode(self, streams: list[AudioStream], chunks: list[MelChunk], frames: int) -> Any:
+        """Rows of equal frames (each chunk's mel at the end of `frames`, its missing left context masked):
+        their embeddings [B, T / pool, H] (a host array, or a device tensor kept where the LLM reads it); each
+        stream's cache advances by its chunk."""
+        ...
+
+
+
+class GraphStreamKv:
+    """The `stream.onnx` graph: every row's cache goes in, padded to the longest, and comes back grown."""
+
+    name = "onnx"
+
+    def __init__(self, engine: Engine, dims: AudioEncoderDims) -> None:
+        self.engine, self.dims = engine, dims
+
+    def reserve(self, stream: AudioStream, frames: int) -> None:
+        """Host arrays grow as they must."""
 
     def release(self, stream: AudioStream) -> None:
-        """END or eviction: the stream's blocks go back to the pool."""
-        if self.paged is not None and isinstance(stream.cache, PagedCache):
-            with self._lock:
-                self.paged.pool.free(stream.cache.seq)
-                self._restarted.pop(stream.cache.seq, None)
-            stream.cache = None
+        stream.cache = None
 
-    def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
-        """Embeddings [audio_tokens(len(audio)), H] per item; each item's stream advances by its chunk."""
-        with self._lock:
-            return self._run(items)
+    def restart(self, stream: AudioStream, due: bool) -> None:
+        if due or stream.cache is None:
+            d = self.dims
+            stream.cache = KvCache.empty(d.layers, d.heads, d.d_model // d.heads)
 
-    def _run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[np.ndarray]:
-        results: list[np.ndarray] = [np.zeros(0)] * len(items)
-        groups: dict[int, list[int]] = defaultdict(list)
-        chunks: list[MelChunk] = []
-        for i, (audio, stream) in enumerate(items):
-            audio = np.asarray(audio, np.float32).reshape(-1)
-            if len(audio) == 0:
-                raise ValueError("audio_encoder got an empty chunk")
-            chunks.append(stream.mel.push(np.pad(audio, (0, -len(audio) % self.samples_per_token)), self.filters))
-            groups[chunks[-1].mel.shape[1] + (CONTEXT_FRAMES if chunks[-1].first else 0)].append(i)
-        for frames, rows in groups.items():
-            for i in rows:
-                self._maybe_reset(items[i][1], chunks[i])
-            mel = np.zeros((len(rows), self.dims.n_mels, frames), np.float32)
-            mel_mask = np.ones((len(rows), frames), bool)
-            for r, i in enumerate(rows):
-                mel[r, :, frames - chunks[i].mel.shape[1]:] = chunks[i].mel
-                mel_mask[r, : frames - chunks[i].mel.shape[1]] = False
-            streams = [items[i][1] for i in rows]
-            embeds = self._encode_paged(streams, mel, mel_mask) if self.paged is not None else \
-                self._encode_onnx(streams, mel, mel_mask)
-            for r, i in enumerate(rows):
-                results[i] = embeds[r]
-        return results
+    def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
+        return [stream.push(audio, filters) for stream, audio in items]
 
-    def _encode_onnx(self, streams: list[AudioStream], mel: np.ndarray, mel_mask: np.ndarray) -> np.ndarray:
-        """The graph takes every row's cache, padded to the longest, and gives it back grown."""
+    def encode(self, streams: list[AudioStream], chunks: list[MelChunk], frames: int) -> np.ndarray:
+        mel = np.zeros((len(chunks), self.dims.n_mels, frames), np.float32)
+        mel_mask = np.ones((len(chunks), frames), bool)
+        for r, chunk in enumerate(chunks):
+            mel[r, :, frames - chunk.mel.shape[1]:] = chunk.mel
+            mel_mask[r, : frames - chunk.mel.shape[1]] = False
         batch = KvBatch([s.cache for s in streams])  # type: ignore[misc]
         new_len = np.full(len(streams), (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2, np.int64)  # encoder frames per row
         feeds = batch.feeds(new_len)
@@ -183,15 +166,59 @@ class AudioStreamEncoder:
             stream.cache = batch.extract(r)
         return out["embeds"]
 
-    def _encode_paged(self, streams: list[AudioStream], mel: np.ndarray, mel_mask: np.ndarray) -> np.ndarray:
-        """The rows' caches stay in the pool: only the mel goes in and the embeddings come back."""
-        assert self.paged is not None
-        caches = [cast(PagedCache, s.cache) for s in streams]
-        embeds = self.paged.encode([c.seq for c in caches], [c.length for c in caches], mel, mel_mask)
-        new_len = (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2
-        for stream, cache in zip(streams, caches, strict=True):
-            stream.cache = cache.truncated(cache.length + new_len)
-        return embeds
+
+class AudioStreamEncoder:
+    """Each session's duplex chunk against its own Whisper KV cache (positions continue across chunks; the
+    cache restarts before it would pass `max_positions`, 1500 = 30 s), all sessions' chunks in one batch.
+    `kv`: where the caches live (`StreamKv`); an exported `stream.onnx` graph (`Engine`) runs them as host arrays."""
+
+    def __init__(self, kv: StreamKv | Engine, dims: AudioEncoderDims, samples_per_token: int) -> None:
+        self.kv: StreamKv = cast(StreamKv, kv) if hasattr(kv, "restart") else GraphStreamKv(kv, dims)
+        self.dims = dims
+        self.samples_per_token = samples_per_token
+        self.filters = mel_filterbank(dims.n_mels)
+        # a pool's tables change on the stage's thread (reserve, run) and on an idle sweep's (release)
+        self._lock = threading.RLock()
+
+    def _new_frames(self, n_samples: int) -> int:
+        """Encoder frames a chunk of `n_samples` adds to the cache: its core mel frames after the stride-2 conv."""
+        return (n_samples + -n_samples % self.samples_per_token) // HOP // 2
+
+    def reserve(self, stream: AudioStream, n_samples: int) -> None:
+        """The room for the stream's next chunk, taken before the batch: `pool_full` (retryable) is raised here,
+        never mid-step."""
+        with self._lock:
+            self.kv.reserve(stream, self._new_frames(n_samples))
+
+    def release(self, stream: AudioStream) -> None:
+        """END or eviction: the stream's cache goes (a pool's blocks go back)."""
+        with self._lock:
+            self.kv.release(stream)
+
+    def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[Any]:
+        """Embeddings [audio_tokens(len(audio)), H] per item; each item's stream advances by its chunk."""
+        with self._lock:
+            return self._run(items)
+
+    def _run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[Any]:
+        results: list[Any] = [None] * len(items)
+        groups: dict[int, list[int]] = defaultdict(list)
+        audios = []
+        for audio, _ in items:
+            audio = np.asarray(audio, np.float32).reshape(-1)
+            if len(audio) == 0:
+                raise ValueError("audio_encoder got an empty chunk")
+            audios.append(np.pad(audio, (0, -len(audio) % self.samples_per_token)))
+        chunks = self.kv.mels([(stream.mel, a) for (_, stream), a in zip(items, audios, strict=True)], self.filters)
+        for i, chunk in enumerate(chunks):
+            groups[chunk.mel.shape[1] + (CONTEXT_FRAMES if chunk.first else 0)].append(i)
+        for frames, rows in groups.items():
+            for i in rows:
+                self._maybe_reset(items[i][1], chunks[i])
+            embeds = self.kv.encode([items[i][1] for i in rows], [chunks[i] for i in rows], frames)
+            for r, i in enumerate(rows):
+                results[i] = embeds[r]
+        return results
 
     def _restarts(self, length: int, frames_after_conv: int) -> bool:
         """The reference drops the cache when past + the chunk's encoder frames (context included) would reach
@@ -199,17 +226,8 @@ class AudioStreamEncoder:
         return length + frames_after_conv >= self.dims.max_positions
 
     def _maybe_reset(self, stream: AudioStream, chunk: MelChunk) -> None:
-        d = self.dims
         frames_after_conv = (chunk.mel.shape[1] - 1) // 2 + 1
-        if self.paged is not None:  # a restart is a truncation: the stream keeps its place (and its admitted room)
-            if not isinstance(stream.cache, PagedCache):  # a call that skipped `reserve` (a direct caller)
-                self.reserve(stream, (chunk.mel.shape[1] - CONTEXT_FRAMES * (1 if chunk.first else 2)) * HOP)
-            cache = cast(PagedCache, stream.cache)
-            # a stream undone after a restart holds a length over frames the restart rewrote: it restarts too
-            stale = stream.restarts != self._restarted.get(cache.seq, 0)
-            if stream.mel.chunks == 1 or stale or self._restarts(cache.length, frames_after_conv):
-                self.paged.pool.truncate(cache.seq, 0)
-                stream.cache = cache.truncated(0)
-                stream.restarts = self._restarted[cache.seq] = self._restarted.get(cache.seq, 0) + 1
-        elif stream.cache is None or self._restarts(cast(KvCache, stream.cache).length, frames_after_conv):
-            stream.cache = KvCache.empty(d.layers, d.heads, d.d_model // d.heads)
+        if stream.cache is None:  # a call that skipped `reserve` (a direct caller)
+            self.kv.reserve(stream, (chunk.mel.shape[1] - CONTEXT_FRAMES * (1 if chunk.first else 2)) // 2)
+        length = stream.cache.length if stream.cache is not None else 0
+        self.kv.restart(stream, stream.mel.chunks == 1 or self._restarts(length, frames_after_conv))

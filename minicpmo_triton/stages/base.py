@@ -114,6 +114,10 @@ class SequenceStage(Generic[Req, Res, State]):
     def __init__(self, ttl_s: float) -> None:
         self.store: SequenceStore[State] = SequenceStore(ttl_s, on_drop=self.drop_state)
 
+    def counted(self) -> dict[str, int]:
+        """The stage's running counts by name (the llm's window slides), published as counters on Triton's port."""
+        return {}
+
     def drop_state(self, state: State) -> None:
         """A session's state is gone (END, a restart, eviction): give back what it holds outside itself."""
 

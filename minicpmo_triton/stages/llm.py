@@ -2,42 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 import numpy as np
 
 from ..chat_rules import ChatDecoder, chat_token_mask
 from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
-from ..duplex_window import PREVIOUS_MARKER, WINDOW_MODES, Slide, UnitLedger, WindowConfig, drop_tokens
+from ..duplex_window import PREVIOUS_MARKER, WINDOW_MODES, Slide, UnitLedger, WindowConfig
+from ..engine.protocol import CHAT, DREW_SECOND, DUPLEX, NOT_FINITE, LlmRow, PagedCache, Prefill
 from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvBatch, KvCache
+from ..kv_batch import KvCache
 from ..model_config import PresetConfig
-from ..paged.protocol import CHAT, DUPLEX, PagedCache, Prefill, RowPick
 from ..pcm import pcm_problem
-from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
 from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
-from .decode_loop import DecodeTiming, batched_decode
-
-if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
-    from ..paged.engine import LoopTiming, PagedLlmEngine
+from .kv import HostKv, KvRow, StageKv
 
 
 def is_prefill_chunk(request: LlmRequest) -> bool:
     """A long prefill's leading chunk (prefill_chunks.py): its session's step, which decodes, comes later."""
     return not request.decode and len(request.input_ids) > 0
-
-
-def wants_hidden(dec: ChunkDecoder | ChatDecoder, got: list[np.ndarray]) -> bool:
-    """The fed token's hidden state is wanted (the TTS conditions on it): position 0 of a prefill (a carried
-    token) or of a step."""
-    return bool(dec.text_ids) and len(got) < len(dec.text_ids)
 
 
 class ContextFull(StepError):
@@ -59,41 +50,68 @@ class LlmSession:
     units: UnitLedger = field(default_factory=UnitLedger)  # for the sliding window
 
 
+def rule_masks(preset: PresetConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """[DUPLEX / CHAT, vocab]: what each rule set's draws may never pick (the device keeps them for its rules)."""
+    d = preset.llm
+    return np.stack([forbidden_token_mask(d.vocab, preset.tokens, tokenizer.bad_ids(d.vocab)),
+                     ~chat_token_mask(d.vocab, preset.tokens, tokenizer.is_text)])
+
+
+def host_kv(engine: Engine, preset: PresetConfig) -> HostKv:
+    """The exported graph's KV interface: host caches in and out each call, tokens chosen from host logits."""
+    d = preset.llm
+
+    def feeds(prefills: list[Prefill]) -> list[dict[str, np.ndarray]]:
+        out: list[dict[str, np.ndarray]] = []
+        for p in prefills:
+            embeds = np.zeros((len(p.ids), d.hidden), np.float32)
+            embeds[p.use] = _on_host(p.embeds).reshape(-1, d.hidden)
+            out.append({"input_ids": p.ids.astype(np.int64), "embeds": embeds, "use_embeds": p.use})
+        return out
+
+    def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
+        n = len(rows)
+        return {"input_ids": np.array(tokens, np.int64)[:, None], "embeds": np.zeros((n, 1, d.hidden), np.float32),
+                "use_embeds": np.zeros((n, 1), bool)}
+
+    return HostKv(engine, lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim), feeds, step_feeds,
+                  ("logits", "hidden"))
+
+
+def _is_kv(engine: object) -> bool:
+    return hasattr(engine, "open") and hasattr(engine, "release")
+
+
 class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
-    def __init__(self, engine: Engine | PagedLlmEngine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
+    def __init__(self, kv: StageKv | Engine, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  encoder: AudioStreamEncoder | None = None, admit_tokens: int = 1024) -> None:
+        """`kv`: where the sessions' caches live and how a batch runs (`stages.kv`); an exported graph (`Engine`)
+        is run with host caches (`host_kv`)."""
         super().__init__(ttl_s)
-        # the paged engine keeps every session's KV cache in its pool; the ONNX engine takes it in each call
-        self.paged = cast("PagedLlmEngine", engine) if getattr(engine, "name", "") == "paged" else None
-        self.engine = cast(Engine, engine)  # used only where self.paged is None
+        self.kv: StageKv = cast(StageKv, kv) if _is_kv(kv) else host_kv(cast(Engine, kv), preset)
         self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
         self.tokenizer = tokenizer
         d = preset.llm
-        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
-        self.forbidden = forbidden_token_mask(d.vocab, preset.tokens, tokenizer.bad_ids(d.vocab))
-        self.chat_allowed = chat_token_mask(d.vocab, preset.tokens, tokenizer.is_text)
+        masks = rule_masks(preset, tokenizer)
+        self.forbidden, self.chat_allowed = masks[DUPLEX], ~masks[CHAT]
         self.turn_close = [preset.tokens.im_end, *tokenizer.encode("\n")]
         # Any token but a control token may be teacher-forced: caller text holds newlines and accents that
         # `tiny`'s byte tokenizer never samples (its sampling mask is printable ASCII).
         self.forcible = np.ones(d.vocab, bool)
         self.forcible[sorted(set(vars(preset.tokens).values()))] = False
+        self.chat_choice = int(self.chat_allowed.sum()) > 1
         # `context` window: the tokens a dropped unit's text leaves out (StreamDecoder's `_all_special_ids`)
         self.unsaid = tokenizer.special_ids()
         self.marker = tuple(tokenizer.encode(PREVIOUS_MARKER))
-        if self.paged is not None:
-            self.paged.use_rules(np.stack([self.forbidden, ~self.chat_allowed]), preset.tokens)  # DUPLEX, CHAT
+        self.window_slides = 0  # every session's, since load (minicpmo_llm_window_slides_total)
 
     def new_state(self, call: StageCall[LlmRequest]) -> LlmSession:
-        rng = seeded_rng(call.request.seed, call.corr_id)
-        if self.paged is not None:
-            return LlmSession(PagedCache(self.paged.pool.open(self.admit_tokens), 0), rng)
-        return LlmSession(self._empty(), rng)
+        return LlmSession(self.kv.open(self.admit_tokens), seeded_rng(call.request.seed, call.corr_id))
 
     def drop_state(self, state: LlmSession) -> None:
-        if isinstance(state.cache, PagedCache) and self.paged is not None:
-            self.paged.pool.free(state.cache.seq)
+        self.kv.free(state.cache)
         if self.encoder is not None:
             self.encoder.release(state.audio)
 
@@ -105,10 +123,7 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
     def sweep_pool(self) -> None:
         """With no call in flight: a slide copies a session into a new pool entry, and the one it left (or the
         one an undo dropped) is held by no session any more: it is given back."""
-        if self.paged is not None:
-            held = {s.cache.seq for s in self.store.values() if isinstance(s.cache, PagedCache)}
-            for seq in [q for q in self.paged.pool.tables if q not in held]:
-                self.paged.pool.free(seq)
+        self.kv.sweep([s.cache for s in self.store.values()])
 
     def is_noop(self, request: LlmRequest) -> bool:
         return len(request.input_ids) == 0 and not request.decode and request.rollback_to < 0
@@ -158,27 +173,26 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         if need > self.preset.duplex.context_tokens - used:
             raise ContextFull(f"context full: {state.cache.length} of {self.preset.duplex.context_tokens} tokens used")
         if n_audio and self.encoder is not None:
-            self.encoder.reserve(state.audio, len(request.audio))  # the paged encoder's pool: refused now too
-        if isinstance(state.cache, PagedCache) and self.paged is not None:
-            self.paged.pool.reserve(state.cache.seq, state.cache.length + need)  # refused now, never mid-step
+            self.encoder.reserve(state.audio, len(request.audio))  # the device encoder's pool: refused now too
+        self.kv.reserve(state.cache, state.cache.length + need)  # a pool refuses now (pool_full), never mid-step
 
-    def encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[np.ndarray], float]:
+    def encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[Any], float]:
         """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
-        audio stream (its Whisper KV cache), all rows' chunks in one encoder batch."""
+        audio stream (its Whisper KV cache), all rows' chunks in one encoder batch (on the device engine, kept
+        there: spliced into the LLM's input without a trip through the host)."""
         rows = [i for i, (req, _) in enumerate(items) if len(req.audio)]
-        embeds = [req.embeds.reshape(-1, self.preset.llm.hidden) for req, _ in items]
+        embeds: list[Any] = [req.embeds.reshape(-1, self.preset.llm.hidden) for req, _ in items]
         if not rows or self.encoder is None:
             return embeds, 0.0
         t0 = time.perf_counter()
         encoded = self.encoder.run([(items[i][0].audio, items[i][1].audio) for i in rows])
         for i, out in zip(rows, encoded, strict=True):
-            embeds[i] = np.concatenate([embeds[i], out])
+            embeds[i] = _joined(embeds[i], out)
         return embeds, (time.perf_counter() - t0) * 1000
 
-    def prepare(self, req: LlmRequest, sess: LlmSession, req_embeds: np.ndarray
-                ) -> tuple[dict[str, np.ndarray], ChunkDecoder | ChatDecoder, SamplingParams]:
+    def prepare(self, req: LlmRequest, sess: LlmSession, req_embeds: Any) -> tuple[Prefill, LlmRules]:
         """One row before its prefill: a rollback, the window's slide, what it feeds, its decode rules."""
-        tk, h = self.preset.tokens, self.preset.llm.hidden
+        tk = self.preset.tokens
         if req.rollback_to >= 0:
             self._roll_back(sess, req.rollback_to - sess.units.dropped)
         self._slide(req, sess)
@@ -186,17 +200,15 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         use = ids == tk.audio_placeholder
         if len(ids) == 0:
             ids, use = np.array([tk.unit], np.int64), np.zeros(1, bool)  # decode needs one fed token
-        embeds = np.zeros((len(ids), h), np.float32)
-        embeds[use] = req_embeds
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.repetition_penalty,
                                 self.preset.duplex.repetition_window)
-        return {"input_ids": ids, "embeds": embeds, "use_embeds": use}, self._decoder(req, sess), params
+        return Prefill(ids, req_embeds, use), LlmRules(self, req, sess, self._decoder(req, sess), params)
 
     def compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
         fill = [i for i, (r, _) in enumerate(items) if not r.decode]
-        if self.paged is None and 0 < len(fill) < len(items):
-            # Prefill-only rows (a long prompt's chunks) go as a forward of their own: in one batch each decoding
-            # row would carry their long past, padded, through every step of its decode.
+        if self.kv.name == "onnx" and 0 < len(fill) < len(items):
+            # Prefill-only rows (a long prompt's chunks) go as a forward of their own: in one padded batch each
+            # decoding row would carry their long past through every step of its decode.
             rest = [i for i, (r, _) in enumerate(items) if r.decode]
             out = dict(zip(rest, self._compute([items[i] for i in rest]), strict=True))
             out.update(zip(fill, self._compute([items[i] for i in fill]), strict=True))
@@ -204,80 +216,17 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return self._compute(items)
 
     def _compute(self, items: list[tuple[LlmRequest, LlmSession]]) -> list[LlmResult]:
-        h = self.preset.llm.hidden
-        prefill, decoders, params = [], [], []
         row_embeds, encode_ms = self.encode(items)
-        for (req, sess), req_embeds in zip(items, row_embeds, strict=True):
-            pre, dec, par = self.prepare(req, sess, req_embeds)
-            prefill.append(pre)
-            decoders.append(dec)
-            params.append(par)
-        hidden_of: list[list[np.ndarray]] = [[] for _ in items]
+        rows = [self.prepare(req, sess, e) for (req, sess), e in zip(items, row_embeds, strict=True)]
+        done = self.kv.run([KvRow(sess, sess.cache, pre, rules) for (_, sess), (pre, rules)
+                            in zip(items, rows, strict=True)])
+        return [self.result(rules, cache, len(pre), prefill_ms, decode_ms, encode_ms)
+                for (pre, rules), (cache, prefill_ms, decode_ms) in zip(rows, done, strict=True)]
 
-        if self.paged is not None:
-            driver = _DeviceRows(self, items, decoders, params, hidden_of)
-            seqs = [s.cache.seq for _, s in items]  # type: ignore[union-attr]
-            lengths, timing = self.paged.run(seqs, [s.cache.length for _, s in items],
-                                             [Prefill(p["input_ids"], e, p["use_embeds"])
-                                              for p, e in zip(prefill, row_embeds, strict=True)], driver)
-            caches: list[KvCache | PagedCache] = [PagedCache(q, n) for q, n in zip(seqs, lengths, strict=True)]
-            for q, n in zip(seqs, lengths, strict=True):
-                self.paged.pool.truncate(q, n)
-            return self._results(items, decoders, caches, hidden_of, prefill, timing, encode_ms)
-
-        tk = self.preset.tokens
-
-        def choose(row: int, out: dict[str, np.ndarray]) -> int | None:
-            dec, sess = decoders[row], items[row][1]
-            if wants_hidden(dec, hidden_of[row]):
-                hidden_of[row].append(out["hidden"][0])
-            if dec.done:
-                return None
-            forced = items[row][0].forced_ids
-            if isinstance(dec, ChatDecoder):
-                logits = dec.adjust(out["logits"])
-                if len(dec.generated) < len(forced) and self._may_force(logits, int(forced[len(dec.generated)])):
-                    return dec.accept(int(forced[len(dec.generated)]))
-                apply_repetition_penalty(logits, sess.chat_history, params[row].repetition_penalty,
-                                         self.preset.duplex.repetition_window)
-                token = sample(logits, params[row], sess.rng)
-                sess.chat_history.append(token)
-                del sess.chat_history[:-self.preset.duplex.repetition_window]
-                return dec.accept(token)
-            if dec.must_end:
-                dec.end_now()
-                return None
-            if len(dec.generated) < len(forced):  # teacher forcing: decided in place of a draw, recorded as one
-                token = int(forced[len(dec.generated)])
-                sess.history.append(token)
-            else:
-                token = stream_decode(out["logits"], self.forbidden, sess.history, params[row],
-                                      items[row][0].length_penalty, tk, sess.rng)
-                if len(sess.history) > 2 * params[row].repetition_window:  # only the window is read: keep it bounded
-                    del sess.history[:-params[row].repetition_window]
-            return dec.accept(token)
-
-        def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
-            n = len(rows)
-            return {"input_ids": np.array(tokens, np.int64)[:, None],
-                    "embeds": np.zeros((n, 1, h), np.float32), "use_embeds": np.zeros((n, 1), bool)}
-
-        host_caches, host_timing = batched_decode(self.engine, [cast(KvCache, s.cache) for _, s in items], prefill,
-                                                  step_feeds, choose, ("logits", "hidden"))
-        return self._results(items, decoders, host_caches, hidden_of, prefill, host_timing, encode_ms)
-
-    def _results(self, items: list[tuple[LlmRequest, LlmSession]], decoders: list[ChunkDecoder | ChatDecoder],
-                 caches: Sequence[KvCache | PagedCache], hidden_of: list[list[np.ndarray]],
-                 prefill: list[dict[str, np.ndarray]], timing: DecodeTiming | LoopTiming,
-                 encode_ms: float) -> list[LlmResult]:
-        return [self.result(req, sess, dec, cache, hid, len(pre["input_ids"]), timing.prefill_ms, timing.decode_ms,
-                            encode_ms)
-                for (req, sess), dec, cache, hid, pre in zip(items, decoders, caches, hidden_of, prefill, strict=True)]
-
-    def result(self, req: LlmRequest, sess: LlmSession, dec: ChunkDecoder | ChatDecoder, cache: KvCache | PagedCache,
-               hid: list[np.ndarray], n_prefill: int, prefill_ms: float, decode_ms: float, encode_ms: float,
-               **loop: int) -> LlmResult:
+    def result(self, rules: LlmRules, cache: KvCache | PagedCache, n_prefill: int, prefill_ms: float,
+               decode_ms: float, encode_ms: float, **loop: int) -> LlmResult:
         """One row's answer, the session moved on to its new cache. `loop`: the in-flight loop's counters."""
+        req, sess, dec = rules.req, rules.sess, rules.dec
         cached = sess.cache.length
         sess.cache = cache
         if req.decode:
@@ -289,12 +238,16 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         # what the open unit said (its `total_ids_in_unit`; nothing when it ends listening), for `context`
         sess.units.speaking = [] if dec.is_listen or not isinstance(dec, ChunkDecoder) else \
             [t for t in dec.text_ids if t not in self.unsaid]
+        hidden = rules.hidden_rows(self.preset.llm.hidden)
         return LlmResult(
             generated=np.asarray(dec.generated, np.int64),
             text_ids=np.asarray(dec.text_ids, np.int64),
-            tts_hidden=np.stack(hid).astype(np.float32) if hid else np.zeros((0, self.preset.llm.hidden), np.float32),
+            tts_hidden=hidden,
             is_listen=dec.is_listen or not req.decode,
-            end_of_turn=dec.end_of_turn,
+            # a listen answers end_of_turn False, as the reference's `_make_generate_result` default
+            # (modeling_minicpmo_unified.py:4928, 5130): the turn a listen closed is `turn_closed`
+            end_of_turn=dec.end_of_turn and not dec.is_listen and req.decode,
+            turn_closed=isinstance(dec, ChunkDecoder) and dec.turn_closed,
             turn_start=dec.turn_start,
             kv_length=cache.length,
             n_prefill=n_prefill,
@@ -312,18 +265,31 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         force a terminator)."""
         return bool(np.isfinite(logits[token])) or (self.forcible[token] and np.count_nonzero(np.isfinite(logits)) > 1)
 
+    def counted(self) -> dict[str, int]:
+        return {"window_slides": self.window_slides}
+
+    def may_force(self, token: int) -> bool:
+        """A chat chunk's forced token is taken: its rules allow it, or it is plain text and they leave a choice
+        (they do not force a terminator). As the host path reads it off the logits (`_may_force`)."""
+        return bool(self.chat_allowed[token]) or (bool(self.forcible[token]) and self.chat_choice)
+
     def _slide(self, req: LlmRequest, sess: LlmSession) -> None:
         """The unit the pending tokens close is closed (`finalize_unit`), the window slides if it must, and the
-        session's first <unit> marks the end of its kept system prompt."""
+        session's first <unit> marks the end of its kept system prompt. Only where a unit closes: the reference
+        slides in `finalize_unit` alone (modeling_minicpmo_unified.py:5296-5300), never within a unit (a long
+        prefill's later chunks, which no pending tokens precede)."""
         closed_at = sess.cache.length + len(sess.pending)
+        slides: list[Slide] = []
         if sess.pending:
             sess.units.close(closed_at)
-        config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
-                              req.window_previous, self.marker)
-        if slides := sess.units.plan(closed_at, config):
+            config = WindowConfig(WINDOW_MODES[req.window_mode], req.window_high, req.window_low, req.window_units,
+                                  req.window_previous, self.marker)
+            slides = sess.units.plan(closed_at, config)
+        if slides:
+            self.window_slides += len(slides)
             # the closing tokens first, seeing the whole unit history, as `finalize_unit` feeds them before the
             # window slides (one more forward for this row, once per slide)
-            sess.cache = self._fed(sess.cache, sess.pending)
+            sess.cache = self.kv.feed(sess.cache, self._ids(sess.pending))
             sess.pending = []
             for slide in slides:
                 sess.cache = self._rewrite(sess.cache, slide)
@@ -336,34 +302,14 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
             sess.units.start(sess.cache.length + len(sess.pending) + int(units[0]),
                              [int(t) for t in head[ends[-1]:]] if len(ends) else [])
 
+    def _ids(self, ids: list[int]) -> Prefill:
+        return Prefill(np.asarray(ids, np.int64), np.zeros((0, self.preset.llm.hidden), np.float32),
+                       np.zeros(len(ids), bool))
+
     def _rewrite(self, cache: KvCache | PagedCache, slide: Slide) -> KvCache | PagedCache:
         """One window slide: [keep, keep + drop) cut, `insert` fed at `keep` over the kept head, the rest moved
         after it, re-rotated (`drop_tokens_from_cache` / `_rebuild_cache_with_previous`)."""
-        theta, gap = self.preset.llm.rope_theta, len(slide.insert)
-        length = cache.length - slide.drop + gap
-        if isinstance(cache, PagedCache) and self.paged is not None:  # into a new pool entry: undoable
-            seq = self.paged.pool.slid_copy(cache.seq, slide.keep, slide.drop, cache.length, theta, gap)
-            if gap:
-                self._fed(PagedCache(seq, slide.keep), list(slide.insert))
-            return PagedCache(seq, length)
-        head, tail = drop_tokens(cache, slide.keep, slide.drop, theta, gap)  # type: ignore[arg-type]
-        if gap:
-            head = self._fed(head, list(slide.insert))  # type: ignore[assignment]
-        return KvCache(np.concatenate([head.key, tail.key], axis=2), np.concatenate([head.value, tail.value], axis=2))
-
-    def _fed(self, cache: KvCache | PagedCache, ids: list[int]) -> KvCache | PagedCache:
-        """Tokens into one session's cache, alone (no decode)."""
-        if isinstance(cache, PagedCache) and self.paged is not None:
-            self.paged.forward([cache.seq], [cache.length], [Prefill(np.asarray(ids, np.int64),
-                                                                     np.zeros((0, self.preset.llm.hidden), np.float32),
-                                                                     np.zeros(len(ids), bool))])
-            return PagedCache(cache.seq, cache.length + len(ids))
-        batch, n = KvBatch([cast(KvCache, cache)]), np.array([len(ids)], np.int64)
-        out = self.engine.run({"input_ids": np.asarray(ids, np.int64)[None],
-                               "embeds": np.zeros((1, len(ids), self.preset.llm.hidden), np.float32),
-                               "use_embeds": np.zeros((1, len(ids)), bool), **batch.feeds(n)})
-        batch.advance(out["present_key"], out["present_value"], n)
-        return batch.extract(0)
+        return self.kv.slide(cache, slide.keep, slide.drop, self.preset.llm.rope_theta, self._ids(list(slide.insert)))
 
     def _roll_back(self, sess: LlmSession, length: int) -> None:
         """Forget what was said but not heard: the cache ends where the listener stopped hearing, and the
@@ -392,57 +338,138 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         return dec
 
 
-class _DeviceRows:
-    """The paged engine's side of the host rules: what `LlmStage.compute`'s `choose` does, with the logits left on
-    the device (each row's pick is sent as numbers; the token comes back)."""
+def _on_host(embeds: Any) -> np.ndarray:
+    """Embeddings as a host array (the device encoder's stay on the device until a host engine needs them)."""
+    return embeds.detach().float().cpu().numpy() if hasattr(embeds, "detach") else np.asarray(embeds, np.float32)
 
-    def __init__(self, stage: LlmStage, items: list[tuple[LlmRequest, LlmSession]],
-                 decoders: list[ChunkDecoder | ChatDecoder], params: list[SamplingParams],
-                 hidden_of: list[list[np.ndarray]]) -> None:
-        self.stage, self.items, self.decoders, self.params, self.hidden_of = stage, items, decoders, params, hidden_of
-        self.picks: dict[int, RowPick] = {}  # each row's pick this step, read back when its token comes
 
-    def wants_hidden(self, row: int) -> bool:
-        return wants_hidden(self.decoders[row], self.hidden_of[row])
+def _joined(brought: np.ndarray, encoded: Any) -> Any:
+    """A row's embeddings: what it brought, then its audio's (a host array, or the device encoder's tensor)."""
+    if isinstance(encoded, np.ndarray) or not len(brought):
+        return np.concatenate([brought, encoded]) if isinstance(encoded, np.ndarray) else encoded
+    import torch  # the device encoder's output: joined where it is
 
-    def add_hidden(self, row: int, hidden: np.ndarray) -> None:
-        self.hidden_of[row].append(hidden)
+    return torch.cat([torch.as_tensor(brought).to(encoded.device, encoded.dtype), encoded])
 
-    def pick(self, row: int) -> RowPick | None:
-        dec, (req, sess), params = self.decoders[row], self.items[row], self.params[row]
+
+class LlmRules:
+    """One row's duplex or chat rules, for either path, over one decoder (`ChunkDecoder` / `ChatDecoder`) and the
+    session's history and rng:
+    - the host path picks each token from the logits it was sent (`choose`: `stream_decode`, or the chat rules and
+      `sample`) and keeps the fed text tokens' hidden rows;
+    - the device path tells the device the row's rules once (`row`: settings, repetition window, forced tokens,
+      and the rng's uniforms for the whole chunk, drawn ahead) and reads each token the device chose (`confirm`:
+      the history gains it, the decoder accepts it); `done` gives the rng back what it drew ahead and did not use
+      (the device reports a duplex draw that went past its first uniform: `DREW_SECOND`)."""
+
+    def __init__(self, stage: LlmStage, req: LlmRequest, sess: LlmSession, dec: ChunkDecoder | ChatDecoder,
+                 params: SamplingParams) -> None:
+        self.stage, self.req, self.sess, self.dec, self.params = stage, req, sess, dec, params
+        self.hidden: list[np.ndarray] = []
+        self.device_hidden: np.ndarray | None = None
+        self.ahead = DrawnAhead(sess.rng)
+
+    @property
+    def decodes(self) -> bool:
+        return not self.dec.done
+
+    @property
+    def n_hidden(self) -> int:
+        return len(self.dec.text_ids)
+
+    def hidden_rows(self, width: int) -> np.ndarray:
+        if self.device_hidden is not None:
+            return self.device_hidden[: self.n_hidden].astype(np.float32)
+        return np.stack(self.hidden).astype(np.float32) if self.hidden else np.zeros((0, width), np.float32)
+
+    def _forced(self) -> int:
+        """The token teacher-forced at this decision, or -1 (chat: one its rules refuse is drawn instead)."""
+        k, forced = len(self.dec.generated), self.req.forced_ids
+        if k >= len(forced):
+            return -1
+        token = int(forced[k])
+        return -1 if isinstance(self.dec, ChatDecoder) and not self.stage.may_force(token) else token
+
+    # ---- the host path ----
+    def choose(self, out: dict[str, np.ndarray]) -> int | None:
+        dec, sess, params, tk = self.dec, self.sess, self.params, self.stage.preset.tokens
+        if len(self.hidden) < len(dec.text_ids):
+            self.hidden.append(out["hidden"][0])
         if dec.done:
             return None
-        forced = int(req.forced_ids[len(dec.generated)]) if len(dec.generated) < len(req.forced_ids) else -1
-        window = params.repetition_window
         if isinstance(dec, ChatDecoder):
-            # as `_may_force` on the chat rules' logits: the token is allowed, or it is text and others are too
-            if forced >= 0 and not (self.stage.chat_allowed[forced]
-                                    or (self.stage.forcible[forced] and self.stage.chat_allowed.sum() > 1)):
-                forced = -1
-            u = float(sess.rng.random()) if forced < 0 and not params.greedy else 0.0  # `sample`'s one draw
-            history = sess.chat_history[-window:] if params.repetition_penalty != 1.0 else []
-            self.picks[row] = RowPick(CHAT, params, forced, history, u=(u, 0.0))
-            return self.picks[row]
+            logits = dec.adjust(out["logits"])
+            k, forced_ids = len(dec.generated), self.req.forced_ids
+            if k < len(forced_ids) and self.stage._may_force(logits, int(forced_ids[k])):
+                return dec.accept(int(forced_ids[k]))
+            apply_repetition_penalty(logits, sess.chat_history, params.repetition_penalty, params.repetition_window)
+            token = sample(logits, params, sess.rng)
+            sess.chat_history.append(token)
+            del sess.chat_history[:-params.repetition_window]
+            return dec.accept(token)
         if dec.must_end:
             dec.end_now()
             return None
-        pick = RowPick(DUPLEX, params, forced, sess.history[-window:] if params.repetition_penalty != 1.0 else [],
-                       req.length_penalty)
-        if forced < 0 and not params.greedy:  # `stream_decode`'s two draws; the second given back if not needed
-            first = float(sess.rng.random())
-            pick.rewind = sess.rng.bit_generator.state
-            pick.u = (first, float(sess.rng.random()))
-        self.picks[row] = pick
-        return pick
-
-    def accept(self, row: int, token: int, drew_second: bool) -> int | None:
-        dec, sess, pick = self.decoders[row], self.items[row][1], self.picks[row]
-        if isinstance(dec, ChatDecoder):
-            if pick.forced < 0:
-                sess.chat_history.append(token)
-            return dec.accept(token)
-        if pick.forced >= 0 or drew_second:
-            sess.history.append(token)  # a draw that went past <|chunk_eos|>, or a forced token, joins the history
-        elif pick.rewind is not None:
-            sess.rng.bit_generator.state = pick.rewind
+        forced = self._forced()
+        if forced >= 0:  # teacher forcing: decided in place of a draw, recorded as one
+            sess.history.append(forced)
+            return dec.accept(forced)
+        token = stream_decode(out["logits"], self.stage.forbidden, sess.history, params, self.req.length_penalty, tk,
+                              sess.rng)
+        self._bound_history()
         return dec.accept(token)
+
+    def _bound_history(self) -> None:
+        window = self.params.repetition_window
+        if len(self.sess.history) > 2 * window:  # only the window is read: keep it bounded
+            del self.sess.history[:-window]
+
+    # ---- the device path ----
+    @functools.cached_property
+    def row(self) -> LlmRow:
+        dec, sess, params = self.dec, self.sess, self.params
+        chat = isinstance(dec, ChatDecoder)
+        budget = dec.budget if isinstance(dec, ChatDecoder) else dec.max_new_tokens
+        history = sess.chat_history if chat else sess.history
+        forced = [int(t) for t in self.req.forced_ids[:budget]]
+        if chat:
+            forced = [t if self.stage.may_force(t) else -1 for t in forced]
+        uniforms = self.ahead.draw(0 if params.greedy else (1 if chat else 2) * budget)
+        return LlmRow(CHAT if chat else DUPLEX, params.temperature, params.top_k, params.top_p,
+                      params.repetition_penalty, self.req.length_penalty, budget,
+                      history[-params.repetition_window:] if params.repetition_penalty != 1.0 else [], forced,
+                      isinstance(dec, ChunkDecoder) and dec.turn_ended, uniforms,
+                      hidden_at_prefill=bool(dec.text_ids))
+
+    def confirm(self, token: int, flags: int) -> bool:
+        dec, sess = self.dec, self.sess
+        forced = self._forced()
+        if isinstance(dec, ChatDecoder):
+            if forced < 0:
+                self._drawn(flags, 1)
+                sess.chat_history.append(token)
+                del sess.chat_history[:-self.params.repetition_window]
+            return dec.accept(token) is not None
+        if dec.must_end:
+            dec.end_now()
+            return False
+        if forced >= 0:
+            sess.history.append(token)
+        else:
+            self._drawn(flags, 2 if flags & DREW_SECOND else 1)
+            if flags & DREW_SECOND:  # a draw past <|chunk_eos|> joins the history
+                sess.history.append(token)
+            self._bound_history()
+        return dec.accept(token) is not None
+
+    def _drawn(self, flags: int, uniforms: int) -> None:
+        if flags & NOT_FINITE:
+            raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
+        if not self.params.greedy:
+            self.ahead.used += uniforms
+
+    def done(self) -> None:
+        self.ahead.give_back()
+
+    def take_hidden(self, hidden: np.ndarray | None) -> None:
+        self.device_hidden = hidden

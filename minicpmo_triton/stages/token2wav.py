@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from ..model_config import PresetConfig, Token2WavDims
 from ..stage_io import Token2WavRequest, Token2WavResult
 from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, read_wav
 from .base import SequenceStage, StageCall
-from .token2wav_stream import Stream, Token2WavStreamer, VoicePrompt
+from .token2wav_stream import Streamer, Token2WavStreamer
 
 DEFAULT_VOICE_WAV = "default_voice.wav"  # the checkpoint's own reference voice, where it ships one
 DEFAULT_VOICE_FILE = "default_voice.npz"  # else the export's prompt: tokens [T], mel [2T, 80], embedding [192]
@@ -33,7 +34,7 @@ PROMPT_CACHE_MB = 2048
 MIN_VOICE_SAMPLES = SAMPLE_RATE // 2  # the gateway refuses references under 0.5 s
 DEFAULT_KEY = b"default"
 FLUSH_MIN_NEW = 5  # a forced flush leaves a chunk for later while fewer than lookahead + this are buffered
-STEP_SAMPLES = 24_000  # a call's audio, unless the turn ends, is at least 1 s (left-padded with silence)
+MIN_CALL_SAMPLES = 24_000  # a call's audio at 24 kHz, unless the turn ends, is at least 1 s (left-padded with silence)
 
 
 def take_chunks(pending: list[int], d: Token2WavDims, flush: bool = True) -> list[list[int]]:
@@ -54,7 +55,7 @@ def take_chunks(pending: list[int], d: Token2WavDims, flush: bool = True) -> lis
 
 @dataclass
 class Token2WavSession:
-    stream: Stream | None = None
+    stream: Any = None  # the streamer's (token2wav_stream.Stream, token2wav_device.SlotStream)
     voice: bytes = b""  # the key of the voice its stream was set up with
     turn_open: bool = False
 
@@ -63,13 +64,13 @@ class VoicePrompts:
     """Voice prompts by the hash of their reference audio: the S3 tokens, prompt mel and CAM++ vector and the
     flow's setup from them are computed once per distinct voice and shared by every session with it (LRU)."""
 
-    def __init__(self, streamer: Token2WavStreamer, featurize: Callable[[np.ndarray], VoiceFeatures],
+    def __init__(self, streamer: Streamer, featurize: Callable[[np.ndarray], VoiceFeatures],
                  default: VoiceFeatures, budget_bytes: int = PROMPT_CACHE_MB << 20) -> None:
         self.streamer = streamer
         self.featurize = featurize
         self.default = default
         self.budget_bytes = budget_bytes
-        self._prompts: OrderedDict[bytes, VoicePrompt] = OrderedDict()
+        self._prompts: OrderedDict[bytes, Any] = OrderedDict()  # the streamer's prompts
         self._unclaimed: set[bytes] = set()  # prepared ahead (`prepare`), not yet taken by a session
         self._lock = threading.Lock()
         self.computed = 0  # prompts computed
@@ -80,7 +81,7 @@ class VoicePrompts:
         with self._lock:
             return key in self._prompts
 
-    def get(self, key: bytes, audio: np.ndarray | None) -> VoicePrompt:
+    def get(self, key: bytes, audio: np.ndarray | None) -> Any:
         """The prompt of a reference by its key (`audio_key`; audio None: the default voice, DEFAULT_KEY)."""
         with self._lock:
             prompt = self._prompts.get(key)
@@ -98,7 +99,7 @@ class VoicePrompts:
         session to `get` it takes it as computed for it, not reused."""
         self._compute(key, audio, unclaimed=True)
 
-    def _compute(self, key: bytes, audio: np.ndarray | None, unclaimed: bool = False) -> VoicePrompt:
+    def _compute(self, key: bytes, audio: np.ndarray | None, unclaimed: bool = False) -> Any:
         f = self.default if audio is None else self.featurize(audio)
         prompt = self.streamer.setup(f.tokens, f.mel, f.embedding)
         with self._lock:
@@ -106,11 +107,12 @@ class VoicePrompts:
             if unclaimed:
                 self._unclaimed.add(key)
             self.computed += 1
-            self.nbytes += prompt.cache.nbytes
+            self.nbytes += prompt.nbytes
             while self.nbytes > self.budget_bytes and len(self._prompts) > 1:  # the newest always stays
                 old, dropped = self._prompts.popitem(last=False)
                 self._unclaimed.discard(old)
-                self.nbytes -= dropped.cache.nbytes
+                self.nbytes -= dropped.nbytes
+                self.streamer.forget(dropped)  # the device path's voice slot goes once no stream has it
         return prompt
 
 
@@ -124,7 +126,7 @@ def voice_problem(voice: np.ndarray) -> StepError | None:
 
 
 class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavSession]):
-    def __init__(self, streamer: Token2WavStreamer, prompts: VoicePrompts, preset: PresetConfig,
+    def __init__(self, streamer: Streamer, prompts: VoicePrompts, preset: PresetConfig,
                  ttl_s: float) -> None:
         super().__init__(ttl_s)
         self.flush = True  # the duplex demo's forced flush; False: whole 25 + 3 chunks only (for comparison)
@@ -135,10 +137,10 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
 
     @classmethod
     def load(cls, folder: Path, preset: PresetConfig, ttl_s: float, threads: int = 1,
-             prompt_cache_mb: float = PROMPT_CACHE_MB, device: str = "cpu") -> Token2WavStage:
-        """`device`: the instance's (its GPU for a KIND_GPU instance): the flow caches live there where the flow's
-        graphs are TensorRT engines, else on the host."""
-        streamer = Token2WavStreamer.load(folder, preset.token2wav, threads, device)
+             prompt_cache_mb: float = PROMPT_CACHE_MB, streamer: Streamer | None = None) -> Token2WavStage:
+        """`streamer`: the device path's (token2wav_device.DeviceStreamer) where the instance runs on a device;
+        by default the host path (numpy + ONNX Runtime)."""
+        streamer = streamer or Token2WavStreamer.load(folder, preset.token2wav, threads)
         featurize = VoiceFeaturizer.load(folder, threads)
         if (folder / DEFAULT_VOICE_WAV).exists():
             default = featurize(read_wav(folder / DEFAULT_VOICE_WAV))
@@ -172,7 +174,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
     def empty_result(self) -> Token2WavResult:
         return Token2WavResult()
 
-    def _chunks(self, req: Token2WavRequest, sess: Token2WavSession) -> tuple[Stream, list[tuple[list[int], bool]]]:
+    def plan(self, req: Token2WavRequest, sess: Token2WavSession) -> tuple[Any, list[tuple[list[int], bool]]]:
         """The session's stream, and the chunks this request completes (`take_chunks`), then what is left at
         the turn's end."""
         voice = np.asarray(req.voice, np.float32) if len(req.voice) else None
@@ -182,6 +184,8 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             key = DEFAULT_KEY if req.default_voice else sess.voice or DEFAULT_KEY
         if sess.stream is None or key != sess.voice:  # a session's voice is set once, and again when it changes
             prompt = self.prompts.get(key, voice)
+            if sess.stream is not None:
+                self.streamer.close(sess.stream)
             sess.stream, sess.voice, sess.turn_open = self.streamer.new_stream(prompt), key, False
         if req.turn_start or not sess.turn_open:
             self.streamer.restart(sess.stream)
@@ -196,7 +200,7 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
         return sess.stream, chunks
 
     def compute(self, items: list[tuple[Token2WavRequest, Token2WavSession]]) -> list[Token2WavResult]:
-        prepared = [self._chunks(req, sess) for req, sess in items]
+        prepared = [self.plan(req, sess) for req, sess in items]
         streams = [stream for stream, _ in prepared]
         work = [chunks for _, chunks in prepared]
         audio: list[list[np.ndarray]] = [[] for _ in items]
@@ -205,13 +209,21 @@ class Token2WavStage(SequenceStage[Token2WavRequest, Token2WavResult, Token2WavS
             out = self.streamer.chunk([(streams[i], toks, last) for i, (toks, last) in rows])
             for (i, _), wav in zip(rows, out, strict=True):
                 audio[i].append(wav)
-        results = []
-        for (req, _), a in zip(items, audio, strict=True):
-            wav = np.concatenate(a) if a else np.zeros(0, np.float32)
-            if a and not req.finalize and len(wav) < STEP_SAMPLES:  # the demo's 1 s minimum (:5521-5525)
-                wav = np.pad(wav, (STEP_SAMPLES - len(wav), 0))
-            results.append(Token2WavResult(wav))
-        return results
+        return [self.result(req, a) for (req, _), a in zip(items, audio, strict=True)]
+
+    @staticmethod
+    def result(req: Token2WavRequest, pieces: list[np.ndarray]) -> Token2WavResult:
+        """A call's audio from its chunks' pieces: short of 1 s (unless the turn ends) left-padded with silence,
+        as the demo's `_generate_waveform_from_tokens` pads it (modeling_minicpmo_unified.py:5521-5525)."""
+        wav = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        if pieces and not req.finalize and len(wav) < MIN_CALL_SAMPLES:
+            wav = np.pad(wav, (MIN_CALL_SAMPLES - len(wav), 0))
+        return Token2WavResult(wav)
+
+    def drop_state(self, state: Token2WavSession) -> None:
+        """END, eviction, a restarted sequence: the device path's slots go back (`close`)."""
+        if state.stream is not None:
+            self.streamer.close(state.stream)
 
     def state_bytes(self, corr_id: int) -> int:
         sess = self.store.get(corr_id)

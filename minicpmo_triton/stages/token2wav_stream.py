@@ -32,10 +32,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..array_ops import HOST, Array, Arrays, arrays_for
 from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
 from ..causal_vocoder import CausalVocoder, VocoderState
 from ..engines import Engine, load_engine
@@ -50,14 +50,13 @@ SAMPLES_PER_FRAME = 480  # 24 kHz / 50 Hz mel
 @dataclass(eq=False)
 class FlowCache:
     """One stream's flow caches: a voice prompt's after setup, or a session's own (its attention caches hold only
-    the frames after its prompt's, which it shares by reference: `Stream.prompt.cache`). Its arrays live where the
-    streamer's `arrays` put them: host numpy, or torch tensors on the GPU (updated there, never copied to the host)."""
+    the frames after its prompt's, which it shares by reference: `Stream.prompt.cache`)."""
 
-    cnn: Array  # [C, 6]: pre-lookahead conv (2) + upsample conv (4)
-    token_att: Array  # [L1, H, T1, 2*dk]: token-rate conformer layers
-    mel_att: Array  # [L2, H, 2*T1, 2*dk]: mel-rate conformer layers
-    est_cnn: Array  # [n_timesteps, depth, 2 (cond, uncond), 2*hidden, 2]
-    est_att: Array  # [n_timesteps, depth, 2, H, Te, 2*head_dim], the newest chunk first
+    cnn: np.ndarray  # [C, 6]: pre-lookahead conv (2) + upsample conv (4)
+    token_att: np.ndarray  # [L1, H, T1, 2*dk]: token-rate conformer layers
+    mel_att: np.ndarray  # [L2, H, 2*T1, 2*dk]: mel-rate conformer layers
+    est_cnn: np.ndarray  # [n_timesteps, depth, 2 (cond, uncond), 2*hidden, 2]
+    est_att: np.ndarray  # [n_timesteps, depth, 2, H, Te, 2*head_dim], the newest chunk first
     # a session's: its est_att goes on with these frames of its prompt's est_att (indices on Te; read, not held)
     est_prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -71,6 +70,10 @@ class VoicePrompt:
     spk: np.ndarray  # [80]: the CAM++ vector, normalised and projected (spk_embed_affine_layer)
     frames: int  # mel frames of the prompt (the caches keep these)
     cache: FlowCache  # after setup: every turn starts from it
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
 
 
 @dataclass(eq=False)
@@ -93,23 +96,41 @@ class Stream:
         return self.flow.nbytes + self.mel.nbytes + self.source.nbytes + self.speech.nbytes + vocoder
 
 
-Noise = Callable[[Stream, int], tuple[np.ndarray, np.ndarray]]
+Noise = Callable[[Any, int], tuple[np.ndarray, np.ndarray]]  # (a stream with its `rng`, samples) -> the draws
 
 
-def draw_noise(stream: Stream, samples: int, harmonics: int) -> tuple[np.ndarray, np.ndarray]:
+def draw_noise(stream: Any, samples: int, harmonics: int) -> tuple[np.ndarray, np.ndarray]:
     """HiFT's source randomness: initial phases (none for the fundamental) and additive noise."""
     rand_ini = stream.rng.random(harmonics, dtype=np.float32)
     rand_ini[0] = 0.0
     return rand_ini, stream.rng.standard_normal((samples, harmonics), dtype=np.float32)
 
 
-def _stack_joined(xp: Arrays, rows: list[tuple[Array, ...]], axis: int, left: bool) -> Array:
+def prompt_tokens(tokens: np.ndarray, mel: np.ndarray, d: Token2WavDims, causal: bool) -> np.ndarray:
+    """A voice prompt's tokens as its setup runs them: + 3 lookahead tokens, 3 silence tokens (1.0.5) or the
+    prompt's own first 3 (1.0.7's `set_stream_cache`, token2wav.py:197-199); its mel must be 2 frames a token."""
+    lead = tokens[:d.lookahead] if causal else np.full(d.lookahead, d.silence_token)
+    out = np.concatenate([tokens.astype(np.int64), np.asarray(lead, np.int64)])
+    if (len(out) - d.lookahead) * UP_RATE != len(mel):
+        raise ValueError(f"a voice prompt of {len(out) - d.lookahead} tokens needs "
+                         f"{(len(out) - d.lookahead) * UP_RATE} mel frames, got {len(mel)}")
+    return out
+
+
+def project_speaker(weight: np.ndarray, bias: np.ndarray, embedding: np.ndarray) -> np.ndarray:
+    """The CAM++ vector, normalised and projected (flow.spk_embed_affine_layer): [192] -> [80]."""
+    e = embedding.astype(np.float32)
+    e = e / max(float(np.linalg.norm(e)), 1e-12)  # F.normalize
+    return (weight @ e + bias).astype(np.float32)
+
+
+def _stack_joined(rows: list[tuple[np.ndarray, ...]], axis: int, left: bool) -> np.ndarray:
     """Each row's parts (its own frames and its prompt's shared ones) joined on `axis`, stacked, zero-padded (left
     or right) to the longest: one copy, straight into the batch."""
     totals = [sum(p.shape[axis] for p in parts) for parts in rows]
     shape = list(rows[0][0].shape)
     shape[axis] = max(totals)
-    out = xp.zeros((len(rows), *shape))
+    out = np.zeros((len(rows), *shape), np.float32)
     for r, (parts, total) in enumerate(zip(rows, totals, strict=True)):
         at = shape[axis] - total if left else 0
         for part in parts:
@@ -120,49 +141,71 @@ def _stack_joined(xp: Arrays, rows: list[tuple[Array, ...]], axis: int, left: bo
     return out
 
 
-def _own(xp: Arrays, full: Array, axis: int, prefix: int, head: int, tail: int) -> Array:
+def _own(full: np.ndarray, axis: int, prefix: int, head: int, tail: int) -> np.ndarray:
     """A stream's own frames of a cache the graph gave back (`prefix` frames of it its prompt's): past the prefix,
     trimmed as `_trim(full, axis, head, tail)` trims the whole, in arrays of its own (no view keeps the batch's
     output, prompt frames and all, alive)."""
-    own = xp.take(full, np.arange(prefix, full.shape[axis]), axis)
-    return _trim(xp, own, axis, head - prefix, tail)
+    own = np.take(full, np.arange(prefix, full.shape[axis]), axis)
+    return _trim(own, axis, head - prefix, tail)
 
 
-def _est_own(xp: Arrays, own: Array, prompt: np.ndarray, head: int, tail: int) -> tuple[Array, np.ndarray]:
-    """A session's estimator cache, [.., own frames then its prompt's frames `prompt`, D], trimmed as `_trim(whole,
-    4, head, tail)` trims the whole: the own frames it keeps (a copy) and the prompt's frames that still end it."""
-    n = own.shape[4]
-    total = n + len(prompt)
+def est_keep(n_own: int, prompt: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's estimator trim (MiniCPM-o's Token2wav.stream: `att[..., :frames]` + `att[..., -100:]` of
+    the newest-first cache) on a session's layout: its own frames (`n_own`, newest chunk first) then its voice's
+    frames still kept (`prompt`, indices). Keeps the first `head` and the last `tail` of the whole once it is
+    longer: returns the own frames kept (layout indices) and the voice's frames kept (indices)."""
+    total = n_own + len(prompt)
     if total <= head + tail:
-        return own, prompt
+        return np.arange(n_own), prompt
     keep = np.r_[0:head, total - tail:total]
-    return xp.take(own, keep[keep < n], 4), prompt[keep[keep >= n] - n]
+    return keep[keep < n_own], prompt[keep[keep >= n_own] - n_own]
 
 
-def _frames(a: Array, axis: int, index: np.ndarray, xp: Arrays = HOST) -> Array:
+def _est_own(own: np.ndarray, prompt: np.ndarray, head: int, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """A session's estimator cache, [.., own frames then its prompt's frames `prompt`, D], trimmed as `est_keep`
+    says: the own frames it keeps (a copy, once trimmed) and the prompt's frames that still end it."""
+    n = own.shape[4]
+    kept, prompt_kept = est_keep(n, prompt, head, tail)
+    return (own, prompt) if len(kept) == n and len(prompt_kept) == len(prompt) else (np.take(own, kept, 4),
+                                                                                      prompt_kept)
+
+
+def _frames(a: np.ndarray, axis: int, index: np.ndarray) -> np.ndarray:
     """`a`'s frames `index` on `axis`: `a` itself when that is all of them in order (read in place)."""
     if len(index) == a.shape[axis] and (index == np.arange(len(index))).all():
         return a
-    return xp.take(a, index, axis)
+    return np.take(a, index, axis)
 
 
-def _trim(xp: Arrays, a: Array, axis: int, head: int, tail: int) -> Array:
+def _trim(a: np.ndarray, axis: int, head: int, tail: int) -> np.ndarray:
     """Keep the first `head` and the last `tail` frames on `axis` once there are more."""
     n = a.shape[axis]
     if n <= head + tail:
         return a
     idx = np.r_[0:head, n - tail:n]
-    return xp.take(a, idx, axis)
+    return np.take(a, idx, axis)
+
+
+class Streamer(Protocol):
+    """What the token2wav stage drives: this module's host path, or the device path (token2wav_device)."""
+
+    d: Token2WavDims
+
+    def setup(self, tokens: np.ndarray, mel: np.ndarray, embedding: np.ndarray) -> Any: ...
+    def new_stream(self, prompt: Any, seed: int = 0) -> Any: ...
+    def restart(self, stream: Any) -> None: ...
+    def chunk(self, rows: list[tuple[Any, list[int], bool]]) -> list[np.ndarray]: ...
+    def close(self, stream: Any) -> None: ...
+    def forget(self, prompt: Any) -> None: ...
 
 
 class Token2WavStreamer:
     def __init__(self, engines: dict[str, Engine], tables: dict[str, np.ndarray], d: Token2WavDims,
-                 noise: Noise | None = None, causal: CausalVocoder | None = None, arrays: Arrays | None = None) -> None:
+                 noise: Noise | None = None, causal: CausalVocoder | None = None) -> None:
         self.enc, self.est, self.voc = (engines[g] for g in GRAPHS)
-        self.xp = arrays or HOST  # where the flow caches live (the vocoder's stay on the host)
         self.causal = causal  # 1.0.7's layout: its causal vocoder, run in torch, instead of the vocoder graph
         self.d = d
-        self.rand_noise = self.xp.asarray(tables["rand_noise"])  # [80, 30000]
+        self.rand_noise = tables["rand_noise"]  # [80, 30000]
         self.spk_weight, self.spk_bias = tables["spk_weight"], tables["spk_bias"]
         self.harmonics = int(tables["harmonics"])
         self.window = np.hamming(2 * d.source_cache_samples)  # float64, as torch.from_numpy gives
@@ -171,43 +214,31 @@ class Token2WavStreamer:
         self.t_span = (1 - np.cos(t_span * np.float32(0.5 * np.pi))).astype(np.float32)  # cosine schedule
 
     @classmethod
-    def load(cls, folder: Path, d: Token2WavDims, threads: int = 1, device: str = "cpu") -> Token2WavStreamer:
-        """`device`: where the flow caches live; a GPU only where the flow's graphs are TensorRT engines (which
-        bind device tensors in place), else the host."""
+    def load(cls, folder: Path, d: Token2WavDims, threads: int = 1) -> Token2WavStreamer:
         engines = {g: load_engine(folder, threads, name=g) for g in GRAPHS}
         causal = CausalVocoder.load(folder / CAUSAL_FOLDER) if (folder / CAUSAL_FOLDER).is_dir() else None
-        if not all(hasattr(engines[g], "run_device") for g in ("encoder", "estimator")):
-            device = "cpu"
         with np.load(folder / TABLES_FILE) as tables:
-            return cls(engines, dict(tables), d, causal=causal, arrays=arrays_for(device))
+            return cls(engines, dict(tables), d, causal=causal)
 
     # ---- voice prompts ----
-    def project_speaker(self, embedding: np.ndarray) -> np.ndarray:
-        e = embedding.astype(np.float32)
-        e = e / max(float(np.linalg.norm(e)), 1e-12)  # F.normalize
-        return (self.spk_weight @ e + self.spk_bias).astype(np.float32)
-
     def setup(self, tokens: np.ndarray, mel: np.ndarray, embedding: np.ndarray) -> VoicePrompt:
-        """setup_cache: the prompt's tokens + 3 lookahead tokens, its mel [2*len(tokens), 80]. The lookahead is 3
-        silence tokens (1.0.5), or the prompt's own first 3 (1.0.7's `set_stream_cache`, token2wav.py:197-199)."""
+        """setup_cache: the prompt's tokens + 3 lookahead tokens (`prompt_tokens`), its mel [2*len(tokens), 80]."""
         d = self.d
-        lead = tokens[:d.lookahead] if self.causal is not None else np.full(d.lookahead, d.silence_token)
-        tokens = np.concatenate([tokens.astype(np.int64), np.asarray(lead, np.int64)])
-        if (len(tokens) - d.lookahead) * UP_RATE != len(mel):
-            raise ValueError(f"a voice prompt of {len(tokens) - d.lookahead} tokens needs "
-                             f"{(len(tokens) - d.lookahead) * UP_RATE} mel frames, got {len(mel)}")
+        tokens = prompt_tokens(tokens, mel, d, causal=self.causal is not None)
         empty = self._empty_cache()
-        spk = self.project_speaker(embedding)
+        spk = project_speaker(self.spk_weight, self.spk_bias, embedding)
         prompt = VoicePrompt(spk, len(mel), empty)  # no prefix: the prompt's frames are its stream's own
         stream = Stream(prompt, empty)
         mu = self._conformer([(stream, tokens, len(tokens))])[0]
-        self._cfm([(stream, mu, self.xp.asarray(mel.T.astype(np.float32)))])
+        self._cfm([(stream, mu, mel.T.astype(np.float32))])
         return VoicePrompt(spk, len(mel), stream.flow)
 
     def _empty_cache(self) -> FlowCache:
         d = self.d
         dk, hd = 2 * d.channels // d.heads, 2 * d.dit_head_dim
-        zeros = self.xp.zeros
+        def zeros(shape: tuple[int, ...]) -> np.ndarray:
+            return np.zeros(shape, np.float32)
+
         return FlowCache(
             cnn=zeros((d.channels, 2 + 2 * UP_RATE)),
             token_att=zeros((d.num_blocks, d.heads, 0, dk)),
@@ -225,6 +256,12 @@ class Token2WavStreamer:
 
     def new_stream(self, prompt: VoicePrompt, seed: int = 0) -> Stream:
         return Stream(prompt, self._fresh(prompt), rng=np.random.default_rng(seed))
+
+    def close(self, stream: Stream) -> None:
+        """A session gone: its arrays are its own, freed with it."""
+
+    def forget(self, prompt: VoicePrompt) -> None:
+        """The prompt cache let a voice go: sessions with it keep it alive by reference."""
 
     def restart(self, stream: Stream) -> None:
         """A turn starts from the prompt's caches, its vocoder empty, after 3 silence tokens."""
@@ -249,9 +286,9 @@ class Token2WavStreamer:
             items = [(s, np.asarray(t + [0] * (d.lookahead if last else 0), np.int64), len(t))
                      for _, s, t, last in flow_rows]
             mus = self._conformer(items)
-            feats = self._cfm([(s, mu, self.xp.zeros(mu.shape))
+            feats = self._cfm([(s, mu, np.zeros(mu.shape, np.float32))
                                for (_, s, _, _), mu in zip(flow_rows, mus, strict=True)])
-            mels = {i: self.xp.host(f) for (i, _, _, _), f in zip(flow_rows, feats, strict=True)}  # the chunk's mel
+            mels = {i: f for (i, _, _, _), f in zip(flow_rows, feats, strict=True)}  # the chunk's mel
         if self.causal is not None:  # per session, in torch; an empty last chunk flushes its delay
             empty = np.zeros((d.n_mels, 0), np.float32)
             for i, (stream, _, last) in enumerate(rows):
@@ -269,10 +306,9 @@ class Token2WavStreamer:
             out[voc[i][0]] = speech
         return out
 
-    def _conformer(self, items: list[tuple[Stream, np.ndarray, int]]) -> list[Array]:
+    def _conformer(self, items: list[tuple[Stream, np.ndarray, int]]) -> list[np.ndarray]:
         """Conformer chunk for (stream, tokens, n_real) rows; returns mu [80, frames] per row, caches updated."""
-        xp = self.xp
-        results: list[Array] = [None] * len(items)
+        results: list[np.ndarray] = [np.zeros(0)] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, (_, tokens, _) in enumerate(items):
             groups[len(tokens)].append(i)
@@ -280,13 +316,13 @@ class Token2WavStreamer:
             streams = [items[i][0] for i in idx]
             lens = np.asarray([s.prompt.cache.token_att.shape[2] + s.flow.token_att.shape[2] for s in streams],
                               np.int64)
-            out = xp.run(self.enc, {
+            out = self.enc.run({
                 "tokens": np.stack([items[i][1] for i in idx]),
                 "n_real": np.asarray([items[i][2] for i in idx], np.int64),
-                "cnn_cache": xp.stack([s.flow.cnn for s in streams]),
-                "token_cache": _stack_joined(xp, [(s.prompt.cache.token_att, s.flow.token_att) for s in streams], 2,
+                "cnn_cache": np.stack([s.flow.cnn for s in streams]),
+                "token_cache": _stack_joined([(s.prompt.cache.token_att, s.flow.token_att) for s in streams], 2,
                                              left=True).swapaxes(0, 1),
-                "mel_cache": _stack_joined(xp, [(s.prompt.cache.mel_att, s.flow.mel_att) for s in streams], 2,
+                "mel_cache": _stack_joined([(s.prompt.cache.mel_att, s.flow.mel_att) for s in streams], 2,
                                            left=True).swapaxes(0, 1),
                 "cache_len": lens,
             })
@@ -299,16 +335,15 @@ class Token2WavStreamer:
                 shared = s.prompt.cache.mel_att.shape[2]
                 if mel.shape[2] <= p + tail:  # no trim yet: the prompt + the last 100 frames (50 tokens) are kept
                     p, tail = mel.shape[2], 0
-                s.flow = replace(s.flow, cnn=xp.copy(out["new_cnn_cache"][row]),
-                                 token_att=_own(xp, tok, 2, shared // UP_RATE, p // UP_RATE, tail // UP_RATE),
-                                 mel_att=_own(xp, mel, 2, shared, p, tail))
+                s.flow = replace(s.flow, cnn=out["new_cnn_cache"][row].copy(),
+                                 token_att=_own(tok, 2, shared // UP_RATE, p // UP_RATE, tail // UP_RATE),
+                                 mel_att=_own(mel, 2, shared, p, tail))
                 results[i] = out["mu"][row].T
         return results
 
-    def _cfm(self, items: list[tuple[Stream, Array, Array]]) -> list[Array]:
+    def _cfm(self, items: list[tuple[Stream, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """n_timesteps Euler steps for (stream, mu [80, T], cond [80, T]) rows; returns mel [80, T] per row."""
-        xp = self.xp
-        results: list[Array] = [None] * len(items)
+        results: list[np.ndarray] = [np.zeros(0)] * len(items)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, (_, mu, _) in enumerate(items):
             groups[mu.shape[1]].append(i)
@@ -316,20 +351,21 @@ class Token2WavStreamer:
             streams = [items[i][0] for i in idx]
             b = len(idx)
             lens = np.asarray([len(s.flow.est_prompt) + s.flow.est_att.shape[4] for s in streams], np.int64)
-            x = xp.stack([self.rand_noise[:, o:o + n] for o in lens])
-            mu = xp.stack([items[i][1] for i in idx])
-            cond = xp.stack([items[i][2] for i in idx])
+            x = np.stack([self.rand_noise[:, o:o + n] for o in lens])
+            mu = np.stack([items[i][1] for i in idx])
+            cond = np.stack([items[i][2] for i in idx])
             spk = np.stack([s.prompt.spk for s in streams])
             new_cnn, new_att = [], []
             ts = self.t_span
             t, dt = ts[0], ts[1] - ts[0]
             for step in range(1, len(ts)):
                 k = step - 1
-                cnn = xp.cat([xp.stack([s.flow.est_cnn[k, :, j] for s in streams], 1) for j in (0, 1)], 1)
-                att = _stack_joined(xp, [(s.flow.est_att[k], _frames(s.prompt.cache.est_att[k], 3, s.flow.est_prompt,
-                                                                      xp)) for s in streams], 3, left=False)
-                att = xp.cat([att[:, :, 0], att[:, :, 1]], 0).swapaxes(0, 1)  # [B, depth, 2, ..] -> [depth, 2B, ..]
-                out = xp.run(self.est, {"x": x, "mu": mu, "t": np.full(b, t, np.float32), "spk": spk, "cond": cond,
+                cnn = np.concatenate([np.stack([s.flow.est_cnn[k, :, j] for s in streams], 1) for j in (0, 1)], 1)
+                att = _stack_joined([(s.flow.est_att[k], _frames(s.prompt.cache.est_att[k], 3, s.flow.est_prompt))
+                                     for s in streams], 3, left=False)
+                # [B, depth, 2, ..] -> [depth, 2B, ..]
+                att = np.concatenate([att[:, :, 0], att[:, :, 1]], 0).swapaxes(0, 1)
+                out = self.est.run({"x": x, "mu": mu, "t": np.full(b, t, np.float32), "spk": spk, "cond": cond,
                                         "cnn_cache": cnn, "att_cache": att, "cache_len": lens})
                 x = x + float(dt) * out["velocity"]  # float32 whichever arrays (dt is float32's value)
                 t = t + dt
@@ -339,10 +375,10 @@ class Token2WavStreamer:
                 new_att.append(out["new_att_cache"])
             for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
                 keep = n + lens[row]
-                est_cnn = xp.stack([xp.stack([c[:, row], c[:, b + row]], 1) for c in new_cnn])
+                est_cnn = np.stack([np.stack([c[:, row], c[:, b + row]], 1) for c in new_cnn])
                 own = keep - len(s.flow.est_prompt)  # the new chunk, then the session's frames; the prompt's end it
-                est_att = xp.stack([xp.stack([a[:, row, :, :own], a[:, b + row, :, :own]], 1) for a in new_att])
-                est_att, est_prompt = _est_own(xp, est_att, s.flow.est_prompt, s.prompt.frames,
+                est_att = np.stack([np.stack([a[:, row, :, :own], a[:, b + row, :, :own]], 1) for a in new_att])
+                est_att, est_prompt = _est_own(est_att, s.flow.est_prompt, s.prompt.frames,
                                                self.d.cache_tail_frames)
                 s.flow = replace(s.flow, est_cnn=est_cnn, est_att=est_att, est_prompt=est_prompt)
                 results[i] = x[row]

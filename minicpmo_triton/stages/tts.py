@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
+from ..engine.protocol import NOT_FINITE, PagedCache, TtsFeed, TtsRow, TtsRules
 from ..engines import Engine
 from ..errors import Code, StepError
 from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
-from ..paged.protocol import TtsPick, TtsRules
-from ..sampling import SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..sampling import (
+    DrawnAhead,
+    SamplingParams,
+    apply_repetition_penalty,
+    check_sampling,
+    sample,
+    sampling_problems,
+    seeded_rng,
+)
 from ..stage_io import TtsRequest, TtsResult
 from .base import SequenceStage, StageCall
-from .decode_loop import batched_decode
-from .llm import PagedCache
-
-if TYPE_CHECKING:  # torch: imported where the paged engine is built, not by every host of this stage
-    from ..paged.tts import PagedTtsEngine, TtsFeed
+from .kv import HostKv, KvRow, StageKv
 
 MAX_TOKENS_PER_CALL = 2048  # about 80 s of speech: far over a chunk's 25 or a chat chunk's share
 TURN_TOKENS = 32_768  # the paged pool's longest turn (about 15 minutes of speech; a turn's cache is its only one)
@@ -37,6 +43,45 @@ class TtsSession:
     rng: np.random.Generator
 
 
+def with_tts_sampling(preset: PresetConfig, top_k: int, top_p: float) -> PresetConfig:
+    """The preset with the `tts_top_k` / `tts_top_p` settings (0 / 1.0: off, the reference's draw), so the host and
+    the device rules read one value."""
+    if problems := sampling_problems(1.0, top_k, top_p):
+        raise ValueError(f"tts: {problems}")
+    return dataclasses.replace(preset, duplex=dataclasses.replace(preset.duplex, tts_top_k=top_k, tts_top_p=top_p))
+
+
+def tts_rules(preset: PresetConfig) -> TtsRules:
+    """The TTS sampling rules' settings, the same for every row (the device keeps them)."""
+    dx = preset.duplex
+    return TtsRules(preset.tts.num_audio_tokens - 1, dx.tts_top_k, dx.tts_top_p, dx.tts_repetition_penalty,
+                    dx.tts_repetition_window)
+
+
+def host_kv(engine: Engine, preset: PresetConfig) -> HostKv:
+    """The exported graph's KV interface: host caches in and out each call, codes chosen from host logits."""
+    d, llm_hidden = preset.tts.decoder, preset.llm.hidden
+
+    def feeds(conditions: list[TtsFeed]) -> list[dict[str, np.ndarray]]:
+        out: list[dict[str, np.ndarray]] = []
+        for c in conditions:
+            n = len(c)
+            hidden = np.zeros((n, llm_hidden), np.float32)
+            hidden[: len(c.hidden)] = c.hidden
+            out.append({"text_ids": c.text_ids.astype(np.int64), "llm_hidden": hidden,
+                        "has_hidden": np.arange(n) < len(c.hidden), "code_ids": np.zeros(n, np.int64),
+                        "is_code": np.zeros(n, bool)})
+        return out
+
+    def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
+        n = len(rows)
+        return {"text_ids": np.zeros((n, 1), np.int64), "llm_hidden": np.zeros((n, 1, llm_hidden), np.float32),
+                "has_hidden": np.zeros((n, 1), bool), "code_ids": np.array(tokens, np.int64)[:, None],
+                "is_code": np.ones((n, 1), bool)}
+
+    return HostKv(engine, lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim), feeds, step_feeds, ("logits",))
+
+
 class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     """MiniCPM-o 4.5's duplex TTS, per chunk as `DuplexCapability` + `MiniCPMTTS.generate_chunk` do it
     (OpenBMB/MiniCPM-o-Demo `MiniCPMO45/modeling_minicpmo_unified.py`):
@@ -46,8 +91,9 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     - up to `n_tokens + 1` codes are sampled; each but the last is fed back and returned, the last
       (the 26th, or the speech EOS) is dropped: 25 codes = 1 s per chunk;
     - EOS is forbidden until `n_tokens + 1` codes (min_new_tokens 26) except at a turn's start or end;
-    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes),
-      then top-k 20 / top-p 0.7;
+    - temperature, then the repetition penalty (1.05 per occurrence over the chunk's last 16 codes), then
+      the draw from the whole distribution: the reference builds top-k 20 / top-p 0.7 warpers and never applies
+      them (:6711, 6788-6822); `top_k` / `top_p` (the `tts_top_k` / `tts_top_p` settings) turn them on;
     - the cache is dropped at the turn's end.
 
     Departure: a turn whose next chunk would run past the TTS's position table (`max_positions`, 4096: about
@@ -56,37 +102,20 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     caller who keeps cutting the model off would grow the cache, and the positions, for the whole call.
     """
 
-    def __init__(self, engine: Engine | PagedTtsEngine, preset: PresetConfig, ttl_s: float) -> None:
+    def __init__(self, kv: StageKv | Engine, preset: PresetConfig, ttl_s: float) -> None:
+        """`kv`: where the sessions' turn caches live and how a batch runs (`stages.kv`); an exported graph
+        (`Engine`) is run with host caches (`host_kv`)."""
         super().__init__(ttl_s)
-        # the paged engine keeps every session's turn cache in its pool; ONNX takes it in each call
-        self.paged = cast("PagedTtsEngine", engine) if getattr(engine, "name", "") == "paged" else None
-        self.engine = cast(Engine, engine)  # used only where self.paged is None
+        self.kv: StageKv = cast(StageKv, kv) if hasattr(kv, "release") else host_kv(kv, preset)
         self.preset = preset
-        d = preset.tts.decoder
-        self._empty = lambda: KvCache.empty(d.layers, d.kv_heads, d.head_dim)
         self.eos = preset.tts.num_audio_tokens - 1
         self.admit_tokens = tts_admit_tokens(preset)
-        if self.paged is not None:
-            self.paged.use_rules(self.rules())
 
     def new_state(self, call: StageCall[TtsRequest]) -> TtsSession:
-        rng = seeded_rng(call.request.seed, call.corr_id)
-        if self.paged is not None:
-            return TtsSession(PagedCache(self.paged.pool.open(self.admit_tokens), 0), rng)
-        return TtsSession(self._empty(), rng)
+        return TtsSession(self.kv.open(self.admit_tokens), seeded_rng(call.request.seed, call.corr_id))
 
     def drop_state(self, state: TtsSession) -> None:
-        if isinstance(state.cache, PagedCache) and self.paged is not None:
-            self.paged.pool.free(state.cache.seq)
-
-    def _reset(self, cache: KvCache | PagedCache, release: bool) -> KvCache | PagedCache:
-        """A turn's start or end: an empty cache. `release` (a turn's end): the pool keeps the session's admission
-        room, the rest goes back (at a turn's start the blocks its check reserved are kept for the chunk)."""
-        if isinstance(cache, PagedCache) and self.paged is not None:
-            if release:
-                self.paged.pool.truncate(cache.seq, 0)
-            return cache.truncated(0)
-        return self._empty()
+        self.kv.free(state.cache)
 
     def is_noop(self, request: TtsRequest) -> bool:
         return request.n_tokens == 0
@@ -94,14 +123,11 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     def empty_result(self) -> TtsResult:
         return TtsResult()
 
-    def _prefill(self, req: TtsRequest) -> dict[str, np.ndarray]:
+    def condition(self, req: TtsRequest) -> TtsFeed:
         """[text tokens with their LLM hidden states..., audio_bos]."""
-        n = len(req.text_ids)
-        hidden = np.zeros((n + 1, self.preset.llm.hidden), np.float32)
-        hidden[:n] = req.tts_hidden
-        return {"text_ids": np.asarray([*req.text_ids, self.preset.tts.audio_bos_token_id], np.int64),
-                "llm_hidden": hidden, "has_hidden": np.arange(n + 1) < n,
-                "code_ids": np.zeros(n + 1, np.int64), "is_code": np.zeros(n + 1, bool)}
+        ids = np.asarray([*req.text_ids, self.preset.tts.audio_bos_token_id], np.int64)
+        return TtsFeed(ids, np.asarray(req.tts_hidden, np.float32).reshape(len(req.text_ids),
+                                                                            self.preset.llm.hidden))
 
     def opens_turn(self, request: TtsRequest, state: TtsSession) -> bool:
         """The chunk starts from an empty cache: a turn's start, or the turn's positions would run out."""
@@ -118,123 +144,90 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
         if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
             raise StepError(Code.INVALID_INPUT, f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
         check_sampling("tts", temperature=request.temperature)
-        if isinstance(state.cache, PagedCache) and self.paged is not None:  # refused now (pool_full), never mid-step
-            past = 0 if self.opens_turn(request, state) else state.cache.length
-            self.paged.pool.reserve(state.cache.seq, past + len(request.text_ids) + 1 + request.n_tokens)
+        past = 0 if self.opens_turn(request, state) else state.cache.length
+        self.kv.reserve(state.cache, past + len(request.text_ids) + 1 + request.n_tokens)  # refused now, never mid-step
 
-    def rules(self) -> TtsRules:
-        dx = self.preset.duplex
-        return TtsRules(self.eos, dx.tts_top_k, dx.tts_top_p, dx.tts_repetition_penalty)
-
-    def begin(self, req: TtsRequest, sess: TtsSession) -> tuple[bool, dict[str, np.ndarray]]:
-        """A chunk's start: whether it opens a turn (its cache reset), and its prefill."""
+    def begin(self, req: TtsRequest, sess: TtsSession) -> tuple[TtsFeed, ChunkRules]:
+        """A chunk's start: its condition and its rules (a chunk that opens a turn starts from an empty cache; the
+        blocks its check reserved are kept for it)."""
         opened = self.opens_turn(req, sess)
         if opened:
-            sess.cache = self._reset(sess.cache, release=False)
-        return opened, self._prefill(req)
+            sess.cache = sess.cache.truncated(0)
+        return self.condition(req), ChunkRules(self, req, sess, opened)
 
-    def finish(self, req: TtsRequest, sess: TtsSession, cache: KvCache | PagedCache, codes: list[int]) -> TtsResult:
-        """A chunk's end: the session's cache (dropped at a turn's end) and the chunk's codes."""
-        sess.cache = self._reset(cache, release=True) if req.turn_end else cache
-        return TtsResult(speech_tokens=np.asarray(codes, np.int64), kv_length=cache.length)
+    def finish(self, rules: ChunkRules, cache: KvCache | PagedCache) -> TtsResult:
+        """A chunk's end: the session's cache (dropped at a turn's end: a pool keeps the admission room) and the
+        chunk's codes."""
+        rules.sess.cache = self.kv.release(cache) if rules.req.turn_end else cache
+        return TtsResult(speech_tokens=np.asarray(rules.codes, np.int64), kv_length=cache.length)
 
     def compute(self, items: list[tuple[TtsRequest, TtsSession]]) -> list[TtsResult]:
-        rows = TtsRows(self)
-        prefill = []
-        for req, sess in items:
-            opened, pre = self.begin(req, sess)
-            rows.add(req, sess, opened)
-            prefill.append(pre)
-
-        def step_feeds(rows: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
-            n = len(rows)
-            return {"text_ids": np.zeros((n, 1), np.int64),
-                    "llm_hidden": np.zeros((n, 1, self.preset.llm.hidden), np.float32),
-                    "has_hidden": np.zeros((n, 1), bool),
-                    "code_ids": np.array(tokens, np.int64)[:, None], "is_code": np.ones((n, 1), bool)}
-
-        caches: list[KvCache | PagedCache]
-        if self.paged is not None:
-            caches = self._paged_decode(items, prefill, rows)
-        else:
-            caches = list(batched_decode(self.engine, [cast(KvCache, s.cache) for _, s in items], prefill, step_feeds,
-                                         lambda row, out: rows.choose(row, out["logits"]), ("logits",))[0])
-        return [self.finish(req, sess, cache, row_codes)
-                for (req, sess), cache, row_codes in zip(items, caches, rows.codes, strict=True)]
-
-    def feeds(self, prefill: list[dict[str, np.ndarray]]) -> list[TtsFeed]:
-        from ..paged.tts import TtsFeed
-
-        return [TtsFeed(p["text_ids"], p["llm_hidden"][p["has_hidden"]], p["has_hidden"], p["code_ids"],
-                        p["is_code"]) for p in prefill]
-
-    def _paged_decode(self, items: list[tuple[TtsRequest, TtsSession]], prefill: list[dict[str, np.ndarray]],
-                      rows: TtsRows) -> list[KvCache | PagedCache]:
-        """The same decode on the paged engine, each code chosen on the device: the caches stay in its pool, each
-        session's blocks past its new length go back after the chunk."""
-        assert self.paged is not None
-        cached = [s.cache for _, s in items]
-        assert all(isinstance(c, PagedCache) for c in cached)
-        seqs = [c.seq for c in cached]  # type: ignore[union-attr]
-        lengths, _ = self.paged.run(seqs, [c.length for c in cached], self.feeds(prefill), rows)
-        for seq, n in zip(seqs, lengths, strict=True):
-            self.paged.pool.truncate(seq, n)
-        return [PagedCache(seq, n) for seq, n in zip(seqs, lengths, strict=True)]
+        chunks = [self.begin(req, sess) for req, sess in items]
+        done = self.kv.run([KvRow(sess, sess.cache, feed, rules) for (_, sess), (feed, rules)
+                            in zip(items, chunks, strict=True)])
+        return [self.finish(rules, cache) for (_, rules), (cache, _, _) in zip(chunks, done, strict=True)]
 
 
-class TtsRows:
-    """The TTS's rules per row of a decode: on the host (`choose`: today's path, the logits on the host) or as a
-    `TtsPick` for the device (`pick`), and the same `accept` for both. The rules (`generate_chunk`,
-    modeling_minicpmo_unified.py:6792-6816): temperature, then the repetition penalty (per occurrence over the
-    chunk's last codes), EOS forbidden mid-turn until the chunk is a full second, then top-k / top-p."""
+class ChunkRules:
+    """One chunk's rules (`generate_chunk`, modeling_minicpmo_unified.py:6792-6816), for either path: temperature,
+    then the repetition penalty (per occurrence over the chunk's last codes), EOS forbidden mid-turn until the chunk
+    is a full second, then top-k / top-p; the chunk ends on EOS or on its (n_tokens + 1)-th code (chosen, never fed
+    nor returned). The host path picks from host logits (`choose`); the device path tells the device the chunk's
+    rules once (`row`, the rng's uniforms drawn ahead) and reads each code it chose (`confirm`)."""
 
-    def __init__(self, stage: TtsStage) -> None:
-        self.stage = stage
-        self.items: list[tuple[TtsRequest, TtsSession]] = []
-        self.opens: list[bool] = []
-        self.codes: list[list[int]] = []
+    def __init__(self, stage: TtsStage, req: TtsRequest, sess: TtsSession, opened: bool) -> None:
+        self.stage, self.req, self.sess, self.opened = stage, req, sess, opened
+        self.codes: list[int] = []
+        self.ahead = DrawnAhead(sess.rng)
 
-    def add(self, req: TtsRequest, sess: TtsSession, opened: bool) -> None:
-        self.items.append((req, sess))
-        self.opens.append(opened)
-        self.codes.append([])
+    decodes = True
+    n_hidden = 0
 
-    def allow_eos(self, row: int) -> bool:
-        return self.opens[row] or self.items[row][0].turn_end  # min_new_tokens = n_tokens + 1 mid-turn
+    @property
+    def allow_eos(self) -> bool:
+        return self.opened or self.req.turn_end  # min_new_tokens = n_tokens + 1 mid-turn
 
-    def adjusted(self, row: int, row_logits: np.ndarray) -> np.ndarray:
+    def adjusted(self, row_logits: np.ndarray) -> np.ndarray:
         """The row's logits as `sample` takes them: temperature, penalty, the EOS mask (float32)."""
-        req = self.items[row][0]
         dx = self.stage.preset.duplex
         logits = row_logits.astype(np.float32)
-        if req.temperature > 0:
-            logits /= req.temperature
-        apply_repetition_penalty(logits, self.codes[row], dx.tts_repetition_penalty, dx.tts_repetition_window,
+        if self.req.temperature > 0:
+            logits /= self.req.temperature
+        apply_repetition_penalty(logits, self.codes, dx.tts_repetition_penalty, dx.tts_repetition_window,
                                  per_occurrence=True)
-        if not self.allow_eos(row):
+        if not self.allow_eos:
             logits[self.stage.eos] = -np.inf
         return logits
 
-    def params(self, row: int) -> SamplingParams:
+    def params(self) -> SamplingParams:
         dx = self.stage.preset.duplex
-        return SamplingParams(1.0 if self.items[row][0].temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p)
+        return SamplingParams(1.0 if self.req.temperature > 0 else 0.0, dx.tts_top_k, dx.tts_top_p)
 
-    def choose(self, row: int, row_logits: np.ndarray) -> int | None:
-        return self.accept(row, sample(self.adjusted(row, row_logits), self.params(row), self.items[row][1].rng))
+    def choose(self, out: dict[str, np.ndarray]) -> int | None:
+        return self.accept(sample(self.adjusted(out["logits"]), self.params(), self.sess.rng))
 
-    def pick(self, row: int) -> TtsPick:
-        """The device's pick: the same rules; a sampled row's one draw from its rng, as `sample` would make it."""
-        req, sess = self.items[row]
-        window = self.stage.preset.duplex.tts_repetition_window
-        u = float(sess.rng.random()) if req.temperature > 0 else 0.0
-        return TtsPick(req.temperature, self.codes[row][-window:], self.allow_eos(row), u)
-
-    def accept(self, row: int, code: int) -> int | None:
-        """The code to feed next, or None: the EOS, or the (n_tokens + 1)-th code (sampled, never fed nor
-        returned). -1: the row's logits were not finite on the device."""
-        if code < 0:
-            raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
-        if code == self.stage.eos or len(self.codes[row]) == self.items[row][0].n_tokens:
+    def accept(self, code: int) -> int | None:
+        """The code to feed next, or None: the EOS, or the (n_tokens + 1)-th code."""
+        if code == self.stage.eos or len(self.codes) == self.req.n_tokens:
             return None
-        self.codes[row].append(code)
+        self.codes.append(code)
         return code
+
+    # ---- the device path ----
+    @functools.cached_property
+    def row(self) -> TtsRow:
+        draws = self.req.n_tokens + 1 if self.req.temperature > 0 else 0  # `sample`'s one draw per code
+        return TtsRow(self.req.temperature, self.allow_eos, self.req.n_tokens, self.ahead.draw(draws))
+
+    def confirm(self, token: int, flags: int) -> bool:
+        if flags & NOT_FINITE:
+            raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
+        if self.req.temperature > 0:
+            self.ahead.used += 1
+        return self.accept(token) is not None
+
+    def done(self) -> None:
+        self.ahead.give_back()
+
+    def take_hidden(self, hidden: np.ndarray | None) -> None:
+        """A TTS chunk keeps no hidden rows."""

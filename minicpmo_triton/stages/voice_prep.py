@@ -45,9 +45,13 @@ def as_bulk(whole_process: bool = False) -> None:
 
 
 class VoicePreparer:
-    def __init__(self, stage: Token2WavStage, max_queued: int = MAX_QUEUED) -> None:
+    def __init__(self, stage: Token2WavStage, max_queued: int = MAX_QUEUED,
+                 submit: Callable[[StageCall[Token2WavRequest], Answer], None] | None = None) -> None:
+        """`submit`: the device path's in-flight loop, which answers a call itself; None: calls run here, a batch
+        at a time under `lock`."""
         self.stage = stage
         self.max_queued = max_queued
+        self.submit = submit
         self.lock = threading.Lock()  # the stage's state: one batch at a time
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="voice-prep", initializer=as_bulk)
         self._pending: dict[bytes, Future[None]] = {}  # preparations queued or running, by the reference's key
@@ -69,7 +73,10 @@ class VoicePreparer:
             else:
                 prepared.add_done_callback(functools.partial(self._run_after, call=call, answer=answers[i],
                                                              after=after))
-        if now:
+        if now and self.submit is not None:
+            for i in now:
+                self.submit(calls[i], answers[i])
+        elif now:
             with self.lock:
                 results = self.stage.run([calls[i] for i in now])
             for i, result in zip(now, results, strict=True):
@@ -110,6 +117,9 @@ class VoicePreparer:
         except Exception as exc:  # noqa: BLE001 (the preparation's error is this call's answer)
             self._fail(call, answer, exc)
         else:
+            if self.submit is not None:
+                self.submit(call, answer)
+                return
             with self.lock:
                 [result] = self.stage.run([call])
             answer(result)

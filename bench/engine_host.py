@@ -1,0 +1,245 @@
+"""Host work per decode iteration of the LLM's device engine, before and after the engine core, in one run.
+
+What a GPU cannot hide is the host's share of an iteration: the scheduler, each row's rules and bookkeeping, the
+staging of inputs, the sampler's launches, and the waits. Here the forward is replaced by a precomputed result (the
+device's work is not measured: it is the roofline column), and everything else runs as served, at 32 / 128 / 256
+rows all decoding (a duplex chunk each, sampled at the defaults, `tiny`'s tokenizer and rules):
+- before: the paged engine this core replaced (`minicpmo_triton/paged` at git revision BEFORE_REV, exported with
+  `git archive` and run in a subprocess): its loop's `decide` (each row's `RowPick` with its 512-token window and rng
+  draws, ~10 uploads, the sampler's ops, the download, each row's `accept`); the forward returns precomputed logits. Its
+  sampler's ops run here on the CPU at tiny's vocabulary (288): on a GPU they would be launches, and each of its
+  syncs a drained queue, which no CPU run shows;
+- after: `EngineCore.step` (schedule, launch, read the previous iteration's tokens, each row's `confirm`) with the
+  decode step replaced by writing its precomputed (token, flags) into the output buffer, as a CUDA graph's replay
+  would leave them (labelled: on a GPU the replay itself is one launch, ~10-30 us, not counted here); and `eager`:
+  the decode step itself run eagerly at `tiny`'s dims on this CPU (host dispatch of every op, plus tiny's compute),
+  what the host pays where no graph is captured.
+Both sides' syncs per iteration are counted by the same ledger (engine/syncs.py), over one iteration after the
+timed ones (its hooks cost time per op). The roofline: the decode
+iteration's device time at MiniCPM-o 4.5's dims on an H200 (weights and each row's 60 s of KV read once, 75% of
+4.8 TB/s; bf16, 50% of 989 TFLOP/s), what the host work hides behind with overlap.
+
+    python -m bench.engine_host [--rows 32 128 256] [--iterations 12] [--main main]
+
+Last line: `host ms per iteration at 128 rows: X (before: Y)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BEFORE_REV = "d990554"  # the last commit with the paged engine the core replaced (minicpmo_triton/paged)
+WARMUP = 2
+
+# Run by the subprocess over main's tree (its own minicpmo_triton and export on sys.path first).
+BEFORE = r'''
+import json, statistics, sys, time
+import numpy as np, torch
+from export.presets import TINY_SEED, tiny
+from export.stages import build_modules
+from minicpmo_triton.paged.engine import Forward, PagedLlmEngine
+from minicpmo_triton.paged.protocol import Prefill
+from minicpmo_triton.stage_io import LlmRequest
+from minicpmo_triton.stages.llm import LlmStage, _DeviceRows
+from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.tokenizer import load_tokenizer
+from syncs_ledger import SyncLedger
+rows, iterations, repo, token = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+preset = tiny()
+w = build_modules(preset, TINY_SEED)["llm"].state_dict()
+eng = PagedLlmEngine.build(w, preset.llm, pool_size=0.05, attention="gather", max_tokens=8192, max_sessions=rows + 1)
+stage = LlmStage(eng, preset, load_tokenizer(preset, repo + "/duplex/1"), 600.0)
+items, decoders, params = [], [], []
+for r in range(rows):
+    call = StageCall(LlmRequest(input_ids=np.array([preset.tokens.unit], np.int64), max_new_tokens=40, seed=r + 1),
+                     r + 1, start=True)
+    sess = stage.enter(call)
+    sess.history = list(np.random.default_rng(r).integers(32, 127, 600))
+    pre, dec, par = stage.prepare(call.request, sess, np.zeros((0, preset.llm.hidden), np.float32))
+    items.append((call.request, sess)); decoders.append(dec); params.append(par)
+driver = _DeviceRows(stage, items, decoders, params, [[] for _ in items])
+logits = torch.full((rows, preset.llm.vocab), -5.0)
+logits[:, token] = 10.0
+out = Forward(logits, torch.zeros(rows, preset.llm.hidden), list(range(rows)))
+stamps, syncs = [], []
+ledger = SyncLedger()
+def forward(seqs, pasts, feeds):
+    # timed without the ledger (its hooks cost per op); the last iteration counted with it
+    stamps.append(time.perf_counter())
+    if len(stamps) == iterations + 1:
+        ledger.__enter__()
+    if len(stamps) == iterations + 2:
+        ledger.__exit__(None, None, None)
+        syncs.append(ledger.total)
+        raise StopIteration
+    return Forward(out.logits[: len(seqs)], out.hidden[: len(seqs)], list(range(len(seqs))))
+eng.forward = forward
+seqs = [s.cache.seq for _, s in items]
+try:
+    eng.run(seqs, [0] * rows, [Prefill(np.array([preset.tokens.unit]), np.zeros((0, preset.llm.hidden), np.float32),
+                                       np.zeros(1, bool)) for _ in items], driver)
+except StopIteration:
+    pass
+gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:iterations + 1])][2:]
+print(json.dumps({"ms": statistics.median(gaps), "syncs": syncs[0]}))
+'''
+
+
+def before(rows: int, iterations: int, main: str, token: int) -> dict[str, float]:
+    """The paged engine of `main`, in a subprocess over that tree (git archive of its minicpmo_triton and export)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", main, "minicpmo_triton", "export"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        (Path(tmp) / "syncs_ledger.py").write_text((ROOT / "minicpmo_triton" / "engine" / "syncs.py").read_text())
+        out = subprocess.run([sys.executable, "-c", BEFORE, json.dumps([rows, iterations,
+                                                                        str(ROOT / "model_repository"), token])],
+                             cwd=tmp, env={"PYTHONPATH": tmp, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the before run failed: {out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _core(rows: int, admitted: list[float] | None = None) -> tuple[Any, Any]:
+    """A core of `rows` decoding rows; `admitted`: each row's admission host ms appended."""
+    from export.presets import TINY_SEED, tiny
+    from export.stages import build_modules
+    from minicpmo_triton.engine.protocol import PagedCache
+    from minicpmo_triton.engine.stage_kv import llm_kv
+    from minicpmo_triton.stage_io import LlmRequest
+    from minicpmo_triton.stages.base import StageCall
+    from minicpmo_triton.stages.llm import LlmStage
+    from minicpmo_triton.tokenizer import load_tokenizer
+
+    preset = tiny()
+    tokenizer = load_tokenizer(preset, ROOT / "model_repository" / "duplex" / "1")
+    kv = llm_kv(build_modules(preset, TINY_SEED)["llm"].state_dict(), preset, tokenizer, pool_size=0.05,
+                attention="gather", rows=rows, max_sessions=rows + 1)
+    stage = LlmStage(kv, preset, tokenizer, 600.0)
+    unit = np.array([preset.tokens.unit] + [preset.tokens.audio_placeholder] * 10, np.int64)
+    for r in range(rows):
+        call = StageCall(LlmRequest(input_ids=unit, embeds=np.zeros((10, preset.llm.hidden), np.float32),
+                                    max_new_tokens=40, seed=r + 1), r + 1, start=True)
+        history = list(np.random.default_rng(r).integers(32, 127, 600))
+        t0 = time.perf_counter()
+        sess = stage.enter(call)
+        assert sess is not None and isinstance(sess.cache, PagedCache)
+        sess.history = history
+        prefill, rules = stage.prepare(call.request, sess, call.request.embeds)
+        kv.core.add(kv.request(r + 1, sess.cache, prefill, rules))
+        if admitted is not None:
+            admitted.append((time.perf_counter() - t0) * 1000)
+    return kv.core, preset
+
+
+def after(rows: int, iterations: int, token: int, eager: bool) -> dict[str, float]:
+    from minicpmo_triton.engine.protocol import DREW_SECOND
+    from minicpmo_triton.engine.syncs import SyncLedger
+
+    core, _ = _core(rows)
+    runner = core.runner
+    if not eager:  # the decode step as its graph's replay leaves it: the chosen (token, flags) in the output buffer
+        picks = torch.tensor([[token, DREW_SECOND]] * runner.capacity, dtype=torch.int64)
+
+        def replayed(b: int, *_: Any) -> None:
+            runner.state.out[:b].copy_(picks[:b])
+
+        runner._decode = replayed
+        # keep the device's rows live as the real step would (the host's rules decide when they end)
+    core.step()
+    times = []
+    for i in range(iterations):  # timed without the ledger (its hooks cost per op); then one iteration counted
+        t0 = time.perf_counter()
+        core.step()
+        if i >= WARMUP:
+            times.append((time.perf_counter() - t0) * 1000)
+    with SyncLedger() as ledger:
+        core.step()
+    return {"ms": statistics.median(times), "syncs": ledger.total}
+
+
+def admission_ms(rows: int = 64) -> dict[str, float]:
+    """Host ms per admitted request, outside the iteration: the LLM stage's enter (state, checks, the pool's
+    reservation), prepare (its prefill and rules) and its request (the rules drawn ahead) -- and, apart, the duplex
+    second's mel: its host share with the device mel (the stream's bookkeeping and the samples it stages:
+    engine/mel.py), and the whole mel on the host (`MelStream.push`, the host path's)."""
+    from minicpmo_triton.audio_mel import MelStream, frame_samples, mel_filterbank
+
+    admitted: list[float] = []
+    _core(rows, admitted)
+    filters = mel_filterbank(80)
+    rng = np.random.default_rng(0)
+    chunks = [(rng.standard_normal(16_000) * 0.1).astype(np.float32) for _ in range(23)]
+    out = {"request_ms": statistics.median(admitted)}
+    for key in ("mel_ms", "mel_host_path_ms"):
+        stream = MelStream()
+        for chunk in chunks[:3]:
+            stream.push(chunk, filters)
+        t0 = time.perf_counter()
+        for chunk in chunks[3:]:
+            if key == "mel_ms":
+                plan = stream.advance(chunk)
+                frame_samples(stream.kept, plan.lo, plan.total).astype(np.float32)
+            else:
+                stream.push(chunk, filters)
+        out[key] = (time.perf_counter() - t0) * 1000 / 20
+    return out
+
+
+def roofline_ms(rows: int) -> float:
+    """One decode iteration's device time at MiniCPM-o 4.5's dims on an H200: weights once, each row's 60 s of KV,
+    the head, at 75% of HBM bandwidth (or 50% of bf16 FLOPs, whichever is longer)."""
+    from bench.gpu_projection import BF16, HISTORY, decode_bill, roofline
+    from export.presets import minicpmo45
+
+    return roofline(decode_bill(minicpmo45().llm, rows, HISTORY, BF16)) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 128, 256])
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--main", default=BEFORE_REV, help="the git revision whose paged engine is the before")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    token = 97  # "a": a text token, one character: every row keeps decoding through the iterations measured
+    print("host ms per decode iteration, the forward replaced by its precomputed result (tiny's rules and tokenizer; "
+          "medians of the iterations after the first two); H200 roofline of the same iteration at MiniCPM-o 4.5's "
+          "dims, 60 s of history a row")
+    print(f"{'rows':>5} {'before ms':>10} {'syncs':>6} {'after ms':>9} {'syncs':>6} {'after eager ms':>15} "
+          f"{'GPU roofline ms':>16}")
+    results = {}
+    for rows in args.rows:
+        b = before(rows, args.iterations + WARMUP, args.main, token)
+        a = after(rows, args.iterations, token, eager=False)
+        e = after(rows, args.iterations, token, eager=True)
+        results[rows] = (b, a)
+        print(f"{rows:>5} {b['ms']:>10.2f} {b['syncs']:>6} {a['ms']:>9.2f} {a['syncs']:>6} {e['ms']:>15.2f} "
+              f"{roofline_ms(rows):>16.2f}", flush=True)
+    adm = admission_ms()
+    print(f"per admitted step, outside the iterations above: its request {adm['request_ms']:.2f} ms (enter, prepare, "
+          f"its rules drawn ahead); its second's mel: {adm['mel_ms']:.2f} ms of host work with the device mel "
+          f"(the host path's whole mel: {adm['mel_host_path_ms']:.2f} ms)")
+    if 128 in results:
+        b, a = results[128]
+        print(f"host ms per iteration at 128 rows: {a['ms']:.2f} (before: {b['ms']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
