@@ -59,7 +59,7 @@ async def test_live_sessions_that_fill_the_pool_keep_speaking_while_health_runs(
                     "error", "session.closed"), 60)
                 assert events[-1]["type"] == "response.output.delta", (i, second, events[-3:])
             await asyncio.sleep(0.5)
-        assert four_triton.metric("minicpmo_kv_free_blocks", "llm") < 128  # no room for another session
+        assert four_triton.stage_metric("kv_free_blocks", "llm") < 128  # no room for another session
         health = gw.health()
         assert health["status"] == "ready" and health["backend_state"] == "ready", health
         # a fifth session is refused, retryable, by the pool itself: the server is busy, not broken

@@ -113,8 +113,9 @@ class Served:
         text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).text
         found = dict.fromkeys(("duplex", "llm", "tts", "token2wav"), 0.0)
         for line in text.splitlines():
-            if line.startswith('minicpmo_live_sequences{model="'):
-                found[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+            for model in found:  # a stage's own series, minicpmo_<model>_live_sequences (triton_models.stage_metric)
+                if line.startswith(f"minicpmo_{model}_live_sequences "):
+                    found[model] = float(line.rsplit(" ", 1)[1])
         return found
 
     def wait_none_live(self, timeout_s: float = 20) -> dict[str, float]:
