@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,16 @@ class FinishedStreams:
             held.clear()  # the last references: freed here, on a Python thread with the GIL
 
 
+def _next(responses: Any, finished: FinishedStreams) -> Any:
+    """A decoupled call's next response (None: its stream ended); an ended stream is handed to `finished`."""
+    answer = next(responses, None)
+    if answer is None or answer.has_error():
+        for _ in responses:  # the final flag ends it; nothing follows an error
+            pass
+        finished.hold(responses)
+    return answer
+
+
 async def _answer(infer: Any, decoupled: bool, finished: FinishedStreams) -> Any:
     """The stage's one response. A decoupled stage's comes through an iterator that blocks until the stage
     answers: it is read on an executor thread, as `async_exec` waits for a plain stage's."""
@@ -71,6 +82,16 @@ async def _answer(infer: Any, decoupled: bool, finished: FinishedStreams) -> Any
     return answer
 
 
+def _decoded(response: Any, result_cls: type[Any], model: str) -> Any:
+    """A stage's response as its result, or its error raised (the stage's code, or stage_error)."""
+    if response is None:
+        raise StepError(Code.STAGE_ERROR, f"{model}: its stream ended before its answer")
+    if response.has_error():
+        raise from_wire(response.error().message(), model)
+    outputs_by_name = {t.name(): t.as_numpy()[0] for t in response.output_tensors()}
+    return io.decode(result_cls, outputs_by_name.get)
+
+
 def _flags(call: StageCall[Any]) -> int:
     flags = 0
     if call.start:
@@ -83,25 +104,26 @@ def _flags(call: StageCall[Any]) -> int:
 class TritonBlsStages:
     def __init__(self) -> None:
         self.finished = FinishedStreams()
+        # each session's llm call that spoke: the rest of its stream, being read (`speech` takes it)
+        self._speaking: dict[int, asyncio.Future[Any]] = {}
 
-    async def _exec(self, model: str, request: Any, result_cls: type[Any], call: StageCall[Any] | None = None,
-                    ready: Ready | None = None) -> Any:
+    @staticmethod
+    def _infer(model: str, request: Any, outputs: list[str], call: StageCall[Any] | None) -> Any:
         tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
-        outputs = [f.name for f in dataclasses.fields(result_cls)]
-        infer = pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs)
+        return pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs)
+
+    async def _exec(self, model: str, request: Any, result_cls: type[Any], call: StageCall[Any] | None = None,
+                    ready: Ready | None = None) -> Any:
+        infer = self._infer(model, request, [f.name for f in dataclasses.fields(result_cls)], call)
         if ready is not None:
             # Built first: steps released from the door together reach the batcher together.
             await ready()
         with tracing.stage_span(model):
             response = await _answer(infer, model in io.DECOUPLED_STAGES, self.finished)
-        if response.has_error():
-            raise from_wire(response.error().message(), model)  # the stage's code, or stage_error
-
-        outputs_by_name = {t.name(): t.as_numpy()[0] for t in response.output_tensors()}
-        return io.decode(result_cls, outputs_by_name.get)
+        return _decoded(response, result_cls, model)
 
     async def audio_encoder(self, request: io.AudioEncoderRequest) -> io.AudioEncoderResult:
         return await self._exec("audio_encoder", request, io.AudioEncoderResult)
@@ -110,7 +132,26 @@ class TritonBlsStages:
         return await self._exec("vision_encoder", request, io.VisionEncoderResult)
 
     async def llm(self, call: StageCall[io.LlmRequest], ready: Ready | None = None) -> io.LlmResult:
-        return await self._exec("llm", call.request, io.LlmResult, call, ready)
+        if not call.request.speak:
+            return await self._exec("llm", call.request, io.LlmResult, call, ready)
+        # Its stream carries the TTS's codes after its result when it spoke: the result is read, the codes wait
+        # (`speech`) on an executor thread, while the step emits the text.
+        loop = asyncio.get_running_loop()
+        infer = self._infer("llm", call.request, io.output_names("llm"), call)
+        if ready is not None:
+            await ready()
+        with tracing.stage_span("llm"):
+            responses = iter(await loop.run_in_executor(None, functools.partial(infer.exec, decoupled=True)))
+            result = _decoded(await loop.run_in_executor(None, _next, responses, self.finished), io.LlmResult, "llm")
+        if io.spoke(call.request, result):
+            self._speaking[call.corr_id] = loop.run_in_executor(None, _next, responses, self.finished)
+        else:
+            self.finished.hold(responses)  # its final flag came with the result
+        return result
+
+    async def speech(self, corr_id: int) -> io.TtsResult:
+        with tracing.stage_span("tts"):
+            return _decoded(await self._speaking.pop(corr_id), io.TtsResult, "llm")
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return await self._exec("tts", call.request, io.TtsResult, call)

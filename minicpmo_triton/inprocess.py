@@ -12,6 +12,7 @@ from typing import Any
 
 from . import stage_io as io
 from .engines import load_engine
+from .errors import Code, StepError
 from .model_config import PresetConfig, load_stage_config
 from .pipeline import DuplexPipeline, Ready
 from .stage_settings import stage_setting
@@ -67,6 +68,10 @@ class InProcessStages:
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return _one(self.tts_stage, call)
+
+    async def speech(self, corr_id: int) -> io.TtsResult:
+        """Never asked for: this process's LLM is the ONNX one, which runs no TTS (`tts_in_llm`)."""
+        raise StepError(Code.STAGE_ERROR, "the in-process llm runs no TTS")
 
     async def token2wav(self, call: StageCall[io.Token2WavRequest]) -> io.Token2WavResult:
         """Answered at once, or (a new voice) once its prompt is prepared on the preparer's worker."""

@@ -35,6 +35,8 @@ from .stage_io import (
     TtsResult,
     VisionEncoderRequest,
     VisionEncoderResult,
+    speech_request,
+    spoke,
 )
 from .stage_settings import STAGE_SETTINGS
 from .stages.base import StageCall
@@ -65,6 +67,11 @@ class StageClient(Protocol):
 
     async def tts(self, call: StageCall[TtsRequest]) -> TtsResult: ...
 
+    async def speech(self, corr_id: int) -> TtsResult:
+        """The TTS's codes for the session's llm call that spoke (`LlmRequest.speak`, `stage_io.spoke`): the rest of
+        that call's stream. Called once for each such call, whatever the step does with them."""
+        ...
+
     async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult: ...
 
 
@@ -90,8 +97,11 @@ class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
                  voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, tts_in_llm: bool = False) -> None:
         self.stages = stages
+        # The llm model runs the TTS too: a duplex step's voice comes on its llm call's stream (`speech`), with no
+        # tts call of its own (a turn-based reply's voice still goes through the tts model).
+        self.tts_in_llm = tts_in_llm
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
         # session sends none (encoded once, on first use)
@@ -308,6 +318,9 @@ class DuplexPipeline:
             n_audio = self.preset.audio_tokens(len(inp.audio))
             ids += [tk.audio_placeholder] * n_audio
         listening = forced is None and len(inp.audio) > 0 and state.chunk_index < opts.force_listen_count
+        # What a voiced chunk tells the TTS and token2wav: nothing changes the turn before the LLM's result says
+        # whether the step spoke (a listen, a cancel return before voicing), so it is known now.
+        turn_start, restart = state.turn.starts()
         request = LlmRequest(
             input_ids=np.asarray(ids, np.int64), embeds=embeds, audio=inp.audio,
             decode=len(inp.audio) > 0 or inp.respond,
@@ -319,6 +332,8 @@ class DuplexPipeline:
             window_mode=WINDOW_MODES.index(opts.sliding_window_mode), window_high=opts.basic_window_high_tokens,
             window_low=opts.basic_window_low_tokens, window_units=opts.context_max_units,
             window_previous=opts.context_previous_max_tokens,
+            speak=self.tts_in_llm, tts_turn_start=turn_start, tts_tokens=self.preset.duplex.tts_tokens_per_chunk,
+            tts_temperature=opts.tts_temperature,
         )
         t = time.perf_counter()
         # The call waits at the door, built, for other sessions' steps to batch with.
@@ -335,6 +350,9 @@ class DuplexPipeline:
         text = state.decoder.feed([int(i) for i in llm.text_ids])
 
         if state.cancels != cancels:  # cancelled (barge-in): no words, no voice; the usage still counts
+            if spoke(request, llm):
+                with contextlib.suppress(StepError):  # its stream read to its end; its voice (or refusal) dropped
+                    await self.stages.speech(corr_id)
             state.turn.drop()
             await emit(StepEvent("listen", metrics=metrics, chunk_usage=usage))
             return None
@@ -345,12 +363,11 @@ class DuplexPipeline:
             return llm
         if text:  # the words go out now; their voice follows
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
-        turn_start, restart = state.turn.starts()
         t = time.perf_counter()
-        tts = await self._stage(state, "tts", corr_id, TtsRequest(
-            text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
-            n_tokens=self.preset.duplex.tts_tokens_per_chunk, temperature=opts.tts_temperature, seed=opts.seed,
-        ))
+        if spoke(request, llm):
+            tts = await self.stages.speech(corr_id)  # made in the llm model's process meanwhile
+        else:
+            tts = await self._stage(state, "tts", corr_id, speech_request(request, llm))
         metrics.cost_tts_ms = _ms(t)
         t = time.perf_counter()
         wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(

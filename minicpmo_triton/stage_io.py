@@ -132,6 +132,14 @@ class LlmRequest:
     window_low: int = _D.window_low_tokens
     window_units: int = _D.window_max_units
     window_previous: int = _D.window_previous_tokens
+    # `tts_in_llm` (the llm model runs the TTS core too): a speaking result's text goes on to the TTS in this
+    # process, as the tts model's call would (text_ids, tts_hidden, turn_end = end_of_turn, seed), and its codes
+    # come as a second response (a TtsResult) on the call's stream. The TTS's START is the llm model's own (its
+    # session's first spoken chunk), its END the LLM's.
+    speak: bool = False
+    tts_turn_start: bool = False
+    tts_tokens: int = _D.tts_tokens_per_chunk
+    tts_temperature: float = _D.tts_temperature
 
 
 @dataclass
@@ -209,6 +217,18 @@ class Token2WavResult:
     waveform: np.ndarray = tensor(np.float32, 1)  # 24 kHz mono
 
 
+def spoke(request: LlmRequest, result: LlmResult) -> bool:
+    """An llm call whose stream carries the TTS's codes after its result (`LlmRequest.speak`): it spoke."""
+    return request.speak and request.decode and not result.is_listen
+
+
+def speech_request(request: LlmRequest, result: LlmResult) -> TtsRequest:
+    """The TTS's chunk for a call that spoke, as the duplex pipeline builds the tts model's request."""
+    return TtsRequest(text_ids=result.text_ids, tts_hidden=result.tts_hidden, turn_start=request.tts_turn_start,
+                      turn_end=result.end_of_turn, n_tokens=request.tts_tokens, temperature=request.tts_temperature,
+                      seed=request.seed)
+
+
 STAGE_IO: dict[str, tuple[type, type]] = {
     "audio_encoder": (AudioEncoderRequest, AudioEncoderResult),
     "vision_encoder": (VisionEncoderRequest, VisionEncoderResult),
@@ -216,3 +236,13 @@ STAGE_IO: dict[str, tuple[type, type]] = {
     "tts": (TtsRequest, TtsResult),
     "token2wav": (Token2WavRequest, Token2WavResult),
 }
+
+# What a model's responses may carry (its config.pbtxt's outputs): its result's tensors, and for the llm the TTS's
+# codes after them (`tts_in_llm`; `kv_length` is then the TTS's).
+STAGE_OUTPUTS: dict[str, tuple[type, ...]] = {**{m: (io[1],) for m, io in STAGE_IO.items()},
+                                              "llm": (LlmResult, TtsResult)}
+
+
+def output_names(model: str) -> list[str]:
+    """The output tensors a model declares, each once, in its results' order."""
+    return list(dict.fromkeys(f.name for cls in STAGE_OUTPUTS[model] for f in dataclasses.fields(cls)))

@@ -51,9 +51,13 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
     StageSetting("audio_pool_size", "0.3", float, ("llm",),
                  "the device Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
                  "(CPU: of 8 GB)"),
-    StageSetting("tts_engine", "auto", str, ("tts",),
+    StageSetting("tts_engine", "auto", str, ("tts", "llm"),
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
-    StageSetting("tts_pool_size", "0.05", float, ("tts",),
+    StageSetting("tts_in_llm", "auto", str, ("llm", "duplex"),
+                 "the llm model runs the TTS's engine core too, so a speaking step's text and speech codes come from "
+                 "one request (its hidden rows never leave the process, no tts hop, no tts queue delay): auto (when "
+                 "llm_engine and tts_engine both resolve to the device engine), 1 (needs llm_engine paged) or 0"),
+    StageSetting("tts_pool_size", "0.05", float, ("tts", "llm"),
                  "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
     StageSetting("engine_rows", "256", int, ("llm", "tts"),
                  "the device engine's persistent batch: rows decoding at once (its largest CUDA graph bucket)"),
@@ -63,10 +67,10 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "the device engine launches an iteration before reading the previous one's tokens (0: one by one)"),
     StageSetting("engine_compile", "1", int, ("llm", "tts"),
                  "the device engines' layers and flex attention torch.compile'd on a GPU (0: eager)"),
-    StageSetting("tts_top_k", str(_D.tts_top_k), int, ("tts",),
+    StageSetting("tts_top_k", str(_D.tts_top_k), int, ("tts", "llm"),
                  "the TTS's speech codes from its k likeliest only (0: off, as MiniCPM-o's own generate_chunk, "
                  "which builds the warper and never applies it)"),
-    StageSetting("tts_top_p", str(_D.tts_top_p), float, ("tts",),
+    StageSetting("tts_top_p", str(_D.tts_top_p), float, ("tts", "llm"),
                  "... and from the likeliest whose probabilities reach p (1.0: off, as the reference; "
                  "vllm-omni applies top-k 20 / top-p 0.7)"),
     StageSetting("admit_tokens", "1024", int, ("llm",),

@@ -24,10 +24,10 @@ from . import duplex_contract as contract
 from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
-from .engine.protocol import pick_engine
+from .engine.protocol import pick_engine, tts_in_llm
 from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
-from .model_config import PresetConfig, load_stage_config
+from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_engine import Placement, Probe, place
@@ -47,6 +47,7 @@ from .voice_prompt import VoiceLibrary, default_ref_audio
 
 if TYPE_CHECKING:  # torch: imported only where the device engine is built
     from .stages.inflight import InflightLoop
+    from .stages.speaker import Speaker
     from .stages.token2wav_inflight import InflightToken2Wav
     from .tokenizer import Tokenizer
 
@@ -215,10 +216,11 @@ class _StatefulStageModel:
                 pb_utils.Logger.log_warn(f"{self.stage_name}: a probe not answered: {describe(exc)}")
         return rest
 
-    def _send(self, sender: Any, corr_id: int, result: Any) -> None:
-        """A decoupled model's one answer to a call, with the final flag."""
+    def _send(self, sender: Any, corr_id: int, result: Any, final: bool = True) -> None:
+        """A decoupled model's answer to a call: its one response, with the final flag (or a first of two)."""
         try:
-            sender.send(_response(result, self.stage_name), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(_response(result, self.stage_name),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
         except Exception as exc:  # noqa: BLE001 (a caller gone must not stop the thread that answers)
             pb_utils.Logger.log_warn(f"{self.stage_name}: sequence {corr_id}: response not delivered: {describe(exc)}")
 
@@ -262,13 +264,17 @@ class _InflightStageModel(_StatefulStageModel):
             changed()
             self.inflight = self._inflight(period, changed)
 
+    def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
+        """How the engine thread answers a call (the llm model's may answer twice: `stages.speaker`)."""
+        return functools.partial(self._send, sender, call.corr_id)
+
     def execute(self, requests: list[Any]) -> None:
         requests = self._answer_probes(requests)
         calls = self._calls(requests)
         senders = [request.get_response_sender() for request in requests]
         if self.inflight is not None:
             for call, sender in zip(calls, senders, strict=True):
-                self.inflight.submit(call, functools.partial(self._send, sender, call.corr_id))
+                self.inflight.submit(call, self._reply(call, sender))
             return None
         for group in answer_order(calls, self.stage.can_wait):
             for i, result in zip(group, self.stage.run([calls[i] for i in group]), strict=True):
@@ -285,11 +291,29 @@ class _InflightStageModel(_StatefulStageModel):
 class LlmModel(_InflightStageModel):
     stage_name = "llm"
     stage: LlmStage
+    speaker: Speaker | None = None
 
     def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
         from .stages.llm_inflight import InflightLlm  # torch, as the device engine
 
         return InflightLlm(self.stage, period_s, changed)
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        super().initialize(args)
+        ctx = _ModelContext(args)
+        if tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
+                      _device(ctx) != "cpu"):
+            self.speaker = _speaker(ctx)
+
+    def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
+        if self.speaker is None:
+            return super()._reply(call, sender)
+        return self.speaker.reply(call, functools.partial(self._send, sender, call.corr_id))
+
+    def finalize(self) -> None:
+        if self.speaker is not None:
+            self.speaker.close()
+        super().finalize()
 
     def make_stage(self, ctx: _ModelContext) -> LlmStage:
         models = ctx.version_dir.parent.parent
@@ -353,20 +377,42 @@ class TtsModel(_InflightStageModel):
         return InflightTts(self.stage, period_s, changed)
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
-        preset = with_tts_sampling(ctx.preset, int(ctx.setting("tts_top_k")), float(ctx.setting("tts_top_p")))
-        return TtsStage(_tts_kv(ctx, preset), preset, _ttl(ctx))
+        device = pick_engine(ctx.setting("tts_engine"), _device(ctx) != "cpu", "tts_engine") == "paged"
+        return _tts_stage(ctx, ctx.version_dir, device)
 
 
-def _tts_kv(ctx: _ModelContext, preset: PresetConfig) -> Engine | StageKv:
-    """ONNX, or the device TTS (its own KV pool on the instance's device), as `tts_engine` says."""
-    device = _device(ctx)
-    if pick_engine(ctx.setting("tts_engine"), device != "cpu", "tts_engine") == "onnx":
-        return load_engine(ctx.version_dir, _threads(ctx))
+def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStage:
+    """The TTS stage over the artefacts in `folder`: ONNX, or the device TTS (its own KV pool on the instance's
+    device)."""
+    preset = with_tts_sampling(load_stage_config(folder), int(ctx.setting("tts_top_k")),
+                               float(ctx.setting("tts_top_p")))
+    if not device_engine:
+        return TtsStage(load_engine(folder, _threads(ctx)), preset, _ttl(ctx))
     from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    return load_tts_kv(ctx.version_dir, preset, device, pool_size=ctx.setting("tts_pool_size"),
-                       max_tokens=TURN_TOKENS, **_core_settings(ctx))
+    kv = load_tts_kv(folder, preset, _device(ctx), pool_size=ctx.setting("tts_pool_size"), max_tokens=TURN_TOKENS,
+                     **_core_settings(ctx))
+    return TtsStage(kv, preset, _ttl(ctx))
+
+
+def _speaker(ctx: _ModelContext) -> Speaker:
+    """`tts_in_llm`: the device TTS (../tts/1's artefacts) on its own engine thread in the llm model's process; its
+    pool and sessions published as the llm model's `tts_kv_free_blocks` and `tts_live_sequences`."""
+    from .stages.speaker import Speaker
+    from .stages.tts_inflight import InflightTts  # torch
+
+    stage = _tts_stage(ctx, ctx.version_dir.parent.parent / "tts" / "1", device_engine=True)
+    live = stage_metric(ctx.name, "tts_live_sequences", "Live TTS sessions of the TTS run in this model (tts_in_llm)")
+    free = stage_metric(ctx.name, "tts_kv_free_blocks", "Free blocks in the KV pool of the TTS run in this model")
+    pool = stage.kv.core.runner.pool  # type: ignore[attr-defined] # the device TTS: a PoolKv
+
+    def changed() -> None:  # on the TTS's engine thread, after a chunk's admission or its answer
+        live.set(len(stage.store))
+        free.set(pool.free_blocks)
+
+    changed()
+    return Speaker(InflightTts(stage, ctx.setting("sweep_period_s"), changed))
 
 
 class _VoicePromptCounter:
@@ -524,13 +570,17 @@ class DuplexModel:
         # GPU is), the door stands aside.
         if pick_engine(ctx.setting("llm_engine"), gpu_available()) == "paged":
             gather_s, window = 0.0, BatchWindow()
+        # ... and where it runs the TTS too (`tts_in_llm`), a speaking step is one llm request: text, then codes.
+        speaks = tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
+                            gpu_available())
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
         self.stages = TritonBlsStages()
         self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=gather_s, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
-                                       prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"))
+                                       prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"),
+                                       tts_in_llm=speaks)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None

@@ -13,6 +13,7 @@ from minicpmo_triton.kv_batch import KvBatch, KvCache
 from minicpmo_triton.model_config import SAMPLES_PER_SPEECH_TOKEN, load_stage_config
 from minicpmo_triton.stage_io import (
     STAGE_IO,
+    STAGE_OUTPUTS,
     LlmRequest,
     Token2WavRequest,
     TtsRequest,
@@ -194,10 +195,11 @@ def test_a_tts_turn_never_runs_past_the_position_table(preset) -> None:
 def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     """config.pbtxt and the dataclasses the code exchanges must not drift apart."""
     text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    for cls, section in zip(STAGE_IO[model], ("input", "output"), strict=True):
+    for classes, section in zip(((STAGE_IO[model][0],), STAGE_OUTPUTS[model]), ("input", "output"), strict=True):
         block = text.split(f"\n{section} [", 1)[1].split("\n]", 1)[0]
         declared = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]', block)
-        expected = [(f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f)))) for f in dataclasses.fields(cls)]
+        expected = list({f.name: (f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f))))
+                         for cls in classes for f in dataclasses.fields(cls)}.values())
         assert declared == expected
     # Triton batches only requests whose inputs have equal shapes unless told otherwise; the stages pad
     # (or group) rows themselves, so every variable-length input must be ragged or batches stay tiny.

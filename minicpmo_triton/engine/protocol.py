@@ -115,3 +115,15 @@ def pick_engine(choice: str, cuda: bool, key: str = "llm_engine") -> str:
     if choice not in ("auto", "paged", "onnx"):
         raise ValueError(f"{key} must be auto, paged or onnx, not {choice!r}")
     return ("paged" if cuda else "onnx") if choice == "auto" else choice
+
+
+def tts_in_llm(choice: str, llm_engine: str, tts_engine: str, cuda: bool) -> bool:
+    """`tts_in_llm`: whether the llm model runs the TTS's engine core too (one request per speaking step). auto: where
+    the LLM and the TTS both resolve to the device engine; 1 asks for it and needs the LLM's device engine (the
+    in-process TTS is the device one whatever `tts_engine` says); 0: the tts model, a hop of its own."""
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"tts_in_llm must be auto, 0 or 1, not {choice!r}")
+    llm_paged = pick_engine(llm_engine, cuda) == "paged"
+    if choice == "1" and not llm_paged:
+        raise ValueError("tts_in_llm = 1 needs llm_engine on the device engine (paged)")
+    return choice == "1" or (choice == "auto" and llm_paged and pick_engine(tts_engine, cuda, "tts_engine") == "paged")

@@ -1,0 +1,83 @@
+"""`tts_in_llm`: the TTS's engine core in the llm model's process, so a speaking duplex step is one Triton request.
+
+The LLM's engine thread answers a call; when the call asked to speak (`LlmRequest.speak`) and its row spoke, the
+answer goes out at once without the final flag (the duplex model emits the text), and the TTS's chunk is built from
+it here (`stage_io.speech_request`: the text ids and their hidden rows, handed over inside the process) and queued on
+the TTS's own engine thread (`InflightTts`), which joins it to its running decode between two iterations and answers
+it, with the final flag, in the iteration its last code is chosen. No Triton hop, no tts batcher delay between them.
+
+The TTS's sequence follows the LLM's: started with a session's first spoken chunk (a refused start is ENDed at
+once, and the next spoken chunk starts it again, as the duplex pipeline does with the tts model), ENDed with the
+LLM's END, whose final answer waits for it (the session's TTS blocks are back when the caller hears the END).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..stage_io import LlmRequest, TtsRequest, speech_request, spoke
+from .base import StageCall
+from .inflight import InflightLoop, Reply
+
+Send = Callable[[Any, bool], None]  # (a result or an error, whether it is the call's last response)
+END_ONLY = TtsRequest(n_tokens=0)  # what an END alone asks of the TTS (no work: its state is freed)
+
+
+class Speaker:
+    """The in-process TTS of one llm model instance: which sessions it has started, and the LLM's answers that
+    go on to it."""
+
+    def __init__(self, tts: InflightLoop[Any, Any]) -> None:
+        self.tts = tts
+        self._started: set[int] = set()  # sessions whose TTS sequence is live (both engine threads read it)
+        self._lock = threading.Lock()
+
+    def reply(self, call: StageCall[LlmRequest], send: Send) -> Reply:
+        """The answer to an LLM call, called on the LLM's engine thread once its row is done."""
+        def answer(result: Any) -> None:
+            if call.start:  # a new sequence: its TTS starts again with its first spoken chunk
+                self._forget(call.corr_id)
+            if not isinstance(result, Exception) and spoke(call.request, result):
+                send(result, False)
+                self._speak(call, speech_request(call.request, result), send)
+            elif call.end and self._forget(call.corr_id):
+                self.tts.submit(StageCall(END_ONLY, call.corr_id, end=True),
+                                lambda ended: send(ended if _failed(ended, result) else result, True))
+            else:
+                send(result, True)
+
+        return answer
+
+    def _speak(self, call: StageCall[LlmRequest], request: TtsRequest, send: Send) -> None:
+        corr = call.corr_id
+        with self._lock:
+            start = corr not in self._started
+            if not call.end:
+                self._started.add(corr)
+            else:
+                self._started.discard(corr)
+
+        def spoken(result: Any) -> None:  # on the TTS's engine thread
+            if isinstance(result, Exception) and start and not call.end and self._forget(corr):
+                # a refused start: the state it made is ENDed now (queued before any later chunk of the session)
+                self.tts.submit(StageCall(END_ONLY, corr, end=True), lambda _: None)
+            send(result, True)
+
+        self.tts.submit(StageCall(request, corr, start=start, end=call.end), spoken)
+
+    def _forget(self, corr_id: int) -> bool:
+        """The session's TTS sequence is no longer live; whether it was."""
+        with self._lock:
+            was = corr_id in self._started
+            self._started.discard(corr_id)
+        return was
+
+    def close(self) -> None:
+        self.tts.close()
+
+
+def _failed(ended: Any, result: Any) -> bool:
+    """The END's answer is the TTS's error only when the LLM's own answer was not one."""
+    return isinstance(ended, Exception) and not isinstance(result, Exception)

@@ -1,0 +1,91 @@
+"""Over real servers, the device path with the TTS in the llm model's process (`tts_in_llm`): a speaking duplex step
+is one llm request (its text, then its codes on the same stream) and one token2wav request, where the tts model's
+own path makes three hops; the caller hears and reads exactly what that path says (greedy). The TTS's sequence
+follows the LLM's: a session's END gives its TTS blocks back (`minicpmo_llm_tts_kv_free_blocks`).
+
+Hops are counted from Triton's own `nv_inference_request_success` per model, before and after the conversation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
+
+from gateway.audio import decode_f32_base64
+from minicpmo_client.backend import ConversationResult, converse
+
+from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
+from .helpers import GREEDY, SPEAKING_TEXT, deltas
+
+pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
+
+DEVICE = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_TTS_ENGINE": "paged"}  # on the CPU here
+STAGES = ("llm", "tts", "token2wav")
+
+
+@pytest.fixture(scope="module")
+def hops_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    """The device path as it was: the tts model a hop of its own."""
+    yield from triton_with({**DEVICE, "MINICPMO_TTS_IN_LLM": "0"}, tmp_path_factory.mktemp("triton_hops"))
+
+
+@pytest.fixture(scope="module")
+def one_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    """`tts_in_llm` = auto: on, as both engines are the device ones."""
+    yield from triton_with(DEVICE, tmp_path_factory.mktemp("triton_one"))
+
+
+def requests(triton: RunningTriton) -> dict[str, float]:
+    return {m: triton.metric("nv_inference_request_success", m) for m in STAGES}
+
+
+async def conversation(triton: RunningTriton, audio: np.ndarray, log: Path
+                       ) -> tuple[ConversationResult, dict[str, float]]:
+    """A greedy session over the gateway, and the requests each stage served for it (the gateway's health probes,
+    requests too, once at its start and then not within the hour)."""
+    gw = start_gateway(triton.endpoint, log, health_period_s="3600")
+    try:
+        before = await asyncio.to_thread(requests, triton)
+        result = await converse(gw.ws, audio, realtime=False, config=GREEDY)
+    finally:
+        stop_gateway(gw)
+    await asyncio.to_thread(triton.wait_live, lambda live: live["llm"] == 0)  # its END went through
+    after = await asyncio.to_thread(requests, triton)
+    return result, {m: after[m] - before[m] for m in STAGES}
+
+
+def heard(result: ConversationResult) -> tuple[list[str], list[bytes]]:
+    """The reply's text deltas and its audio, sample for sample."""
+    texts = [e["text"] for e in deltas(result.events, "text")]
+    audio = [decode_f32_base64(e["audio"], 1 << 30).tobytes() for e in deltas(result.events, "audio")]
+    return texts, audio
+
+
+async def test_a_speaking_step_is_one_llm_request_and_says_what_the_tts_hop_says(hops_triton, one_triton,
+                                                                                    speech, tmp_path) -> None:
+    audio = speech(SPEAKING_TEXT)
+    audio = audio[: min(8, len(audio) // 16_000) * 16_000]
+    before, hops = await conversation(hops_triton, audio, tmp_path / "gateway_hops.log")
+    after, one = await conversation(one_triton, audio, tmp_path / "gateway_one.log")
+    texts, voice = heard(before)
+    assert voice, "the tiny model speaks on this input"
+    assert heard(after) == (texts, voice), "the same words and the same voice, sample for sample"
+    # the tts model served each speaking step and the END; the one-request path, none: its llm requests are the
+    # same ones, token2wav's too, so a speaking step makes two hops where it made three
+    assert hops["tts"] >= 2 and hops["token2wav"] == hops["tts"], hops
+    assert one == {"llm": hops["llm"], "tts": 0, "token2wav": hops["token2wav"]}, (one, hops)
+    # the TTS's session went with the LLM's END: its blocks back, no TTS session left
+    assert await asyncio.to_thread(one_triton.stage_metric, "tts_live_sequences", "llm") == 0
+
+
+async def test_end_gives_the_sessions_tts_blocks_back(one_triton, speech, tmp_path) -> None:
+    free = await asyncio.to_thread(one_triton.stage_metric, "tts_kv_free_blocks", "llm")
+    audio = speech(SPEAKING_TEXT)
+    result, _ = await conversation(one_triton, audio[: min(8, len(audio) // 16_000) * 16_000],
+                                   tmp_path / "gateway_end.log")
+    assert deltas(result.events, "audio")
+    assert await asyncio.to_thread(one_triton.stage_metric, "tts_kv_free_blocks", "llm") == free
