@@ -23,7 +23,9 @@ step admitted in the iteration: its request's host work and its second's mel's h
 and the samples it stages; the FFT runs on the device: engine/mel.py), both measured (`engine_host.admission_ms`),
 on the engine thread; the graphs' replay is a constant
 (`REPLAY_S`, labelled, not measured here: no GPU). Memory: the weights and every pool at 60 s of history within
-90% of HBM.
+90% of HBM. Triton's hops are not counted: the LLM's rows go to the TTS inside the llm model's process
+(`tts_in_llm`), as the loop here has them; the BLS hops left (the llm call, token2wav's) cost host time outside the
+engines' loop, not device time.
 
     python -m bench.gpu_projection [--sessions 64 128 192 256 320 384 512] [--host-ms 32:x,128:y,256:z]
 
