@@ -13,6 +13,8 @@ from minicpmo_triton.model_config import SpecialTokens
 class Scripted:
     """The hooks a scripted row does nothing in: it draws nothing ahead and keeps no hidden rows."""
 
+    hidden_on_device = False  # its hidden rows (an LLM row's) come to the host, as a caller over Triton needs
+
     def done(self) -> None:
         pass
 

@@ -304,6 +304,7 @@ class LlmModel(_InflightStageModel):
         if tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
                       _device(ctx) != "cpu"):
             self.speaker = _speaker(ctx)
+            self.stage.hidden_on_device = True  # a speaking call's hidden rows go to it on the device
 
     def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
         if self.speaker is None:

@@ -7,6 +7,7 @@ import queue
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from minicpmo_triton.errors import StepError
@@ -169,3 +170,30 @@ def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights)
                 assert_same(got[corr][step], expected[step][corr])
     finally:
         loop.close()
+
+
+@pytest.mark.engines  # a .ci/run step of its own: the default run stays as it was
+def test_a_speaking_calls_hidden_rows_stay_on_the_device_for_the_tts_in_this_process(preset, weights) -> None:
+    """`tts_in_llm`: a call that speaks keeps its text tokens' hidden rows where they are (a tensor of the engine's
+    device, copied out of its row's buffer in stream order) and is answered in the iteration its row ends; they are
+    the rows the host copy brings back, and a call not asked to speak still gets them on the host."""
+    host, device = stage(preset, paged_engine(preset, weights)), stage(preset, paged_engine(preset, weights))
+    device.hidden_on_device = True
+    loops, answers = {"host": InflightLlm(host, 5.0), "device": InflightLlm(device, 5.0)}, Answers()
+    forced = SESSIONS[5]
+    try:
+        got: dict[str, LlmResult | Exception] = {}
+        for name, loop in loops.items():
+            loop.submit(StageCall(chunk(preset, 5, 0, speak=True, **forced), 5, start=True), answers.reply(5))
+            (_, got[name]), = answers.take(1)
+        on_host, on_device = got["host"], got["device"]
+        assert isinstance(on_host, LlmResult) and isinstance(on_device, LlmResult), got
+        assert isinstance(on_host.tts_hidden, np.ndarray) and isinstance(on_device.tts_hidden, torch.Tensor)
+        assert len(on_device.text_ids) > 0 and on_device.tts_hidden.shape == on_host.tts_hidden.shape
+        assert_same(on_device, on_host)  # the text, the cache; the hidden rows within 1e-4
+        loops["device"].submit(StageCall(chunk(preset, 5, 1, **forced), 5), answers.reply(5))
+        (_, plain), = answers.take(1)
+        assert isinstance(plain, LlmResult) and isinstance(plain.tts_hidden, np.ndarray), "not asked to speak"
+    finally:
+        for loop in loops.values():
+            loop.close()

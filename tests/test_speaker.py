@@ -46,7 +46,8 @@ def test_a_call_that_spoke_is_answered_with_its_text_then_its_codes() -> None:
     tts = FakeTtsLoop()
     speaker = Speaker(tts)  # type: ignore[arg-type]
     sent = answered(speaker, StageCall(SPEAK, 1, start=True), SPOKE)
-    assert sent == [(SPOKE, False)], "the text goes out before the codes"
+    assert len(sent) == 1 and not sent[0][1], "the text goes out before the codes"
+    assert sent[0][0].text_ids.tolist() == [5, 6] and sent[0][0].tts_hidden.size == 0, "its hidden rows stay here"
     call = tts.answer()
     assert call.start and not call.end and call.corr_id == 1
     req = call.request

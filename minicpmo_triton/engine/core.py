@@ -137,7 +137,10 @@ class EngineCore:
         if req.rules is not None:
             req.rules.done()
         n_hidden = req.rules.n_hidden if req.rules is not None and req.error is None else 0
-        if n_hidden:
+        if n_hidden and req.rules is not None and req.rules.hidden_on_device:
+            req.hidden = self.runner.copy_hidden(req, n_hidden)  # no download: the row is answered now
+            ended.append(req)
+        elif n_hidden:
             self.runner.fetch_hidden(req, n_hidden)
             req.status = Status.FETCHING
             self._completing.append(req)

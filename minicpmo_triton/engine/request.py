@@ -18,7 +18,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued: its session busy, no row free, or past this iteration's prefill budget
     PREFILLING = "prefilling"  # its prefill runs over one or more iterations (a long one in chunks)
     RUNNING = "running"  # decoding: a row of the persistent batch
-    FETCHING = "fetching"  # done; its hidden rows come back with the next iteration's download
+    FETCHING = "fetching"  # done; its hidden rows come back with the next iteration's download (else kept there)
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -32,6 +32,9 @@ class Rules(Protocol):
     @property
     def n_hidden(self) -> int: ...  # hidden rows to bring back when the row is done (the TTS's condition)
 
+    @property
+    def hidden_on_device(self) -> bool: ...  # they stay on the device (the TTS in this process takes them there)
+
     def confirm(self, token: int, flags: int) -> bool:
         """The device chose `token` (with `flags`): the host's rules read it. True: the row goes on. Raising fails
         this row alone."""
@@ -42,7 +45,8 @@ class Rules(Protocol):
         ...
 
     def take_hidden(self, hidden: Any) -> None:
-        """Its kept hidden rows (np.ndarray or None), handed over when it is settled."""
+        """Its kept hidden rows (np.ndarray, a device tensor where `hidden_on_device`, or None), handed over when it
+        is settled."""
         ...
 
 
@@ -57,7 +61,7 @@ class Request:
     slot: int = -1  # its row in the persistent batch, while RUNNING
     done_prefill: int = 0  # prefill positions written so far
     length: int = 0  # positions written for it (the host's truth; the device may have run one more, wasted)
-    hidden: Any = None  # the hidden rows it kept (np.ndarray), once brought back
+    hidden: Any = None  # the hidden rows it kept (np.ndarray, or a device tensor), once brought back or copied
     error: Exception | None = None
     join_iteration: int = 0
     done_iteration: int = 0

@@ -158,6 +158,13 @@ class ModelRunner:
         hidden = self._prefill(*staged)
         return self.head.logits(hidden.index_select(0, self.staging.view(last)))
 
+    def copy_hidden(self, req: Request, n: int) -> torch.Tensor:
+        """`req`'s first `n` kept hidden rows, copied on the device (in stream order, as `fetch_hidden`'s: before a row
+        admitted to its slot writes there), for a consumer in this process (the TTS's condition)."""
+        hidden = getattr(self.head, "hidden", None)
+        assert hidden is not None, "this head keeps no hidden rows"
+        return hidden[req.slot, :n].clone()
+
     def fetch_hidden(self, req: Request, n: int) -> None:
         """Bring `req`'s first `n` kept hidden rows back with the next iteration's download (its row is free: a
         row admitted there writes its own only after this copy, in stream order)."""

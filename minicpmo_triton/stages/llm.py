@@ -90,6 +90,8 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         super().__init__(ttl_s)
         self.kv: StageKv = cast(StageKv, kv) if _is_kv(kv) else host_kv(cast(Engine, kv), preset)
         self.admit_tokens = admit_tokens  # the pool's room a new session needs to be admitted
+        # `tts_in_llm`: the TTS in this process takes a speaking call's hidden rows on the device (`Speaker`)
+        self.hidden_on_device = False
         self.encoder = encoder  # for requests that bring their step's audio (the duplex stream)
         self.preset = preset
         self.tokenizer = tokenizer
@@ -366,7 +368,7 @@ class LlmRules:
                  params: SamplingParams) -> None:
         self.stage, self.req, self.sess, self.dec, self.params = stage, req, sess, dec, params
         self.hidden: list[np.ndarray] = []
-        self.device_hidden: np.ndarray | None = None
+        self.device_hidden: Any = None  # the device path's: np.ndarray, or a device tensor (`hidden_on_device`)
         self.ahead = DrawnAhead(sess.rng)
 
     @property
@@ -377,8 +379,16 @@ class LlmRules:
     def n_hidden(self) -> int:
         return len(self.dec.text_ids)
 
-    def hidden_rows(self, width: int) -> np.ndarray:
+    @property
+    def hidden_on_device(self) -> bool:
+        """A call whose text goes on to the TTS in this process (`tts_in_llm`): its hidden rows stay where they are."""
+        return self.req.speak and self.stage.hidden_on_device
+
+    def hidden_rows(self, width: int) -> Any:
+        """The text tokens' hidden rows [n, width]: float32 on the host, or the device copy (`hidden_on_device`)."""
         if self.device_hidden is not None:
+            if not isinstance(self.device_hidden, np.ndarray):
+                return self.device_hidden
             return self.device_hidden[: self.n_hidden].astype(np.float32)
         return np.stack(self.hidden).astype(np.float32) if self.hidden else np.zeros((0, width), np.float32)
 
@@ -471,5 +481,5 @@ class LlmRules:
     def done(self) -> None:
         self.ahead.give_back()
 
-    def take_hidden(self, hidden: np.ndarray | None) -> None:
+    def take_hidden(self, hidden: Any) -> None:
         self.device_hidden = hidden

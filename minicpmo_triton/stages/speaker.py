@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from ..stage_io import LlmRequest, TtsRequest, speech_request, spoke
 from .base import StageCall
@@ -23,6 +26,7 @@ from .inflight import InflightLoop, Reply
 
 Send = Callable[[Any, bool], None]  # (a result or an error, whether it is the call's last response)
 END_ONLY = TtsRequest(n_tokens=0)  # what an END alone asks of the TTS (no work: its state is freed)
+NO_HIDDEN = np.zeros((0, 0), np.float32)
 
 
 class Speaker:
@@ -40,7 +44,7 @@ class Speaker:
             if call.start:  # a new sequence: its TTS starts again with its first spoken chunk
                 self._forget(call.corr_id)
             if not isinstance(result, Exception) and spoke(call.request, result):
-                send(result, False)
+                send(replace(result, tts_hidden=NO_HIDDEN), False)  # the rows go on to the TTS, not to the caller
                 self._speak(call, speech_request(call.request, result), send)
             elif call.end and self._forget(call.corr_id):
                 self.tts.submit(StageCall(END_ONLY, call.corr_id, end=True),

@@ -126,6 +126,8 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
     def condition(self, req: TtsRequest) -> TtsFeed:
         """[text tokens with their LLM hidden states..., audio_bos]."""
         ids = np.asarray([*req.text_ids, self.preset.tts.audio_bos_token_id], np.int64)
+        if not isinstance(req.tts_hidden, np.ndarray):  # the LLM's rows on the device, in this process: as they are
+            return TtsFeed(ids, req.tts_hidden)
         return TtsFeed(ids, np.asarray(req.tts_hidden, np.float32).reshape(len(req.text_ids),
                                                                             self.preset.llm.hidden))
 
@@ -139,7 +141,8 @@ class TtsStage(SequenceStage[TtsRequest, TtsResult, TtsSession]):
             raise ValueError(f"tts: {len(request.text_ids)} text ids but {len(request.tts_hidden)} hidden states")
         if ((request.text_ids < 0) | (request.text_ids >= self.preset.tts.num_text_tokens)).any():
             raise StepError(Code.INVALID_INPUT, "tts: text token id out of the vocabulary")
-        if not np.isfinite(request.tts_hidden).all():
+        # (a caller's rows; the LLM's own on the device, in this process, are not read back to be checked)
+        if isinstance(request.tts_hidden, np.ndarray) and not np.isfinite(request.tts_hidden).all():
             raise StepError(Code.INVALID_INPUT, "tts: hidden states hold NaN or infinite values")
         if not 0 <= request.n_tokens <= MAX_TOKENS_PER_CALL:
             raise StepError(Code.INVALID_INPUT, f"tts: n_tokens must be within [0, {MAX_TOKENS_PER_CALL}]")
@@ -182,6 +185,7 @@ class ChunkRules:
 
     decodes = True
     n_hidden = 0
+    hidden_on_device = False
 
     @property
     def allow_eos(self) -> bool:
