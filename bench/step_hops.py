@@ -21,6 +21,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from common import ROOT, make_speech, pct, serving_stack
 
@@ -43,25 +44,17 @@ def requests(metrics_url: str) -> dict[str, float]:
 
 
 def run(mode: str, env: dict[str, str], sessions: int, seconds: int, work: Path) -> dict[str, Any]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # tritonserver's environment is this process's
-    try:
-        with serving_stack(ROOT / "model_repository", work / mode.replace(" ", "_"), sessions,
-                           env={"MINICPMO_HEALTH_PERIOD_S": "3600"}) as stack:
-            before = requests(stack.triton.ports.metrics_url)
-            speech = make_speech(work, seconds)
-            events: list[dict[str, Any]] = []
-            for i in range(sessions):
-                result = asyncio.run(converse(stack.ws_url, speech[i % len(speech)], realtime=False,
-                                              config={"do_sample": False}))
-                events += result.events
-            after = requests(stack.triton.ports.metrics_url)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+    with mock.patch.dict(os.environ, env), serving_stack(  # tritonserver's environment is this process's
+            ROOT / "model_repository", work / mode.replace(" ", "_"), sessions,
+            env={"MINICPMO_HEALTH_PERIOD_S": "3600"}) as stack:
+        before = requests(stack.triton.ports.metrics_url)
+        speech = make_speech(work, seconds)
+        events: list[dict[str, Any]] = []
+        for i in range(sessions):
+            result = asyncio.run(converse(stack.ws_url, speech[i % len(speech)], realtime=False,
+                                          config={"do_sample": False}))
+            events += result.events
+        after = requests(stack.triton.ports.metrics_url)
     served = {m: after[m] - before[m] for m in STAGES}
     spoken = [e["metrics"] for e in events if e.get("kind") == "audio" and "cost_tts_ms" in e.get("metrics", {})]
     speaking = served["token2wav"] - sessions  # each voiced step once, and each session's END
