@@ -52,11 +52,23 @@ class FinishedStreams:
 def _next(responses: Any, finished: FinishedStreams) -> Any:
     """A decoupled call's next response (None: its stream ended); an ended stream is handed to `finished`."""
     answer = next(responses, None)
-    if answer is None or answer.has_error():
-        for _ in responses:  # the final flag ends it; nothing follows an error
-            pass
-        finished.hold(responses)
+    if answer is None or answer.has_error():  # nothing follows an error
+        _drain(responses, finished)
     return answer
+
+
+def _last(responses: Any, finished: FinishedStreams) -> Any:
+    """A decoupled call's last response (None: its stream ended first), its stream read to its end."""
+    answer = next(responses, None)
+    _drain(responses, finished)
+    return answer
+
+
+def _drain(responses: Any, finished: FinishedStreams) -> None:
+    """The stream read to its end (its final flag), then handed to `finished`."""
+    for _ in responses:
+        pass
+    finished.hold(responses)
 
 
 async def _answer(infer: Any, decoupled: bool, finished: FinishedStreams) -> Any:
@@ -144,9 +156,9 @@ class TritonBlsStages:
             responses = iter(await loop.run_in_executor(None, functools.partial(infer.exec, decoupled=True)))
             result = _decoded(await loop.run_in_executor(None, _next, responses, self.finished), io.LlmResult, "llm")
         if io.spoke(call.request, result):
-            self._speaking[call.corr_id] = loop.run_in_executor(None, _next, responses, self.finished)
-        else:
-            self.finished.hold(responses)  # its final flag came with the result
+            self._speaking[call.corr_id] = loop.run_in_executor(None, _last, responses, self.finished)
+        else:  # its final flag came with the result: the iterator ends at once
+            await loop.run_in_executor(None, _drain, responses, self.finished)
         return result
 
     async def speech(self, corr_id: int) -> io.TtsResult:
