@@ -163,7 +163,11 @@ class TritonBlsStages:
 
     async def speech(self, corr_id: int) -> io.TtsResult:
         with tracing.stage_span("tts"):
-            return _decoded(await self._speaking.pop(corr_id), io.TtsResult, "llm")
+            response = await self._speaking.pop(corr_id)
+        refused = _decoded(response, io.SpeechRefused, "llm").error()
+        if refused is not None:
+            raise refused
+        return _decoded(response, io.TtsResult, "llm")
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return await self._exec("tts", call.request, io.TtsResult, call)

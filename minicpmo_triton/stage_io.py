@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .errors import StepError, from_wire, to_wire
 from .model_config import DuplexDefaults
 
 T = TypeVar("T")
@@ -217,6 +218,26 @@ class Token2WavResult:
     waveform: np.ndarray = tensor(np.float32, 1)  # 24 kHz mono
 
 
+@dataclass
+class SpeechRefused:
+    """The second response of an llm call that spoke, when the TTS refused its chunk (`tts_in_llm`): the error in
+    `errors.to_wire`'s form. Triton 2.51's python backend never hands a BLS caller an error response that follows a
+    first response (its iterator waits on), so the refusal rides as a tensor of a plain response."""
+
+    speech_error: np.ndarray = tensor(np.object_, 1)  # [to_wire(error)]
+
+    @staticmethod
+    def of(exc: Exception) -> SpeechRefused:
+        return SpeechRefused(np.array([to_wire(exc).encode()], np.object_))
+
+    def error(self) -> StepError | None:
+        """The refusal as the error the TTS answered (its code kept), or None (the codes came)."""
+        if not len(self.speech_error):
+            return None
+        raw = self.speech_error[0]
+        return from_wire(raw.decode() if isinstance(raw, bytes) else str(raw), "tts")
+
+
 def spoke(request: LlmRequest, result: LlmResult) -> bool:
     """An llm call whose stream carries the TTS's codes after its result (`LlmRequest.speak`): it spoke."""
     return request.speak and request.decode and not result.is_listen
@@ -238,9 +259,9 @@ STAGE_IO: dict[str, tuple[type, type]] = {
 }
 
 # What a model's responses may carry (its config.pbtxt's outputs): its result's tensors, and for the llm the TTS's
-# codes after them (`tts_in_llm`; `kv_length` is then the TTS's).
+# codes or its refusal after them (`tts_in_llm`; `kv_length` is then the TTS's).
 STAGE_OUTPUTS: dict[str, tuple[type, ...]] = {**{m: (io[1],) for m, io in STAGE_IO.items()},
-                                              "llm": (LlmResult, TtsResult)}
+                                              "llm": (LlmResult, TtsResult, SpeechRefused)}
 
 
 def output_names(model: str) -> list[str]:

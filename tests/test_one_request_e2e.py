@@ -1,13 +1,15 @@
 """Over real servers, the device path with the TTS in the llm model's process (`tts_in_llm`): a speaking duplex step
 is one llm request (its text, then its codes on the same stream) and one token2wav request, where the tts model's
 own path makes three hops; the caller hears and reads exactly what that path says (greedy). The TTS's sequence
-follows the LLM's: a session's END gives its TTS blocks back (`minicpmo_llm_tts_kv_free_blocks`).
+follows the LLM's: a session's END gives its TTS blocks back (`minicpmo_llm_tts_kv_free_blocks`), and a TTS pool
+with no room refuses the session's first spoken chunk `pool_full` (retryable) as the tts model does, its state freed.
 
 Hops are counted from Triton's own `nv_inference_request_success` per model, before and after the conversation."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from gateway.audio import decode_f32_base64
 from minicpmo_client.backend import ConversationResult, converse
 
 from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
-from .helpers import GREEDY, SPEAKING_TEXT, deltas
+from .helpers import GREEDY, SPEAKING_TEXT, append_message, deltas, open_session, recv_until
 
 pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
 
@@ -37,6 +39,20 @@ def hops_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTri
 def one_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     """`tts_in_llm` = auto: on, as both engines are the device ones."""
     yield from triton_with(DEVICE, tmp_path_factory.mktemp("triton_one"))
+
+
+# a TTS pool of one block (16 positions, under the 46 a TTS session is admitted with): every TTS START is refused
+NO_TTS_ROOM = {"MINICPMO_TTS_POOL_SIZE": "1e-9"}
+
+
+@pytest.fixture(scope="module")
+def full_hops_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    yield from triton_with({**DEVICE, **NO_TTS_ROOM, "MINICPMO_TTS_IN_LLM": "0"}, tmp_path_factory.mktemp("full_hops"))
+
+
+@pytest.fixture(scope="module")
+def full_one_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
+    yield from triton_with({**DEVICE, **NO_TTS_ROOM}, tmp_path_factory.mktemp("full_one"))
 
 
 def requests(triton: RunningTriton) -> dict[str, float]:
@@ -89,3 +105,38 @@ async def test_end_gives_the_sessions_tts_blocks_back(one_triton, speech, tmp_pa
                                    tmp_path / "gateway_end.log")
     assert deltas(result.events, "audio")
     assert await asyncio.to_thread(one_triton.stage_metric, "tts_kv_free_blocks", "llm") == free
+
+
+async def until_refused(triton: RunningTriton, audio: np.ndarray, log: Path) -> list[dict]:
+    """A greedy session's seconds, one at a time, until a step is refused; its events."""
+    gw = start_gateway(triton.endpoint, log, health_period_s="3600")
+    events: list[dict] = []
+    try:
+        ws, _ = await open_session(gw.ws)
+        try:
+            for second in range(len(audio) // 16_000):
+                await ws.send(append_message(audio[second * 16_000:(second + 1) * 16_000], f"in_{second}"))
+                events += await recv_until(ws, lambda e: e.get("chunk_usage") is not None or e["type"] in (
+                    "error", "session.closed"), 60)
+                if events[-1]["type"] != "response.output.delta":
+                    break
+        finally:
+            await ws.close()
+    finally:
+        stop_gateway(gw)
+    return events
+
+
+async def test_a_full_tts_pool_refuses_the_first_spoken_chunk_as_the_tts_model_does(full_hops_triton, full_one_triton,
+                                                                                    speech, tmp_path) -> None:
+    audio = speech(SPEAKING_TEXT)
+    hops = await until_refused(full_hops_triton, audio, tmp_path / "gateway_hops.log")
+    one = await until_refused(full_one_triton, audio, tmp_path / "gateway_one.log")
+    said = lambda events: [(e["type"], e.get("kind"), e.get("text")) for e in events if e["type"] != "error"]  # noqa: E731
+    assert said(one) == said(hops) and deltas(one, "text"), "the same steps, the text said before the refusal"
+    for events in (hops, one):
+        errors = [e["error"] for e in events if e["type"] == "error"]
+        assert errors and errors[0]["code"] == "pool_full" and errors[0]["retryable"], json.dumps(events[-3:])
+    # no state is left of the refused sequence, nor of the session
+    await asyncio.to_thread(full_one_triton.wait_live, lambda live: live["llm"] == 0)
+    assert await asyncio.to_thread(full_one_triton.stage_metric, "tts_live_sequences", "llm") == 0

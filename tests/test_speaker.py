@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from minicpmo_triton.errors import Code, StepError
-from minicpmo_triton.stage_io import LlmRequest, LlmResult, TtsRequest, TtsResult
+from minicpmo_triton.stage_io import LlmRequest, LlmResult, SpeechRefused, TtsRequest, TtsResult
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.speaker import Speaker
 
@@ -75,7 +75,10 @@ def test_a_refused_start_is_ended_and_the_next_spoken_chunk_starts_again() -> No
     sent = answered(speaker, StageCall(SPEAK, 1, start=True), SPOKE)
     refused = StepError(Code.POOL_FULL, "the TTS pool is full")
     tts.answer(refused)
-    assert sent[-1] == (refused, True)
+    told, final = sent[-1]
+    assert final and isinstance(told, SpeechRefused), "a refusal after the text rides as a plain response"
+    error = told.error()
+    assert error is not None and error.code == "pool_full", error
     end = tts.answer(TtsResult())
     assert end.end and not end.start and end.request.n_tokens == 0, "the state its START made is freed now"
     answered(speaker, StageCall(SPEAK, 1), SPOKE)

@@ -4,7 +4,8 @@ The LLM's engine thread answers a call; when the call asked to speak (`LlmReques
 answer goes out at once without the final flag (the duplex model emits the text), and the TTS's chunk is built from
 it here (`stage_io.speech_request`: the text ids and their hidden rows, handed over inside the process) and queued on
 the TTS's own engine thread (`InflightTts`), which joins it to its running decode between two iterations and answers
-it, with the final flag, in the iteration its last code is chosen. No Triton hop, no tts batcher delay between them.
+it, with the final flag, in the iteration its last code is chosen (a refusal as `SpeechRefused`). No Triton hop, no
+tts batcher delay between them.
 
 The TTS's sequence follows the LLM's: started with a session's first spoken chunk (a refused start is ENDed at
 once, and the next spoken chunk starts it again, as the duplex pipeline does with the tts model), ENDed with the
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..stage_io import LlmRequest, TtsRequest, speech_request, spoke
+from ..stage_io import LlmRequest, SpeechRefused, TtsRequest, speech_request, spoke
 from .base import StageCall
 from .inflight import InflightLoop, Reply
 
@@ -64,10 +65,13 @@ class Speaker:
                 self._started.discard(corr)
 
         def spoken(result: Any) -> None:  # on the TTS's engine thread
-            if isinstance(result, Exception) and start and not call.end and self._forget(corr):
+            if not isinstance(result, Exception):
+                send(result, True)
+                return
+            if start and not call.end and self._forget(corr):
                 # a refused start: the state it made is ENDed now (queued before any later chunk of the session)
                 self.tts.submit(StageCall(END_ONLY, corr, end=True), lambda _: None)
-            send(result, True)
+            send(SpeechRefused.of(result), True)  # not an error response: the second one would never arrive
 
         self.tts.submit(StageCall(request, corr, start=start, end=call.end), spoken)
 
