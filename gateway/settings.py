@@ -138,7 +138,7 @@ def api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     keys = list(_listed(env.get("MINICPMO_API_KEYS", "")))
     path = env.get("MINICPMO_API_KEYS_FILE")
     if path:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     return tuple(keys)
 
