@@ -54,7 +54,7 @@ def write_stage_configs(repository: Path, preset: PresetConfig) -> None:
     for model in (*STAGE_NAMES, ENTRY_MODEL):
         folder = version_dir(repository, model)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / STAGE_CONFIG_FILE).write_text(preset.to_json())
+        (folder / STAGE_CONFIG_FILE).write_text(preset.to_json(), encoding="utf-8")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,7 +180,7 @@ def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str
 
     for model in ("vision_encoder", "audio_encoder"):
         if model in stages:
-            config = (repository / model / "config.pbtxt").read_text()
+            config = (repository / model / "config.pbtxt").read_text(encoding="utf-8")
             max_batch = int(re.search(r"^max_batch_size:\s*(\d+)", config, re.M)[1])  # type: ignore[index]
             path = cached_plan(version_dir(repository, model), "model", model, preset, max_batch)
             print(f"{model}: TensorRT plan {path.relative_to(repository)}")

@@ -108,7 +108,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
             return [folder / SINGLE_FILE]
         raise CheckpointError(f"{folder}: no {INDEX_FILE} (found {present or 'no *.safetensors'}); a sharded "
                               f"checkpoint names its shards in the index, a single file is {SINGLE_FILE}")
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     named = sorted(set(weight_map.values()))
     absent = [n for n in named if n not in present]
     stray = [n for n in present if n not in named]
@@ -141,7 +141,7 @@ class CheckpointTensors:
     def __init__(self, folder: Path) -> None:
         files = checkpoint_files(folder)
         index = Path(folder) / INDEX_FILE
-        weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"] if index.exists() else None
         self.info: dict[str, TensorInfo] = {}
         for path in files:
             with safe_open(str(path), "pt") as f:
@@ -213,7 +213,7 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the model's dimensions come from it")
-    return json.loads(path.read_text())
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def require_tokenizer(folder: Path) -> None:

@@ -30,7 +30,7 @@ class Settings:
     failover_s: float = setting(5.0, "an endpoint silent this long: its sessions are told backend_unavailable")
     gateway_url: str = setting("", "where clients reach this very gateway (ws://host:port); resume tokens name it")
     max_sessions: int = setting(64, "live sessions, every dialect together (the reference demo allows 1 per worker)")
-    max_pending_steps: int = setting(8, "appends waiting behind the one in flight, per session")
+    max_pending_steps: int = setting(8, "steps waiting behind the one in flight, per session (more are refused)")
     idle_timeout_s: float = setting(300.0, "no message but heartbeats for this long closes the session")
     init_timeout_s: float = setting(30.0, "time to send the first message after connecting, every dialect")
     step_timeout_s: float = setting(60.0, "a step on Triton with no event for this long ends the session")
@@ -138,7 +138,7 @@ def api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     keys = list(_listed(env.get("MINICPMO_API_KEYS", "")))
     path = env.get("MINICPMO_API_KEYS_FILE")
     if path:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     return tuple(keys)
 

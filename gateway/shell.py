@@ -6,11 +6,13 @@ attached to, its journal), the receive loop, the send path and the close.
 - `running(...)`: a `Session` for a dialect's state, ended when the block ends, whatever ends it (the
   Triton sequence is ended in `Session.close`, once). A resumable session outlives its first socket:
   the block waits out its disconnect grace.
-- `serve(...)`: the receive loop, with the idle timeout; each frame is read (`state.read_frame`: its
-  decoding, resampling, VAD; a big frame's in a worker thread) and then decided by the dialect's state on the
-  event loop, and what it decides comes back as `Effects`, carried out here. The state is only ever called on
-  the event loop, and hears its inputs in the order they arrived: a step event that arrives while a big frame
-  is read waits for that frame's decision (`Session.in_order`).
+- `serve(...)`: the receive loop, with the idle timeout; each frame goes to the session's inbox.
+- `Session`: one consumer per session (the `websockets` library's pattern): client frames and the step in
+  flight's events go to one inbox, read by one task, the only caller of the dialect's state. A frame is read
+  (`state.read_frame`: its decoding, resampling, VAD; a big frame's in a worker thread while the consumer waits)
+  and then decided, so a step event that arrives while a big frame is read is decided after that frame. The
+  consumer sends the session's steps to Triton one at a time, in order, each prepared as it goes out; a frame's
+  steps are refused (`input_backpressure`) when `max_pending_steps` already wait.
 
 With `resumable` (the Realtime dialects), each server event gets the next `server_event_seq` and goes
 into the journal before it is sent, so a client that reconnects with `session.resume` is replayed what it
@@ -25,8 +27,10 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -61,9 +65,6 @@ log = logging.getLogger("gateway")
 QUEUE_UPDATE_S = 3.0
 END_TIMEOUT_S = 10.0  # a session's END on a Triton that answers
 SOCKET_CLOSE_S = 30.0  # a slow consumer's close handshake: the library gives up on it well before
-
-T = TypeVar("T")
-
 
 # Tests only (Settings.test_faults): this frame raises InjectedFault where it is read, to show that an
 # exception anywhere in a session's handling still ends its Triton sequence and frees its slot.
@@ -155,6 +156,46 @@ async def _wait_in_queue(gw: Gateway, ws: WebSocket, ticket: asyncio.Future[None
             watcher.cancel()
 
 
+# ---- the consumer's inbox ----
+
+@dataclass
+class Frame:
+    """A client frame; `decided` is settled once the consumer has decided it."""
+
+    text: str
+    decided: asyncio.Future[None]
+
+
+@dataclass
+class StepAnswer:
+    """One event of the step in flight."""
+
+    step: PlannedStep[Any]
+    ev: StepEvent
+
+
+@dataclass
+class StepEnded:
+    """The step in flight ended: all its events in, or a coded `error` event (`failed`), or its stream broke."""
+
+    step: PlannedStep[Any]
+    failed: StepEvent | None = None
+    broke: Exception | None = None
+
+
+Inbound = Frame | StepAnswer | StepEnded
+
+
+def _settle(decided: asyncio.Future[None], exc: Exception | None = None) -> None:
+    if decided.done():  # its caller stopped waiting
+        return
+    if exc is None:
+        decided.set_result(None)
+    else:
+        decided.set_exception(exc)
+
+
+
 # ---- the session ----
 
 class Session:
@@ -174,10 +215,6 @@ class Session:
         self.journal = Journal(settings.journal_s, settings.journal_bytes) if resumable else None
         self.resume_token = peers.new_token(settings.gateway_url)  # names this gateway (gateway/peers.py)
         self._send_lock = asyncio.Lock()
-        # The state's inputs in the order they arrived: a big frame holds it from the moment its reading is
-        # planned until it is decided, so a step event that arrives meanwhile is decided after it (a barge-in
-        # fences off what came during it) and the frame is decided on the state it was read for.
-        self._inputs = asyncio.Lock()
         self.offloaded = 0  # client frames read in a worker thread
         self.events = EventRate(settings.max_events_per_s, settings.max_event_burst)
         # the caller's byte rate (shared by its connections), else the connection's own
@@ -187,8 +224,14 @@ class Session:
         self.activity = Activity(settings.idle_timeout_s, settings.init_timeout_s if awaiting_first else None)
         self._grace: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._queue: asyncio.Queue[PlannedStep] = asyncio.Queue(maxsize=settings.max_pending_steps)
-        self._worker = asyncio.create_task(self._run_steps())
+        # The one consumer: it alone calls the state, in the order its inputs arrived.
+        self._inbox: asyncio.Queue[Inbound] = asyncio.Queue()
+        self._steps: deque[PlannedStep[Any]] = deque()  # planned, waiting behind the one in flight
+        self._flight: asyncio.Task[None] | None = None  # the step in flight: its events to the inbox
+        self._answered = False  # ... and whether its first event was decided
+        self._halted = False  # a step failed: the session is ending, no more go out
+        self._reading: asyncio.Future[Any] | None = None  # a big frame read in a worker thread
+        self._consumer = asyncio.create_task(self._consume())
         self._closing: asyncio.Future[None] | None = None
         self._ended = asyncio.Event()
         self._lost = False
@@ -261,11 +304,11 @@ class Session:
         if fx.cancel:
             self._spawn(self.triton.cancel())  # beside the step in flight, not behind it
         await self.emit(fx.events)
-        for step in fx.steps:
-            try:
-                self._queue.put_nowait(step)
-            except asyncio.QueueFull:
-                await self.emit([self.state.error_event(self.state.backpressure(self.settings.max_pending_steps))])
+        if fx.steps and len(self._steps) >= self.settings.max_pending_steps:
+            # the one bound on a session's queued steps: the caller sends faster than the model hears
+            await self.emit([self.state.error_event(self.state.backpressure(len(self._steps)))])
+        else:
+            self._steps.extend(fx.steps)  # a long append's seconds all go in, in order
         if fx.close:
             self._spawn(self.close(fx.close))
 
@@ -280,11 +323,58 @@ class Session:
         if exc is not None:
             log.info("session %s: background task failed: %s", self.session_id, describe(exc))
 
-    # ---- the state: on the event loop, its inputs in order ----
-    async def in_order(self, call: Callable[..., T], *args: Any) -> T:
-        """`call(*args)` into the state, once the inputs that arrived before it are decided."""
-        async with self._inputs:
-            return call(*args)
+    # ---- in: one consumer ----
+    async def handle(self, text: str) -> None:
+        """One client frame into the inbox; returns once the consumer has decided it (what deciding it raised
+        is raised here)."""
+        if self.closed:
+            return
+        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait(Frame(text, decided))
+        await decided
+
+    async def _consume(self) -> None:
+        """The session's one consumer: each input decided in the order it arrived, then the next step sent when
+        none is in flight. Ends with the session."""
+        try:
+            while not self.closed:
+                item = await self._inbox.get()
+                try:
+                    if isinstance(item, Frame):
+                        await self._take_frame(item)
+                    else:
+                        await self._on_step(item)
+                    self._send_next()
+                except Exception as exc:  # noqa: BLE001 (a step failed: the session ends, the server goes on)
+                    log.error("session %s: step failed: %s", self.session_id, describe(exc))
+                    self._halted = True
+                    self.fail("backend_error", str(exc))
+        finally:  # frames nobody will decide: their callers go on (the session is closing)
+            while not self._inbox.empty():
+                if isinstance(item := self._inbox.get_nowait(), Frame):
+                    _settle(item.decided)
+
+    async def _take_frame(self, frame: Frame) -> None:
+        try:
+            await self._on_frame(frame.text)
+        except Exception as exc:  # noqa: BLE001 (the receive loop ends the session for it)
+            _settle(frame.decided, exc)
+        finally:  # decided, or the session closed as it was
+            _settle(frame.decided)
+
+    async def _on_frame(self, text: str) -> None:
+        """One client frame: answered, applied, or refused with a coded error."""
+        heard_at = time.monotonic()
+        if (over := self.events.refusal()) is not None:  # a flood: refused unread, the session goes on
+            await self.apply(Effects([self.state.error_event(over)]))
+            return
+        fx, err = await self._decide_frame(text)
+        await self.apply(fx)
+        if fx.cancel:  # a barge-in (or a cancel): what it said went out after any audio being sent; none follows
+            self.metrics.barged_in(self.state.dialect, time.monotonic() - heard_at)
+            self._turn_at = None
+        if err is not None and err.close_code is not None:
+            await self.close("protocol_error", message=err.message, ws_code=err.close_code)
 
     def _decide(self, read: Callable[[], Any]) -> tuple[Effects, ProtocolError | None]:
         """The state's answer to one frame (`read()` gives it read); a refusal is answered with its error (the
@@ -300,97 +390,85 @@ class Session:
 
     async def _decide_frame(self, text: str) -> tuple[Effects, ProtocolError | None]:
         """A frame of `state.offload_frame_bytes` or more is read in a worker thread: its decoding, resampling and
-        VAD would hold the loop longer than the hand-off costs (docs/realtime.md); the state then decides it here.
-        Smaller frames (a barge-in's 100 ms) are read inline: a hand-off would only make them later."""
+        VAD would hold the loop longer than the hand-off costs (docs/realtime.md); the consumer waits for it (what
+        comes meanwhile waits in the inbox) and the state decides it here. Smaller frames (a barge-in's 100 ms)
+        are read inline: a hand-off would only make them later."""
         limit = self.state.offload_frame_bytes
+        plan = self.state.frame_plan()
         if limit is None or len(text) < limit:
-            return await self.in_order(self._decide, lambda: self.state.read_frame(text, self.state.frame_plan()))
-        await self._inputs.acquire()
-        work: asyncio.Future[Any] | None = None
-        try:
-            self.offloaded += 1
-            # a large frame on the one large-frame worker (wire.off_loop), an append's VAD on any
-            executor = LARGE_READS if len(text) >= LARGE_FRAME_BYTES else None
-            work = asyncio.get_running_loop().run_in_executor(executor, self.state.read_frame, text,
-                                                              self.state.frame_plan())
-            await asyncio.wait({work})
-            return self._decide(work.result)  # what the reading raised is raised here: a refusal like any other
-        finally:
-            # Released here, not as the thread ends: the caller queues this frame's events to be sent before it
-            # yields, so a step event decided after the frame is sent after it too.
-            if work is None or work.done():
-                self._inputs.release()
-            else:  # cancelled while the thread reads: the input stream (resampler, VAD) is the thread's till it ends
-                work.add_done_callback(lambda _: self._inputs.release())
-
-    # ---- in ----
-    async def handle(self, text: str) -> None:
-        """One client frame: answered, applied, or refused with a coded error."""
-        heard_at = time.monotonic()
-        if (over := self.events.refusal()) is not None:  # a flood: refused unread, the session goes on
-            await self.apply(Effects([self.state.error_event(over)]))
-            return
-        fx, err = await self._decide_frame(text)
-        await self.apply(fx)
-        if fx.cancel:  # a barge-in (or a cancel): what it said went out after any audio being sent; none follows
-            self.metrics.barged_in(self.state.dialect, time.monotonic() - heard_at)
-            self._turn_at = None
-        if err is not None and err.close_code is not None:
-            await self.close("protocol_error", message=err.message, ws_code=err.close_code)
+            return self._decide(lambda: self.state.read_frame(text, plan))
+        self.offloaded += 1
+        # a large frame on the one large-frame worker (wire.off_loop), an append's VAD on any
+        executor = LARGE_READS if len(text) >= LARGE_FRAME_BYTES else None
+        # the input stream (resampler, VAD) is the thread's till it ends, even if the session closes meanwhile
+        work = self._reading = asyncio.get_running_loop().run_in_executor(executor, self.state.read_frame, text, plan)
+        await asyncio.wait({work})
+        return self._decide(work.result)  # what the reading raised is raised here: a refusal like any other
 
     # ---- steps: one at a time, in order ----
-    @property
-    def pending_steps(self) -> int:
-        return self._queue.qsize()
+    def _send_next(self) -> None:
+        """The next step waiting goes out, prepared now (its epoch, the first step's options), when none is in
+        flight: the consumer is what keeps a session to one step at a time."""
+        while self._flight is None and self._steps and not self._halted and not self.closed:
+            step = self._steps.popleft()
+            if not self.state.wanted(step):
+                continue
+            request = self.state.prepare(step)
+            sent_at = time.monotonic()
+            self.metrics.step_sent(self.state.dialect, sent_at - step.planned_at)
+            self._answered = False
+            self._flight = asyncio.get_running_loop().create_task(self._stream(step, request, sent_at))
 
-    async def _run_steps(self) -> None:
-        while self._closing is None:
-            step = await self._queue.get()
-            try:
-                await self._run_step(step)
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:
-                self.fail("step_timeout", f"a step made no progress for {self.settings.step_timeout_s:.0f} s")
-                return
-            except TritonUnavailable:
-                self.lost()
-                return
-            except Exception as exc:  # noqa: BLE001 (Triton failed: the session ends, the server goes on)
-                log.error("session %s: step failed: %s", self.session_id, describe(exc))
-                self.fail("backend_error", str(exc))
-                return
-
-    def _request(self, step: PlannedStep) -> StepInput | ChatInput | None:
-        return self.state.prepare(step) if self.state.wanted(step) else None
-
-    async def _run_step(self, step: PlannedStep) -> None:
-        request = await self.in_order(self._request, step)
-        if request is None:
+    async def _stream(self, step: PlannedStep[Any], request: StepInput | ChatInput, sent_at: float) -> None:
+        """The step in flight: its events from Triton into the inbox, then how it ended."""
+        attributes = {"minicpmo.dialect": self.state.dialect, "minicpmo.session": self.session_id,
+                      "minicpmo.kind": step.kind, "minicpmo.second": step.second}
+        try:
+            with self.tracer.step(step.planned_at, sent_at, attributes) as spans:
+                first = True
+                # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
+                async for ev in paced(self.triton.step(request, trace=spans.traceparent), self.settings.step_timeout_s):
+                    if ev.kind == "error":
+                        spans.decided("error")
+                        self._inbox.put_nowait(StepEnded(step, failed=ev))
+                        return
+                    if first:
+                        first = False
+                        spans.decided("listen" if ev.kind == "listen" else "speak")
+                    self._inbox.put_nowait(StepAnswer(step, ev))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (the consumer tells the session why)
+            self._inbox.put_nowait(StepEnded(step, broke=exc))
             return
-        sent_at = time.monotonic()
-        dialect = self.state.dialect
-        self.metrics.step_sent(dialect, sent_at - step.planned_at)
-        attributes = {"minicpmo.dialect": dialect, "minicpmo.session": self.session_id, "minicpmo.kind": step.kind,
-                      "minicpmo.second": step.second}
-        with self.tracer.step(step.planned_at, sent_at, attributes) as spans:
-            answered = False
-            # The budget is per event, not per step: a long turn spoken chunk by chunk goes on; a stalled one ends.
-            async for ev in paced(self.triton.step(request, trace=spans.traceparent), self.settings.step_timeout_s):
-                if ev.kind == "error":
-                    spans.decided("error")
-                    await self._step_failed(step, ev)
-                    return
-                await self.apply(await self.in_order(self.state.on_step_event, step, ev))
-                if not answered:
-                    answered = True
-                    spans.decided("listen" if ev.kind == "listen" else "speak")
-                    # a duplex step against its 1 s period (a chat turn has none); one a barge-in fenced off is heard
-                    # by nobody
-                    if step.kind == "duplex" and step.epoch == self.state.epoch:
-                        self.metrics.step_answered(dialect, time.monotonic() - step.planned_at)
-                self._follow_turn(step, ev)
-            await self.apply(await self.in_order(self.state.on_step_end, step))
+        self._inbox.put_nowait(StepEnded(step))
+
+    async def _on_step(self, item: StepAnswer | StepEnded) -> None:
+        step = item.step
+        if isinstance(item, StepAnswer):
+            ev = item.ev
+            await self.apply(self.state.on_step_event(step, ev))
+            if not self._answered:
+                self._answered = True
+                # a duplex step against its 1 s period (a chat turn has none); one a barge-in fenced off is heard
+                # by nobody
+                if step.kind == "duplex" and step.epoch == self.state.epoch:
+                    self.metrics.step_answered(self.state.dialect, time.monotonic() - step.planned_at)
+            self._follow_turn(step, ev)
+            return
+        self._flight = None
+        if item.failed is not None:
+            await self._step_failed(step, item.failed)
+        elif isinstance(item.broke, TimeoutError):
+            self._halted = True
+            self.fail("step_timeout", f"a step made no progress for {self.settings.step_timeout_s:.0f} s")
+        elif isinstance(item.broke, TritonUnavailable):
+            self._halted = True
+            self.lost()
+        elif item.broke is not None:
+            raise item.broke
+        else:
+            await self.apply(self.state.on_step_end(step))
 
     def _follow_turn(self, step: PlannedStep, ev: StepEvent) -> None:
         """A spoken turn opens with a step's first words or audio, and its first audio is timed from that step's
@@ -409,8 +487,10 @@ class Session:
         code = ev.code or Code.STAGE_ERROR
         self._turn_at = None
         if code in CLIENT_ERRORS:  # the client's input: refused, the session goes on
-            await self.apply(await self.in_order(self.state.on_step_error, step, ClientCode(code), ev.message))
-        elif code in RETRYABLE:  # no room now (its KV pool), or a stage Triton could not run: told to retry
+            await self.apply(self.state.on_step_error(step, ClientCode(code), ev.message))
+            return
+        self._halted = True
+        if code in RETRYABLE:  # no room now (its KV pool), or a stage Triton could not run: told to retry
             err = ProtocolError(ClientCode(CLOSE_REASONS[code]), ev.message, close_code=CLOSE_TRY_AGAIN,
                                 error_type="server_error", retryable=True)
             await self.emit([self.state.error_event(err)])
@@ -504,17 +584,21 @@ class Session:
         try:
             if self._grace is not None and self._grace is not asyncio.current_task():
                 self._grace.cancel()
-            if asyncio.current_task() is not self._worker:
-                await self._stop_worker()
+            if asyncio.current_task() is not self._consumer:  # else the consumer itself closes, and stops after
+                await _stop(self._consumer, self.session_id)
+            if self._flight is not None:
+                await _stop(self._flight, self.session_id)
             try:
                 # ends the Triton sequence: state is freed before we answer; a lost backend is not waited for (a hung
                 # Triton would hold the close 10 s): its sequence is ENDed once the endpoint answers again
                 await self.triton.close(timeout_s=0.0 if self._lost else END_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 (logged; the session still ends)
                 log.error("session %s: ending the Triton sequence failed: %s", self.session_id, describe(exc))
+            if self._reading is not None:  # the input stream is the reading thread's till it ends
+                await asyncio.wait({self._reading})
             if emit:
                 try:
-                    await self.emit(await self.in_order(self.state.on_close, reason, message))
+                    await self.emit(self.state.on_close(reason, message))
                 except Exception as exc:  # noqa: BLE001 (our bug: the session still ends, its socket closed)
                     log.error("session %s: the dialect's close failed: %s", self.session_id, describe(exc))
             ws, self.ws = self.ws, None
@@ -528,14 +612,15 @@ class Session:
             self._ended.set()
             log.info("session %s: closed (%s); Triton sequence %d ended", self.session_id, reason, self.triton.corr_id)
 
-    async def _stop_worker(self) -> None:
-        # Python 3.10/3.11's wait_for can swallow a cancel that lands as the step completes; cancel again.
-        for _ in range(5):
-            self._worker.cancel()
-            done, _ = await asyncio.wait({self._worker}, timeout=1.0)
-            if done:
-                return
-        log.error("session %s: the step worker would not stop", self.session_id)
+
+async def _stop(task: asyncio.Task[Any], session_id: str) -> None:
+    # Python 3.10/3.11's wait_for can swallow a cancel that lands as what it waits for completes; cancel again.
+    for _ in range(5):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if done:
+            return
+    log.error("session %s: a task would not stop", session_id)
 
 
 @contextlib.asynccontextmanager
@@ -594,6 +679,8 @@ async def serve(session: Session, ws: WebSocket, pending: str | None = None) -> 
                 return  # another socket took the session over
             activity.heard(text)
             await session.handle(text)
+        if session.closed:  # the socket stays till the close has told it goodbye
+            await session.wait_closed()
     except Exception as exc:  # noqa: BLE001 (our bug: the session ends, the server goes on)
         log.error("session %s: the receive loop failed: %s", session.session_id, describe(exc))
         await session.close("internal_error", message=f"{type(exc).__name__}: {exc}", ws_code=CLOSE_SERVER_ERROR)

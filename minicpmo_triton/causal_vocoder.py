@@ -52,7 +52,7 @@ def load_causal_hift(folder: Path) -> torch.nn.Module:
     import torch
 
     generator = stepaudio2_module("causal_vocoder.generator")
-    config = load_tagged_yaml((folder / FILES[0]).read_text(), TAGS, {"hifigan": None})
+    config = load_tagged_yaml((folder / FILES[0]).read_text(encoding="utf-8"), TAGS, {"hifigan": None})
     feat = config.get("feat_extractor")
     if feat is None or any(feat.keywords.get(k) != v for k, v in MEL_SETTINGS.items()):
         raise ValueError(f"{folder / FILES[0]}: the vocoder's mel settings must be Step-Audio2's {MEL_SETTINGS}")

@@ -224,7 +224,7 @@ class PresetConfig:
 
     @classmethod
     def load(cls, path: Path) -> PresetConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 STAGE_CONFIG_FILE = "stage.json"

@@ -76,7 +76,7 @@ FLOW_TAGS = {
 def load_flow_yaml(path: Path) -> Any:
     """The `flow` object of a checkpoint's flow.yaml (CausalMaskedDiffWithXvec), weights not loaded."""
     tags = {tag: f"{module}:{tag.rpartition('.')[2]}" for tag, module in FLOW_TAGS.items()}
-    return load_tagged_yaml(Path(path).read_text(), tags)["flow"]
+    return load_tagged_yaml(Path(path).read_text(encoding="utf-8"), tags)["flow"]
 
 
 def hift_class() -> tuple[Any, Any]:

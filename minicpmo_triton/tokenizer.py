@@ -117,12 +117,12 @@ class HuggingFaceTokenizer:
     def __init__(self, folder: Path, specials: set[int]) -> None:
         from tokenizers import Tokenizer as HfTokenizer
 
-        spec = (Path(folder) / "tokenizer.json").read_text()
+        spec = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
         self._tok = HfTokenizer.from_str(spec)  # decoding: a non-special added token the model says is its text
         self._encoder = _text_encoder(spec)
         self._specials = specials
         config = Path(folder) / "tokenizer_config.json"
-        self._bad: tuple[int, ...] = tuple(json.loads(config.read_text()).get("bad_token_ids", [])) \
+        self._bad: tuple[int, ...] = tuple(json.loads(config.read_text(encoding="utf-8")).get("bad_token_ids", [])) \
             if config.exists() else ()
         self._special_ids = _named_special_ids(config, self._tok) if config.exists() else set()
 
@@ -155,7 +155,7 @@ def _named_special_ids(config: Path, tok: object) -> set[int]:
     """StreamDecoder's `_all_special_ids` (utils.py:1181-1213): transformers' `all_special_ids` (the tokens
     tokenizer_config.json names as bos / eos / unk / pad and its `additional_special_tokens`) and
     DUPLEX_SPECIALS."""
-    cfg = json.loads(config.read_text())
+    cfg = json.loads(config.read_text(encoding="utf-8"))
     names = [cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
     names += [*(cfg.get("additional_special_tokens") or []), *DUPLEX_SPECIALS]
     names = [n.get("content") if isinstance(n, dict) else n for n in names]

@@ -67,6 +67,24 @@ def test_caller_text_never_becomes_a_control_token(tmp_path: Path, make) -> None
         assert tok.decoder().feed(ids) == text  # and it reads back as the very text
 
 
+def test_the_tokenizer_loads_where_the_locale_is_ascii(tmp_path: Path) -> None:
+    """Triton's Python stub embeds its interpreter without UTF-8 mode: in a C locale its files' default encoding is
+    ASCII, and the real tokenizer.json is not (byte-level `Ġ`...). It loads there, and encodes as it does here."""
+    import os
+    import subprocess
+    import sys
+
+    specials = qwen_tokenizer_set(tmp_path)
+    code = ("import locale, pathlib, sys; from minicpmo_triton.tokenizer import HuggingFaceTokenizer as T; "
+            "assert locale.getpreferredencoding(False) == 'ANSI_X3.4-1968', locale.getpreferredencoding(False); "
+            f"print(T(pathlib.Path(sys.argv[1]), {set(specials.values())!r}).encode('Caf\\xe9 cr\\xe8me'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False,
+                         env={**env, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(HuggingFaceTokenizer(tmp_path, set(specials.values())).encode("Café crème"))
+
+
 SAID = ("Line one.\nCafé crème, naïve façade — ünïcödé ✓. "
         + "Then a long sentence that takes many duplex units to say, every word of it, to the very end. " * 8
         + "<|turn_eos|> is just text here. The end.")

@@ -284,21 +284,18 @@ def paged(stages: InProcessStages, weights: dict[str, dict[str, torch.Tensor]]) 
     """The paged engines on the CPU in place of the ONNX ones: the LLM and its streaming Whisper, the TTS; over the
     checkpoint's tensors as our loader reads them, in fp32 (the export writes them in bf16, what a GPU runs: that
     rounding alone moves this random model's logits by ~1e-2, past its closest calls)."""
-    from minicpmo_triton.paged.engine import PagedLlmEngine
-    from minicpmo_triton.paged.tts import PagedTtsEngine
-    from minicpmo_triton.paged.whisper import PagedWhisper
-
+    from minicpmo_triton.engine.stage_kv import llm_kv, tts_kv
+    from minicpmo_triton.engine.whisper import PagedWhisper
     from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
     from minicpmo_triton.stages.llm import LlmStage
     from minicpmo_triton.stages.tts import TURN_TOKENS, TtsStage
 
     preset = stages.preset
     whisper = PagedWhisper.build(weights["audio_encoder"], preset.audio, pool_tokens=4096)
-    llm = PagedLlmEngine.build(weights["llm"], preset.llm, pool_tokens=8192, max_tokens=preset.duplex.context_tokens)
+    llm = llm_kv(weights["llm"], preset, stages.tokenizer, pool_tokens=8192)
     stages.llm_stage = LlmStage(llm, preset, stages.tokenizer, 600.0,
                                 AudioStreamEncoder(whisper, preset.audio, preset.samples_per_audio_token))
-    stages.tts_stage = TtsStage(PagedTtsEngine.build(weights["tts"], preset.tts, pool_tokens=4096,
-                                                     max_tokens=TURN_TOKENS), preset, 600.0)
+    stages.tts_stage = TtsStage(tts_kv(weights["tts"], preset, pool_tokens=4096, max_tokens=TURN_TOKENS), preset, 600.0)
 
 
 def run_ours(stages: InProcessStages, audio: list[np.ndarray], jpegs: list[bytes], overrides: set[int]) -> list[Chunk]:

@@ -28,7 +28,6 @@ from gateway.audio import (
     encode_pcm16_base64,
 )
 from gateway.dialects import backend, minicpm, openai
-from gateway.dialects.openai_duplex import MAX_AHEAD
 from gateway.dialects.openai_extensions import ALL
 from gateway.dialects.realtime_events import parse_event
 from gateway.dialects.state import DialectState, Effects, PlannedStep
@@ -143,7 +142,6 @@ def legal(state: DialectState) -> None:
     assert all(v >= 0 for v in state.usage.counts.values()), state.usage.counts
     if isinstance(state, openai.OpenAIRealtimeState):
         assert state.response is None or state.active in (None, state.response)
-        assert 0 <= state.duplex.ahead <= MAX_AHEAD
 
 
 def drive(state: DialectState, frames: list[str], plan: list[tuple[str, Any]]) -> int:

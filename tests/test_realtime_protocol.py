@@ -552,20 +552,16 @@ def test_a_long_append_is_turn_detected_as_if_streamed() -> None:
     assert fx.steps[0].kind == "chat"
 
 
-def test_a_long_duplex_append_waits_as_seconds_and_goes_out_as_steps_are_answered() -> None:
+def test_a_long_duplex_append_is_its_seconds_as_steps_in_order() -> None:
+    """The dialect plans every whole second of one long append at once; the shell queues them in order and is the
+    one bound on them (tests/test_shell_steps.py)."""
     st, _ = state()
     fx = st.on_client({"type": "input_audio_buffer.append", "audio": pcm(20, loud=False)})
-    assert len(fx.steps) == 4 and len(st.duplex.waiting) == 16  # four ahead, the rest in order behind them
-    with pytest.raises(ProtocolError) as err:  # the caller streams faster than the model hears
-        st.on_client({"type": "input_audio_buffer.append", "audio": pcm(1, loud=False)})
-    assert err.value.code == "input_backpressure"
-    seconds = [s.second for s in fx.steps]
+    assert [s.second for s in fx.steps] == list(range(1, 21))
     for step in fx.steps:
         st.prepare(step)
         st.on_step_event(step, StepEvent("listen", metrics={"kv_cache_length": 10}))
-        nxt = st.on_step_end(step).steps
-        seconds += [s.second for s in nxt]
-    assert seconds == list(range(1, 9)) and len(st.duplex.waiting) == 12
+        assert st.on_step_end(step).steps == []
 
 
 def test_the_extensions_are_named_on_the_url() -> None:

@@ -134,3 +134,46 @@ async def test_refused_sessions_leave_no_live_sequences(gateway_factory, triton)
             assert ev["reason"] == "context_full", ev
     live = await asyncio.to_thread(triton.wait_live, lambda lv: not any(lv.values()), 10)
     assert not any(live.values()), live  # not one llm state waiting for its 600 s TTL
+
+
+class HeldLlm:
+    """The in-process stages, recording each stage call in order; the first LLM call waits for `go`."""
+
+    def __init__(self, stages: InProcessStages) -> None:
+        self.stages = stages
+        self.calls: list[str] = []
+        self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, stage: str):
+        inner = getattr(self.stages, stage)
+
+        async def call(request, *args, **kwargs):
+            end = isinstance(request, StageCall) and request.end
+            self.calls.append(f"{stage} END" if end else stage)
+            if stage == "llm" and not end and not self.entered.is_set():
+                self.entered.set()
+                await self.go.wait()
+            return await inner(request, *args, **kwargs)
+        return call
+
+
+async def test_an_end_that_comes_during_a_step_waits_for_it(stages: InProcessStages) -> None:
+    """The entry model keeps a session to one step at a time for any caller (`DuplexSession.lock`): an END that
+    comes while the session's step still runs (the gateway's close after it stopped reading that step, an orphan's
+    END from another connection) is carried out after the step, never beside it."""
+    held = HeldLlm(stages)
+    pipeline = DuplexPipeline(held, stages.preset, stages.tokenizer, 600.0)
+
+    async def emit(event: StepEvent) -> None:
+        pass
+
+    step = asyncio.create_task(pipeline.step(43, True, False, StepInput(audio=np.zeros(16_000, np.float32)), emit))
+    await asyncio.wait_for(held.entered.wait(), 30)
+    end = asyncio.create_task(pipeline.step(43, False, True, StepInput(), emit))
+    await asyncio.sleep(0.2)  # the END has come: it waits
+    assert not end.done() and not any(c.endswith("END") for c in held.calls), held.calls
+    held.go.set()
+    await asyncio.wait_for(asyncio.gather(step, end), 60)
+    ends = [i for i, c in enumerate(held.calls) if c.endswith("END")]
+    assert ends and min(ends) > max(i for i, c in enumerate(held.calls) if not c.endswith("END")), held.calls
+    assert 43 not in pipeline.sessions

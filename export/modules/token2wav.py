@@ -167,7 +167,7 @@ class Token2WavModel(nn.Module):
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "flow.yaml").write_text(flow_yaml(d))
+            (Path(tmp) / "flow.yaml").write_text(flow_yaml(d), encoding="utf-8")
             flow = load_flow_yaml(Path(tmp) / "flow.yaml")
         est = flow.decoder.estimator
         # DiT zero-initialises its adaLN and output layers (an untrained DiT outputs 0): give them weights.

@@ -353,10 +353,6 @@ class OpenAIRealtimeState(DialectState[oe.ResponseCreate]):
             return self._finish_response(Trigger.COMPLETE, "completed")
         return Effects(responses.deltas(r, ev, self.config, self.ext, self.epoch, self.clock()))
 
-    def on_step_end(self, step: Step) -> Effects:
-        """A duplex session's step was answered: the next ones waiting (a long append's seconds) go out."""
-        return Effects(steps=self.duplex.answered()) if step.kind != "chat" else Effects()
-
     def on_step_error(self, step: Step, code: ClientCode, message: str) -> Effects:
         """A step the stages refused for the client's input: say so; its response (if any) failed."""
         out = Effects([error_event(ProtocolError(code, message))])

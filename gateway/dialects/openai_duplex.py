@@ -2,9 +2,9 @@
 carries what a barge-in asked for (the second the caller barged in is listened to; the LLM's context is taken
 back to the last point the listener heard, and the seconds sent since are heard again).
 
-Steps are handed out in order, at most `MAX_AHEAD` at a time: a client streaming in real time gets each second's
-step at once, and one long append (OpenAI takes events up to 15 MiB, minutes of audio) waits here as seconds,
-each made a step as an earlier one is answered, rather than overflowing the session's queue.
+Each second is a step as soon as it is whole: one long append (OpenAI takes events up to 15 MiB, minutes of audio)
+is its seconds' steps at once, queued in order by the shell, whose one bound (`max_pending_steps`) refuses an
+input that comes while that many wait.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import numpy as np
 
 from minicpmo_triton.duplex_contract import StepInput
 
-from ..codes import ClientCode
-from ..wire import ProtocolError
 from .state import STEP_SAMPLES, CauseT, PlannedStep
 
 REPLAY_SECONDS = 8  # how many seconds of caller audio a rollback may hear again
-MAX_AHEAD = 4  # steps handed to the shell and not answered yet (its queue holds 8)
-MAX_WAITING = 8  # steps waiting here when an append comes: more, and the caller streams faster than it is heard
 
 
 @dataclass(frozen=True)
@@ -43,41 +39,15 @@ class DuplexInput(Generic[CauseT]):
     last_listen: Mark = Mark()  # after the latest step that did not speak
     rollback: Mark | None = None  # where the next step takes the LLM's context back to
     listen_next: bool = False  # the next step is listened to (the second in which the caller barged in)
-    waiting: deque[PlannedStep[CauseT]] = field(default_factory=deque)  # in order, not handed out yet
-    ahead: int = 0  # handed out, not answered yet
-
-    def check_room(self) -> None:
-        """Before an append: refused when the steps of earlier ones still wait (the model hears slower than
-        the caller streams), as the shell refuses a step its queue has no room for."""
-        if len(self.waiting) > MAX_WAITING:
-            raise ProtocolError(ClientCode.INPUT_BACKPRESSURE,
-                                f"{len(self.waiting)} seconds of audio are already waiting; "
-                                "this append was dropped")
 
     def add(self, audio: np.ndarray, epoch: int) -> list[PlannedStep[CauseT]]:
-        """Audio in; a step for each second it completes (handed out in turn)."""
+        """Audio in; a step for each second it completes, in order."""
         self.pending = np.concatenate([self.pending, audio])
+        steps = []
         while len(self.pending) >= STEP_SAMPLES:
             second, self.pending = self.pending[:STEP_SAMPLES], self.pending[STEP_SAMPLES:]
-            self.waiting.append(self.step(second, epoch))
-        return self.release()
-
-    def queue(self, step: PlannedStep[CauseT]) -> list[PlannedStep[CauseT]]:
-        """A step (a commit's, a context's) after those waiting."""
-        self.waiting.append(step)
-        return self.release()
-
-    def release(self) -> list[PlannedStep[CauseT]]:
-        out = []
-        while self.waiting and self.ahead < MAX_AHEAD:
-            out.append(self.waiting.popleft())
-            self.ahead += 1
-        return out
-
-    def answered(self) -> list[PlannedStep[CauseT]]:
-        """A step handed out was answered (its events are in): the next ones waiting, if any."""
-        self.ahead = max(0, self.ahead - 1)
-        return self.release()
+            steps.append(self.step(second, epoch))
+        return steps
 
     def take_pending(self) -> np.ndarray:
         audio, self.pending = self.pending, np.zeros(0, np.float32)

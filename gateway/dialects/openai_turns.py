@@ -222,7 +222,6 @@ class Duplex(TurnTaking):
         return responding  # to judge the caller's speech under a reply
 
     def hear(self, s: Host, heard: Heard) -> Effects:
-        s.duplex.check_room()
         out = Effects()
         for piece in heard.pieces():
             onset = any(e.kind == "speech_started" for e in self.segmenter.feed(piece.probs))
@@ -257,7 +256,7 @@ class Duplex(TurnTaking):
         # context, not the conversation's items), so there is no `committed` to say.
         audio = committable(s.duplex.pending)
         s.duplex.take_pending()
-        return Effects(steps=s.duplex.queue(s.duplex.step(audio, s.epoch)))
+        return Effects(steps=[s.duplex.step(audio, s.epoch)])
 
     def check_item(self, s: Host, item: Item) -> None:
         if item.audio is not None:
@@ -272,14 +271,14 @@ class Duplex(TurnTaking):
         if not item.text or item.role == "assistant":  # an assistant's words enter the context when said
             return []
         req = StepInput.of_context(Context(item.text, item.role, respond=False))
-        return s.duplex.queue(PlannedStep("context", req, s.epoch))
+        return [PlannedStep("context", req, s.epoch)]
 
     def create_response(self, s: Host, msg: oe.ResponseCreate, budget: int) -> Effects:
         # second: a barge-in into a spoken turn replays the caller's seconds sent after it began; cause: the
         # response the model opens on it carries the request's metadata
-        return Effects(steps=s.duplex.queue(PlannedStep(
+        return Effects(steps=[PlannedStep(
             "context", self._response_request(s, msg.instructions, budget), s.epoch, second=s.duplex.seconds,
-            cause=msg)))
+            cause=msg)])
 
     def _response_request(self, s: Host, instructions: str | None, budget: int) -> StepInput:
         """Instructions prompt the model (it decides whether to speak); without them the model speaks now: an

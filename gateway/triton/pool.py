@@ -160,7 +160,7 @@ class EndpointPool:
         if stamp == self._file_stamp:
             return None
         self._file_stamp = stamp
-        return self._file.read_text()
+        return self._file.read_text(encoding="utf-8")
 
     def reload(self, force: bool = False) -> None:
         """Take in the list: new endpoints join (loading until probed), drain flags follow it, and endpoints
