@@ -75,7 +75,7 @@ def ensure_exported() -> None:
                for path in ("llm/1/model.onnx", "audio_encoder/1/stream.onnx", "token2wav/1/campplus.onnx",
                             "duplex/1/default_ref_audio.wav", "llm/1/weights.safetensors",
                             "tts/1/weights.safetensors", "audio_encoder/1/weights.safetensors",
-                            "token2wav/1/torch/flow.pt")):
+                            "token2wav/1/device_modules/flow.pt")):
         subprocess.run([sys.executable, "-m", "export", "--preset", "tiny"], cwd=REPO, check=True)
 
 

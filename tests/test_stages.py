@@ -320,3 +320,18 @@ def test_teacher_forced_tokens_have_the_hidden_states_of_the_same_tokens_sampled
     assert said.end_of_turn and said.tts_hidden.shape == (len(text) + 1, preset.llm.hidden)
     cut = run(4, [tk.speak, *text, tk.turn_eos], max_new_tokens=4)  # the chunk's budget still ends it
     assert cut.generated.tolist() == [tk.speak, *text[:2]] and not cut.end_of_turn  # then <|chunk_eos|>, deferred
+
+
+def test_no_folder_in_a_model_version_shadows_a_module() -> None:
+    """Triton's Python stub puts each model's version folder on sys.path: a folder there named as a module imports
+    as that module (a namespace package) wherever the module is not installed (a stage folder `torch/` made every
+    `import torch` of a torch-less Python succeed and fail later: token2wav did not load)."""
+    import importlib.util
+    import sys
+
+    ensure_exported()
+    folders = [d for d in MODEL_REPOSITORY.glob("*/1/*") if d.is_dir() and d.name != "__pycache__"]
+    assert folders  # token2wav's device modules, at least
+    shadowing = [str(d.relative_to(MODEL_REPOSITORY)) for d in folders
+                 if d.name in sys.stdlib_module_names or importlib.util.find_spec(d.name) is not None]
+    assert shadowing == []

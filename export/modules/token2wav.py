@@ -214,7 +214,7 @@ class Token2WavModel(nn.Module):
 
     def files(self, d: Token2WavDims) -> dict[str, bytes]:
         """flow.yaml, flow.pt and hift.pt (HiFT's keys `generator.*`) as the checkpoint lays them out: what the
-        device path loads its torch modules from (model_repository/token2wav/1/torch)."""
+        device path loads its torch modules from (model_repository/token2wav/1/device_modules)."""
 
         def saved(state: dict[str, torch.Tensor]) -> bytes:
             buf = io.BytesIO()

@@ -51,7 +51,9 @@ from .token2wav_ring import (
 )
 from .token2wav_stream import SAMPLES_PER_FRAME, TABLES_FILE, draw_noise, project_speaker, prompt_tokens
 
-TORCH_FOLDER = "torch"  # in model_repository/token2wav/1: flow.yaml, flow.pt, hift.pt (the export writes them)
+# in model_repository/token2wav/1: flow.yaml, flow.pt, hift.pt (the export writes them). Not "torch": the stub puts
+# the version folder on sys.path, where a folder of that name imports as torch (a namespace) if torch is not installed
+TORCH_FOLDER = "device_modules"
 SLOTS = 64  # the setting t2w_slots' default: turns speaking at once per instance
 FIRST_SLOTS = 4  # allocated at load; the pool doubles as turns need more, up to the setting
 
