@@ -109,11 +109,16 @@ def check_finite(logits: np.ndarray) -> None:
         raise StepError(Code.NUMERIC_ERROR, "the model's logits are not finite for this row")
 
 
+def kept_k(top_k: int, vocab: int) -> int:
+    """How many ids a top-k keeps: `top_k` within 1..vocab, 0 (off) the whole vocabulary."""
+    return min(top_k, vocab) if top_k > 0 else vocab
+
+
 def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """What a sampled draw picks from: the top-k ids by falling logit and their probabilities after top-p (zero
     past it), float64. logits as `sample` takes them."""
     scaled = logits.astype(np.float64) / params.temperature
-    k = min(params.top_k, scaled.shape[0]) if params.top_k > 0 else scaled.shape[0]
+    k = kept_k(params.top_k, scaled.shape[0])
     top = np.argpartition(-scaled, k - 1)[:k]
     top = top[np.argsort(-scaled[top])]
     probs = np.exp(scaled[top] - scaled[top[0]])

@@ -219,6 +219,7 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     from types import SimpleNamespace
 
     from minicpmo_triton.engine.sampler import candidates, value_ordered
+    from minicpmo_triton.sampling import kept_k
     from minicpmo_triton.stages.tts import tts_rules, with_tts_sampling
 
     from .reference_demo import demo_module
@@ -241,7 +242,7 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     # the device engine's draw (engine/tts.py's TtsHead: its k and top-p per row from the stage's rules)
     rules, vocab = tts_rules(preset), len(logits)
     ids, probs = value_ordered(torch.from_numpy(logits)[None].double(),
-                               torch.tensor([min(rules.top_k, vocab) if rules.top_k > 0 else vocab]),
+                               torch.tensor([kept_k(rules.top_k, vocab)]),
                                candidates(rules.top_k, vocab), torch.tensor([rules.top_p], dtype=torch.float64))
     device = np.zeros(len(logits))
     device[ids[0].numpy()] = probs[0].numpy()

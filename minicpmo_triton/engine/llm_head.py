@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..model_config import SpecialTokens
+from ..sampling import kept_k
 from .model import PagedDecoder
 from .protocol import CHAT, DREW_SECOND, DUPLEX, ENDED, NO_TOKEN, NOT_FINITE, LlmRow, Prefill
 from .sampler import candidates, first_draw, index_ordered, inverse_cdf, not_finite, put, take, value_ordered
@@ -110,7 +111,7 @@ class LlmHead:
             uniforms[i, : len(row.uniforms)] = row.uniforms
             f = row.forced[:cap]
             forced[i, : len(f)] = f
-        k = np.array([min(r.top_k, v) if r.top_k > 0 else v for r in rows], np.int64)
+        k = np.array([kept_k(r.top_k, v) for r in rows], np.int64)
         pen = np.array([r.repetition_penalty for r in rows], np.float32)
         put = self.writes.rows
         put(self.is_chat, slots, np.array([r.kind == CHAT for r in rows]))

@@ -67,15 +67,19 @@ class CountingEngine:
         return out
 
 
+def _matmul_weights(d: DecoderDims) -> int:
+    """One layer's matmul weights: q, k, v, o, gate, up, down."""
+    return d.hidden * (2 * d.heads * d.head_dim + 2 * d.kv_heads * d.head_dim) + 3 * d.hidden * d.intermediate
+
+
 def layer_flops_per_token(d: DecoderDims) -> int:
-    """The matmuls of one token through every layer (q, k, v, o, gate, up, down), 2 FLOPs a multiply-add."""
-    qkvo = d.hidden * (2 * d.heads * d.head_dim + 2 * d.kv_heads * d.head_dim)
-    return 2 * d.layers * (qkvo + 3 * d.hidden * d.intermediate)
+    """The matmuls of one token through every layer, 2 FLOPs a multiply-add."""
+    return 2 * d.layers * _matmul_weights(d)
 
 
 def layer_weight_count(d: DecoderDims) -> int:
-    qkvo = d.hidden * (2 * d.heads * d.head_dim + 2 * d.kv_heads * d.head_dim)
-    return d.layers * (qkvo + 3 * d.hidden * d.intermediate + 2 * d.hidden + 2 * d.head_dim) + d.hidden
+    """Every layer's weights (the matmuls, two norms, q/k norms) and the final norm."""
+    return d.layers * (_matmul_weights(d) + 2 * d.hidden + 2 * d.head_dim) + d.hidden
 
 
 @dataclass

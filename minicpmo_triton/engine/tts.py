@@ -23,6 +23,7 @@ import torch
 from torch.nn import functional
 
 from ..model_config import TtsDims
+from ..sampling import kept_k
 from .model import PagedDecoder
 from .protocol import ENDED, NOT_FINITE, TtsFeed, TtsRow, TtsRules
 from .sampler import candidates, inverse_cdf, not_finite, put, take, value_ordered
@@ -49,7 +50,7 @@ class TtsHead:
         self.penalty = torch.tensor(rules.repetition_penalty, dtype=torch.float64, device=dev)
         self.eos = torch.full((1,), rules.eos, dtype=torch.int64, device=dev)
         self.top_p = torch.full((r,), rules.top_p, dtype=torch.float64, device=dev)
-        self.ks = torch.full((r,), min(rules.top_k, self.vocab) if rules.top_k > 0 else self.vocab,
+        self.ks = torch.full((r,), kept_k(rules.top_k, self.vocab),
                              dtype=torch.int64, device=dev)
         self.neg = torch.full((), float("-inf"), device=dev)
         self.steps_cap = 0
