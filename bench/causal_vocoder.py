@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from export.modules.token2wav import causal_hift_yaml
-from minicpmo_triton.causal_vocoder import TAGS, CausalVocoder
-from minicpmo_triton.official_stepaudio2 import load_tagged_yaml
+from minicpmo_triton.vocoder.causal_vocoder import TAGS, CausalVocoder
+from minicpmo_triton.vocoder.official_stepaudio2 import load_tagged_yaml
 
 FRAMES = 50  # a 25-token chunk's mel
 

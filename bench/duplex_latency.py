@@ -28,9 +28,9 @@ from common import make_speech, pct, serving_stack
 
 from gateway.triton import DEFAULT_MODEL_REPOSITORY
 from minicpmo_client.backend import converse
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
 
 async def gateway_run(url: str, n: int, speech: list[np.ndarray], on_event: Any = None) -> dict[str, Any]:

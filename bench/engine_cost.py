@@ -26,10 +26,10 @@ from export.modules.llm import DuplexLLM
 from export.presets import tiny
 from export.torch_engine import TorchEngine
 from minicpmo_triton.engine.build import llm_core
+from minicpmo_triton.engine.kv_batch import KvBatch, KvCache
 from minicpmo_triton.engine.protocol import DUPLEX, LlmRow, Prefill
 from minicpmo_triton.engine.request import Request
 from minicpmo_triton.engine.traffic import CountingEngine, Traffic
-from minicpmo_triton.kv_batch import KvBatch, KvCache
 from minicpmo_triton.model_config import DecoderDims
 
 from .gpu_check import REAL

@@ -55,7 +55,7 @@ from minicpmo_triton.paged.protocol import Prefill
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.llm import LlmStage, _DeviceRows
 from minicpmo_triton.stages.base import StageCall
-from minicpmo_triton.tokenizer import load_tokenizer
+from minicpmo_triton.media.tokenizer import load_tokenizer
 from syncs_ledger import SyncLedger
 rows, iterations, repo, token = json.loads(sys.argv[1])
 torch.set_num_threads(1)
@@ -120,11 +120,11 @@ def _core(rows: int, admitted: list[float] | None = None) -> tuple[Any, Any]:
     from export.presets import TINY_SEED, tiny
     from export.stages import build_modules
     from minicpmo_triton.engine.protocol import PagedCache
-    from minicpmo_triton.engine.stage_kv import llm_kv
+    from minicpmo_triton.media.tokenizer import load_tokenizer
     from minicpmo_triton.stage_io import LlmRequest
     from minicpmo_triton.stages.base import StageCall
     from minicpmo_triton.stages.llm import LlmStage
-    from minicpmo_triton.tokenizer import load_tokenizer
+    from minicpmo_triton.stages.pool_kv import llm_kv
 
     preset = tiny()
     tokenizer = load_tokenizer(preset, ROOT / "model_repository" / "duplex" / "1")
@@ -178,7 +178,7 @@ def admission_ms(rows: int = 64) -> dict[str, float]:
     reservation), prepare (its prefill and rules) and its request (the rules drawn ahead) -- and, apart, the duplex
     second's mel: its host share with the device mel (the stream's bookkeeping and the samples it stages:
     engine/mel.py), and the whole mel on the host (`MelStream.push`, the host path's)."""
-    from minicpmo_triton.audio_mel import MelStream, frame_samples, mel_filterbank
+    from minicpmo_triton.media.audio_mel import MelStream, frame_samples, mel_filterbank
 
     admitted: list[float] = []
     _core(rows, admitted)

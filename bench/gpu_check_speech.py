@@ -23,7 +23,6 @@ import torch
 
 from export.presets import PresetConfig
 from export.stages import build_module
-from minicpmo_triton.audio_mel import CONTEXT_FRAMES, HOP
 from minicpmo_triton.engine.attention import FlexAttention, GatherAttention, PagedAttention
 from minicpmo_triton.engine.build import tts_core
 from minicpmo_triton.engine.core import EngineCore
@@ -31,7 +30,8 @@ from minicpmo_triton.engine.protocol import TtsFeed
 from minicpmo_triton.engine.request import Request
 from minicpmo_triton.engine.tts import TtsHead
 from minicpmo_triton.engine.whisper import PagedWhisper
-from minicpmo_triton.sampling import SamplingParams, apply_repetition_penalty, sample
+from minicpmo_triton.media.audio_mel import CONTEXT_FRAMES, HOP
+from minicpmo_triton.rules.sampling import SamplingParams, apply_repetition_penalty, sample
 from minicpmo_triton.stages.tts import tts_rules
 
 from .gpu_timing import iteration_ms, peak_gib, timed

@@ -22,8 +22,8 @@ import torch
 
 from export.modules.token2wav import Token2WavModel
 from export.presets import PresetConfig
-from minicpmo_triton.hift import fold_weight_norm
 from minicpmo_triton.stages.token2wav_device import DeviceStreamer
+from minicpmo_triton.vocoder.hift import fold_weight_norm
 
 from .gpu_timing import peak_gib, sync, timed
 

@@ -139,8 +139,8 @@ def _baseline_worker(repository: str, audio: np.ndarray, queue: mp.Queue) -> Non
     import torch
 
     from export.torch_engine import torch_stages
-    from minicpmo_triton.duplex_options import DuplexOptions
-    from minicpmo_triton.pipeline import StepEvent, StepInput
+    from minicpmo_triton.rules.duplex_options import DuplexOptions
+    from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
     torch.set_num_threads(1)
     pipeline = torch_stages(Path(repository)).pipeline()
@@ -183,10 +183,10 @@ def baseline(repository: Path, workers: int, speech: list[np.ndarray]) -> LoadRe
 
 def state_bytes(repository: Path, audio: np.ndarray) -> dict[str, int]:
     """Per-session state of each stage after one session's worth of steps (in process, same code)."""
-    from minicpmo_triton.duplex_options import DuplexOptions
-    from minicpmo_triton.inprocess import InProcessStages
-    from minicpmo_triton.kv_batch import KvCache
-    from minicpmo_triton.pipeline import StepEvent, StepInput
+    from minicpmo_triton.engine.kv_batch import KvCache
+    from minicpmo_triton.rules.duplex_options import DuplexOptions
+    from minicpmo_triton.serving.inprocess import InProcessStages
+    from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
     stages = InProcessStages(repository)
     pipeline = stages.pipeline()

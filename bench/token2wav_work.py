@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from export.modules.stepaudio2 import load_flow_yaml
 from export.modules.token2wav import ConformerChunk, EstimatorStep, flow_yaml
 from export.presets import minicpmo45
-from minicpmo_triton.hift import VocoderChunk, build_hift, fold_weight_norm
 from minicpmo_triton.model_config import Token2WavDims
+from minicpmo_triton.vocoder.hift import VocoderChunk, build_hift, fold_weight_norm
 
 SAMPLES_PER_FRAME = 480
 HARMONICS = 9  # HiFT's source: the fundamental and 8 overtones (its noise input per sample)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
-from minicpmo_triton.voice_prompt import DEFAULT_REF_AUDIO
+from minicpmo_triton.stages.voice_prompt import DEFAULT_REF_AUDIO
 
 from .checkpoint import DEFAULT_VOICE, copy_causal_vocoder, copy_voice_assets
 from .memory import memory_report
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str]) -> None:
     """Where a GPU, its driver and TensorRT are: the encoders' TensorRT plans now, as their first load on this GPU
-    would build them (kept by hash: minicpmo_triton/plan_cache.py), so the first serve does not wait for them."""
+    would build them (kept by hash: minicpmo_triton/engine/plan_cache.py), so the first serve does not wait for them."""
     import re
 
     from .tensorrt_build import NoGpuError, require_gpu
@@ -176,7 +176,7 @@ def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str
         require_gpu()
     except NoGpuError:
         return
-    from minicpmo_triton.plan_cache import cached_plan
+    from minicpmo_triton.engine.plan_cache import cached_plan
 
     for model in ("vision_encoder", "audio_encoder"):
         if model in stages:

@@ -273,7 +273,7 @@ def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
         return None
     assets = Path(folder) / TOKEN2WAV_ASSETS
     if layout == "1.0.7":
-        from minicpmo_triton.causal_vocoder import load_causal_hift
+        from minicpmo_triton.vocoder.causal_vocoder import load_causal_hift
 
         try:
             load_causal_hift(assets)
@@ -287,7 +287,7 @@ def load_token2wav(folder: Path, d: Token2WavDims) -> Token2WavModel | None:
 def copy_causal_vocoder(folder: Path | None, target: Path) -> bool:
     """1.0.7's causal vocoder (config.yaml + hift.pt) into token2wav's folder, where the stage finds it; a stale
     copy goes when the checkpoint has 1.0.5's layout or none. Returns whether it was copied."""
-    from minicpmo_triton.causal_vocoder import FILES, FOLDER
+    from minicpmo_triton.vocoder.causal_vocoder import FILES, FOLDER
 
     shutil.rmtree(Path(target) / FOLDER, ignore_errors=True)
     if folder is None or token2wav_layout(folder) != "1.0.7":

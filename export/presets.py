@@ -7,6 +7,7 @@ published config.json's keys (a checkpoint's own config.json overrides them).
 
 from __future__ import annotations
 
+from minicpmo_triton.media.tokenizer import TINY_SPECIALS, tiny_special_ids
 from minicpmo_triton.model_config import (
     AudioEncoderDims,
     DecoderDims,
@@ -16,7 +17,6 @@ from minicpmo_triton.model_config import (
     TtsDims,
     VisionDims,
 )
-from minicpmo_triton.tokenizer import TINY_SPECIALS, tiny_special_ids
 
 from .config import preset_from_config
 

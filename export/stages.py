@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from minicpmo_triton.audio_mel import CONTEXT_FRAMES
-from minicpmo_triton.images import Slice
+from minicpmo_triton.media.audio_mel import CONTEXT_FRAMES
+from minicpmo_triton.media.images import Slice
 from minicpmo_triton.model_config import PresetConfig, VisionDims
 from minicpmo_triton.stages.token2wav_device import TORCH_FOLDER
 from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs

@@ -5,7 +5,7 @@ fp16: Qwen3's activations overflow fp16, and bf16 keeps fp32's range. The ONNX g
 the CPU runs and what the parity tests check), so the network is not strongly typed: the flag lets the builder
 choose bf16 kernels.
 
-Profiles cover what is served: per stage a list, the runner (`minicpmo_triton/engines.py`) picks the first
+Profiles cover what is served: per stage a list, the runner (`minicpmo_triton/engine/exported.py`) picks the first
 whose ranges hold a call's shapes. The TTS's batched steps at any batch and a prefill of up to PREFILL_TOKENS at a
 few rows; the audio encoders' 1 s steps at any batch and up to 30 s (Whisper's window) at a few rows. The LLM has no
 plan: on a GPU it runs on the device engine core (minicpmo_triton/engine), its KV cache in a pool there; a plan fed

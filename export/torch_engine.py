@@ -9,7 +9,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from minicpmo_triton.inprocess import InProcessStages
+from minicpmo_triton.serving.inprocess import InProcessStages
 from minicpmo_triton.stages.audio_encoder import GraphStreamKv
 from minicpmo_triton.stages.kv import HostKv
 from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pybase64  # SIMD base64: the stdlib's took 0.35 ms of each 1 s append's path
 
-from minicpmo_triton.pcm import pcm_problem
+from minicpmo_triton.media.pcm import pcm_problem
 
 INPUT_RATE = 16_000
 OUTPUT_RATE = 24_000

@@ -15,7 +15,7 @@ from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
-from minicpmo_triton.pcm import pcm_problem
+from minicpmo_triton.media.pcm import pcm_problem
 
 from .audio import INPUT_RATE, AudioDecodeError, decode_f32_base64, decode_pcm16_base64, read_wav, resample
 from .codes import ClientCode

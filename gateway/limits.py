@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from minicpmo_triton.images import IMAGE_FORMATS, MAX_PIXELS
+from minicpmo_triton.media.images import IMAGE_FORMATS, MAX_PIXELS
 
 from .codes import ClientCode
 from .settings import Settings

@@ -5,8 +5,8 @@ A step's trace: `gateway.step` (the append that completed its second, to its las
 `gateway.queue` (its wait behind the session's step in flight) and `gateway.triton` (sent, to its last event back).
 The context of `gateway.triton` goes to Triton with the step (`gateway/triton/stream.py`): Triton's own spans
 (`InferRequest`, the `duplex` model's) and the entry model's (`duplex.step`, then `stage.llm`, `stage.tts`, ... one
-per stage call: minicpmo_triton/tracing.py) join it, so a slow step names its slow stage. Spans carry ids, counts
-and decisions, never the caller's text or audio.
+per stage call: minicpmo_triton/serving/tracing.py) join it, so a slow step names its slow stage. Spans carry
+ids, counts and decisions, never the caller's text or audio.
 """
 
 from __future__ import annotations

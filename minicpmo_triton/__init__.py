@@ -1,2 +1,3 @@
-"""Runtime code shared by the Triton models, the gateway and the exporter (no torch here, but in `engine/`: the
-device engine core, imported only where one is built; `engine/protocol.py` is torch-free for the stages)."""
+"""Runtime code shared by the Triton models, the gateway and the exporter, in layers (docs/architecture.md, "Where
+things are"): errors and model_config, rules/, stage_io and duplex_contract, media/, engine/ and vocoder/, stages/,
+serving/. torch only in the device parts, imported where one is built."""

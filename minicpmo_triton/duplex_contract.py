@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .duplex_options import DuplexOptions, InvalidOptions
 from .errors import Code, StepError, as_code
 from .model_config import DuplexDefaults
+from .rules.duplex_options import DuplexOptions, InvalidOptions
 
 Tensors = dict[str, np.ndarray]
 

@@ -30,7 +30,7 @@ command -v "$PY" >/dev/null || PY=python3
 # Export the tiny preset (random weights, ~40 s on 2 cores) unless its artefacts are current.
 stamp=model_repository/.export-stamp
 # (the export runs minicpmo_triton's code too: the mel, the image slicing, the voice-prompt features)
-src_hash=$(cat export/*.py export/modules/*.py minicpmo_triton/*.py minicpmo_triton/stages/*.py | sha256sum | cut -c1-16)
+src_hash=$(find export minicpmo_triton -name "*.py" -not -path "*/__pycache__/*" | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "tiny-$src_hash" ] || [ ! -f model_repository/llm/1/model.onnx ] \
     || [ ! -f model_repository/audio_encoder/1/stream.onnx ] || [ ! -f model_repository/token2wav/1/campplus.onnx ] \
     || [ -d model_repository/speaker_encoder ]; then  # a retired model's leftovers: the export removes them

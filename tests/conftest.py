@@ -116,7 +116,7 @@ class RunningTriton:
         raise KeyError(f"{name} for {model} not on the metrics page")
 
     def stage_metric(self, what: str, model: str) -> float:
-        """A stage's own series, `minicpmo_<model>_<what>` (minicpmo_triton/triton_models.py stage_metric)."""
+        """A stage's own series, `minicpmo_<model>_<what>` (minicpmo_triton/serving/triton_models.py stage_metric)."""
         name = f"minicpmo_{model}_{what}"
         for line in self.metrics_text().splitlines():
             if line.startswith(f"{name} "):

@@ -16,7 +16,7 @@ GREEDY = {"do_sample": False}
 def default_ref_tokens(repository: Any) -> int:
     """Audio tokens of the duplex system prompt's default voice reference (10 a second on tiny): they count in
     a session's input audio, as a reference the caller sends does."""
-    from minicpmo_triton.voice_prompt import default_ref_audio
+    from minicpmo_triton.stages.voice_prompt import default_ref_audio
 
     ref = default_ref_audio(repository / "duplex" / "1")
     return 0 if ref is None else utterance_audio_tokens(len(ref))

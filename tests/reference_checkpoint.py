@@ -336,8 +336,8 @@ def to_1_0_7_layout(assets: Path) -> None:
     """1.0.5's files (flow.yaml, flow.pt, hift.pt: the original HiFT) made 1.0.7's: the original HiFT moved to
     hift_original.pt, a causal HiFT of the official classes (random weights) in config.yaml + hift.pt."""
     from export.modules.token2wav import causal_hift_yaml
-    from minicpmo_triton.causal_vocoder import TAGS
-    from minicpmo_triton.official_stepaudio2 import load_tagged_yaml, stepaudio2_module
+    from minicpmo_triton.vocoder.causal_vocoder import TAGS
+    from minicpmo_triton.vocoder.official_stepaudio2 import load_tagged_yaml, stepaudio2_module
 
     (assets / "hift.pt").rename(assets / "hift_original.pt")
     (assets / "config.yaml").write_text(causal_hift_yaml(16))

@@ -33,8 +33,8 @@ from export.onnx_export import export_onnx
 from export.presets import tiny
 from export.stages import build_modules, stage_graphs
 from export.torch_engine import TorchEngine
-from minicpmo_triton.audio_mel import log_mel, mel_filterbank
-from minicpmo_triton.engines import OnnxEngine
+from minicpmo_triton.engine.exported import OnnxEngine
+from minicpmo_triton.media.audio_mel import log_mel, mel_filterbank
 from minicpmo_triton.stage_io import AudioEncoderRequest
 from minicpmo_triton.stages.audio_encoder import AudioEncoderStage, AudioStream, AudioStreamEncoder
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from gateway.dialects.backend import BackendState
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 

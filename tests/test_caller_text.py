@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minicpmo_triton.tokenizer import HuggingFaceTokenizer
+from minicpmo_triton.media.tokenizer import HuggingFaceTokenizer
 
 from .reference_checkpoint import SPECIAL_STRINGS, write_tokenizer_set
 from .reference_demo import demo_source
@@ -75,7 +75,7 @@ def test_the_tokenizer_loads_where_the_locale_is_ascii(tmp_path: Path) -> None:
     import sys
 
     specials = qwen_tokenizer_set(tmp_path)
-    code = ("import locale, pathlib, sys; from minicpmo_triton.tokenizer import HuggingFaceTokenizer as T; "
+    code = ("import locale, pathlib, sys; from minicpmo_triton.media.tokenizer import HuggingFaceTokenizer as T; "
             "assert locale.getpreferredencoding(False) == 'ANSI_X3.4-1968', locale.getpreferredencoding(False); "
             f"print(T(pathlib.Path(sys.argv[1]), {set(specials.values())!r}).encode('Caf\\xe9 cr\\xe8me'))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}

@@ -30,9 +30,9 @@ from export.config import preset_from_config
 from export.modules.token2wav import Token2WavModel
 from export.presets import MINICPMO45_TOKENS, TINY_CONFIG, minicpmo45, tiny
 from export.stages import build_modules
+from minicpmo_triton.media.tokenizer import load_tokenizer
 from minicpmo_triton.model_config import PresetConfig, load_stage_config
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
-from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import REPO
 from .reference_checkpoint import ReferenceCheckpoint, write_checkpoint
@@ -312,8 +312,8 @@ def test_small_real_preset_runs_a_duplex_step(reference, tmp_path: Path) -> None
     """The exported real-preset stages serve a step in process (HF tokenizer, 151748 vocab)."""
     import asyncio
 
-    from minicpmo_triton.inprocess import InProcessStages
-    from minicpmo_triton.pipeline import StepEvent, StepInput
+    from minicpmo_triton.serving.inprocess import InProcessStages
+    from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
     repo = tmp_path / "repo"
     assert export(reference.folder, repo).returncode == 0

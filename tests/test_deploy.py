@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from gateway import settings as gateway_settings
 from gateway.triton import endpoints
-from minicpmo_triton.stage_settings import STAGE_SETTINGS
+from minicpmo_triton.serving.stage_settings import STAGE_SETTINGS
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -45,7 +45,7 @@ def dockerfile_python() -> str:
 
 
 def env_names_read_by_the_code() -> set[str]:
-    """The settings' own names (gateway.settings, minicpmo_triton.stage_settings), and any other MINICPMO_*
+    """The settings' own names (gateway.settings, minicpmo_triton.serving.stage_settings), and any other MINICPMO_*
     name the code spells out."""
     names = {gateway_settings.env_name(f.name) for f in dataclasses.fields(gateway_settings.Settings)}
     names |= {s.env for s in STAGE_SETTINGS.values()}

@@ -12,9 +12,9 @@ import websockets
 
 from gateway.audio import decode_f32_base64
 from minicpmo_client.backend import converse
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY
 from .helpers import (

@@ -41,16 +41,16 @@ from export.config import preset_from_config
 from export.onnx_export import export_onnx
 from export.presets import MINICPMO45_TOKENS, minicpmo45
 from export.stages import build_modules, stage_graphs
-from minicpmo_triton.duplex_rules import forbidden_token_mask, stream_decode
-from minicpmo_triton.duplex_window import WINDOW_MODES, WindowConfig
-from minicpmo_triton.engine.stage_kv import llm_kv
-from minicpmo_triton.engines import OnnxEngine
-from minicpmo_triton.sampling import SamplingParams
+from minicpmo_triton.engine.exported import OnnxEngine
+from minicpmo_triton.media.tokenizer import HuggingFaceTokenizer
+from minicpmo_triton.rules.duplex_rules import forbidden_token_mask, stream_decode
+from minicpmo_triton.rules.duplex_window import WINDOW_MODES, WindowConfig
+from minicpmo_triton.rules.sampling import SamplingParams
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
 from minicpmo_triton.stages.llm_inflight import InflightLlm
-from minicpmo_triton.tokenizer import HuggingFaceTokenizer
+from minicpmo_triton.stages.pool_kv import llm_kv
 
 from .reference_checkpoint import write_checkpoint
 from .reference_demo import demo_module
@@ -408,9 +408,9 @@ def test_a_forced_listen_mid_turn_restarts_token2wav_as_the_reference(checkpoint
     chunk, by the reference's `_generate_waveform_from_tokens` (:5449-5507) and by our stage driven as the
     pipeline drives it (`VoiceTurn`)."""
     from export.presets import tiny
+    from minicpmo_triton.rules.voice_turn import VoiceTurn
     from minicpmo_triton.stage_io import Token2WavRequest
     from minicpmo_triton.stages.token2wav import Token2WavStage
-    from minicpmo_triton.voice_turn import VoiceTurn
 
     from .conftest import MODEL_REPOSITORY, ensure_exported
 

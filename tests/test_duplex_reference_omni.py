@@ -52,12 +52,12 @@ from PIL import Image
 from export.checkpoint import TOKEN2WAV_ASSETS, load_checkpoint
 from export.presets import MINICPMO45_TOKENS
 from export.stages import build_modules
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.pipeline import DuplexPipeline, StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import DuplexPipeline, StepEvent, StepInput
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
-from minicpmo_triton.voice_prompt import default_ref_audio
+from minicpmo_triton.stages.voice_prompt import default_ref_audio
 
 from .conftest import REPO
 from .helpers import OTHER_TEXT, SPEAKING_TEXT
@@ -284,10 +284,10 @@ def paged(stages: InProcessStages, weights: dict[str, dict[str, torch.Tensor]]) 
     """The paged engines on the CPU in place of the ONNX ones: the LLM and its streaming Whisper, the TTS; over the
     checkpoint's tensors as our loader reads them, in fp32 (the export writes them in bf16, what a GPU runs: that
     rounding alone moves this random model's logits by ~1e-2, past its closest calls)."""
-    from minicpmo_triton.engine.stage_kv import llm_kv, tts_kv
     from minicpmo_triton.engine.whisper import PagedWhisper
     from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
     from minicpmo_triton.stages.llm import LlmStage
+    from minicpmo_triton.stages.pool_kv import llm_kv, tts_kv
     from minicpmo_triton.stages.tts import TURN_TOKENS, TtsStage
 
     preset = stages.preset

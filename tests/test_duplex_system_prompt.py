@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from minicpmo_triton.duplex_contract import VoiceRefs
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 from minicpmo_triton.stage_io import AudioEncoderRequest
-from minicpmo_triton.voice_prompt import default_ref_audio
+from minicpmo_triton.stages.voice_prompt import default_ref_audio
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 from .helpers import GREEDY

@@ -17,20 +17,20 @@ import torch
 from export.presets import TINY_SEED, tiny
 from export.stages import build_modules
 from minicpmo_triton.engine.attention import Decode, FlexAttention, GatherAttention, Rows
+from minicpmo_triton.engine.exported import load_engine
+from minicpmo_triton.engine.kv_batch import KvBatch, KvCache, right_pad
 from minicpmo_triton.engine.pool import KvPool, PoolShape
 from minicpmo_triton.engine.protocol import NOT_FINITE, Prefill
 from minicpmo_triton.engine.request import Request
-from minicpmo_triton.engine.stage_kv import PoolKv, llm_kv
 from minicpmo_triton.engine.traffic import CountingEngine, Traffic
-from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
-from minicpmo_triton.kv_batch import KvBatch, KvCache, right_pad
+from minicpmo_triton.media.tokenizer import load_tokenizer
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
-from minicpmo_triton.tokenizer import load_tokenizer
+from minicpmo_triton.stages.pool_kv import PoolKv, llm_kv
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 

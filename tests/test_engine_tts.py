@@ -15,15 +15,15 @@ import torch
 
 from export.presets import TINY_SEED, tiny
 from export.stages import build_modules
+from minicpmo_triton.engine.exported import load_engine
 from minicpmo_triton.engine.protocol import NOT_FINITE, pick_engine
 from minicpmo_triton.engine.sampler import inverse_cdf, value_ordered
-from minicpmo_triton.engine.stage_kv import PoolKv, tts_kv
 from minicpmo_triton.engine.traffic import CountingEngine, Traffic
-from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import TtsRequest, TtsResult
 from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.pool_kv import PoolKv, tts_kv
 from minicpmo_triton.stages.tts import ChunkRules, TtsSession, TtsStage, with_tts_sampling
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
@@ -261,7 +261,7 @@ def test_the_device_tts_rules_keep_the_host_rules(preset, weights, device: str, 
     them on) equal the host's (`ChunkRules.adjusted`, `sampling.distribution`) within 1e-6; with the host's uniform
     draws it picks the host's codes (greedy and sampled); and its draws follow that distribution (20000 draws per
     row, each probability within 0.015: checked over top-k's 20 codes, the draw being the same for any width)."""
-    from minicpmo_triton.sampling import distribution, sample
+    from minicpmo_triton.rules.sampling import distribution, sample
 
     rng = np.random.default_rng(7)
     st, rows = _rows_with_history(preset, weights, rng, 12, **sampling)

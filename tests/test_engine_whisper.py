@@ -18,18 +18,18 @@ import torch
 
 from minicpmo_triton.engine.attention import FlexAttention, GatherAttention, Rows
 from minicpmo_triton.engine.build import load_weights
+from minicpmo_triton.engine.exported import load_engine
 from minicpmo_triton.engine.pool import KvPool, PoolShape
 from minicpmo_triton.engine.protocol import PagedCache, pick_engine
 from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.engine.whisper import PagedWhisper
-from minicpmo_triton.engines import load_engine
 from minicpmo_triton.errors import RETRYABLE, Code, StepError
+from minicpmo_triton.media.tokenizer import load_tokenizer
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.audio_encoder import AudioStream, AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall, _restore, _snapshot
 from minicpmo_triton.stages.llm import LlmStage
-from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -256,9 +256,9 @@ def test_the_device_mel_is_the_host_streams(preset) -> None:
     """The duplex stream's mel on the device (engine/mel.py: every row's frames through one `torch.fft.rfft`, the
     floor's maxima kept on the device) against `MelStream.push` on the host, chunk for chunk: three streams joining
     at different chunks (one in 0.5 s chunks), 40 chunks, past the 5 s floor and the 30 s slide, batched together."""
-    from minicpmo_triton.audio_mel import MelStream, mel_filterbank
     from minicpmo_triton.engine.mel import DeviceMel
     from minicpmo_triton.engine.staging import DeviceWrites, Staging
+    from minicpmo_triton.media.audio_mel import MelStream, mel_filterbank
 
     filters = mel_filterbank(preset.audio.n_mels)
     device = DeviceMel(filters, DeviceWrites(Staging(torch.device("cpu"), Traffic())))

@@ -134,8 +134,8 @@ def _fake_pb_utils() -> Any:
 
 def test_an_uncoded_failure_in_a_stage_is_logged_with_its_type_and_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
-    monkeypatch.delitem(sys.modules, "minicpmo_triton.triton_models", raising=False)
-    triton_models = importlib.import_module("minicpmo_triton.triton_models")
+    monkeypatch.delitem(sys.modules, "minicpmo_triton.serving.triton_models", raising=False)
+    triton_models = importlib.import_module("minicpmo_triton.serving.triton_models")
     try:
         def compute() -> None:
             secret = ["the caller's words"]
@@ -156,4 +156,4 @@ def test_an_uncoded_failure_in_a_stage_is_logged_with_its_type_and_place(monkeyp
         triton_models._response(StepError(Code.BAD_AUDIO, "the caller's audio is bad"), "llm")
         assert _Logger.lines == []  # a coded refusal is the client's business, not the operator's
     finally:
-        sys.modules.pop("minicpmo_triton.triton_models", None)
+        sys.modules.pop("minicpmo_triton.serving.triton_models", None)

@@ -28,11 +28,11 @@ import pytest
 
 from export.presets import minicpmo45, tiny
 from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput
+from minicpmo_triton.media.tokenizer import TINY_SPECIALS, ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 from minicpmo_triton.model_config import PresetConfig
-from minicpmo_triton.pipeline import DuplexPipeline
+from minicpmo_triton.serving.pipeline import DuplexPipeline
 from minicpmo_triton.stage_io import LlmRequest, LlmResult, VisionEncoderRequest, VisionEncoderResult
 from minicpmo_triton.stages.vision_encoder import VisionEncoderStage
-from minicpmo_triton.tokenizer import TINY_SPECIALS, ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 
 from .reference_checkpoint import write_tokenizer_set
 from .reference_demo import demo_module

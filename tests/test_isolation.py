@@ -12,14 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
-from minicpmo_triton.engines import load_engine
+from minicpmo_triton.engine.exported import load_engine
 from minicpmo_triton.errors import StepError, from_wire, to_wire
-from minicpmo_triton.inprocess import InProcessStages
+from minicpmo_triton.media.pcm import MAX_SAMPLE_ABS, pcm_problem
+from minicpmo_triton.media.tokenizer import load_tokenizer
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.pcm import MAX_SAMPLE_ABS, pcm_problem
-from minicpmo_triton.pipeline import StepEvent, StepInput
-from minicpmo_triton.sampling import SamplingParams, sample
+from minicpmo_triton.rules.duplex_options import DuplexOptions, InvalidOptions
+from minicpmo_triton.rules.sampling import SamplingParams, sample
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 from minicpmo_triton.stage_io import (
     AudioEncoderRequest,
     LlmRequest,
@@ -30,11 +31,10 @@ from minicpmo_triton.stage_io import (
 from minicpmo_triton.stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import LlmStage
+from minicpmo_triton.stages.state_store import SequenceNotStarted
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
 from minicpmo_triton.stages.vision_encoder import VisionEncoderStage
-from minicpmo_triton.state_store import SequenceNotStarted
-from minicpmo_triton.tokenizer import load_tokenizer
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 from .helpers import OTHER_TEXT

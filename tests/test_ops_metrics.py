@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.ops, pytest.mark.asyncio(loop_scope="function")]
 
 KEY = "ops-test-key"
 SLACK_S = 0.3  # what a caller's latency holds beyond the gateway's: the network, the frame's reading, its own loop
-# The door before the LLM holds 1.5 s from 3 live sessions on (minicpmo_triton/rendezvous.py): the load's steps late.
+# The door before the LLM holds 1.5 s from 3 live sessions on (minicpmo_triton/serving/rendezvous.py): the load's
+# steps late.
 HELD_DOOR = {"MINICPMO_LLM_BATCH_WINDOW_MS": "1500", "MINICPMO_LLM_BATCH_MIN_SESSIONS": "3",
              "MINICPMO_LLM_BATCH_MAX_SESSIONS": "1000", "MINICPMO_LLM_BATCH_TARGET": "1000",
              "MINICPMO_LLM_BATCH_BUDGET_MS": "100000"}

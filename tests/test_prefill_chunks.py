@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from minicpmo_triton.duplex_contract import ChatInput, ChatMessage
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import DuplexPipeline, StepEvent, StepInput
-from minicpmo_triton.prefill_chunks import split_prefill
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import DuplexPipeline, StepEvent, StepInput
+from minicpmo_triton.serving.prefill_chunks import split_prefill
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall, answer_order
 from minicpmo_triton.stages.llm import is_prefill_chunk
-from minicpmo_triton.voice_prompt import default_ref_audio
+from minicpmo_triton.stages.voice_prompt import default_ref_audio
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 from .helpers import GREEDY

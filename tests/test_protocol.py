@@ -21,10 +21,10 @@ from gateway.dialects.backend import (
 )
 from gateway.wire import ProtocolError
 from minicpmo_triton.duplex_contract import StepEvent
-from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
-from minicpmo_triton.duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
-from minicpmo_triton.sampling import SamplingParams
-from minicpmo_triton.tokenizer import tiny_special_ids
+from minicpmo_triton.media.tokenizer import tiny_special_ids
+from minicpmo_triton.rules.duplex_options import DuplexOptions, InvalidOptions
+from minicpmo_triton.rules.duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
+from minicpmo_triton.rules.sampling import SamplingParams
 
 AUDIO = np.linspace(-0.5, 0.5, 16_000, dtype=np.float32)
 

@@ -16,10 +16,10 @@ from export.checkpoint import TOKEN2WAV_ASSETS
 from export.presets import MINICPMO45_TOKENS
 from gateway.triton import TritonServer, free_ports
 from minicpmo_client.backend import converse
-from minicpmo_triton.duplex_options import DuplexOptions
-from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config
-from minicpmo_triton.pipeline import StepEvent, StepInput
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import StepEvent, StepInput
 
 from .conftest import MODEL_REPOSITORY, REPO, RunningGateway, RunningTriton, start_gateway, stop_gateway
 from .helpers import GREEDY, SPEAKING_TEXT, default_ref_tokens, deltas, transcript

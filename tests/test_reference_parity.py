@@ -20,7 +20,7 @@ from export.config import preset_from_config
 from export.onnx_export import export_onnx
 from export.presets import minicpmo45
 from export.stages import build_modules, stage_graphs
-from minicpmo_triton.engines import OnnxEngine
+from minicpmo_triton.engine.exported import OnnxEngine
 from minicpmo_triton.model_config import PresetConfig
 from minicpmo_triton.stage_io import TtsRequest
 from minicpmo_triton.stages.base import StageCall
@@ -191,7 +191,7 @@ def _our_draws(stage: TtsStage, request: TtsRequest, monkeypatch) -> tuple[np.nd
     `sampling.distribution`) as a vector over the codes, and the logits it was given (temperature, penalty and the
     EOS mask applied)."""
     import minicpmo_triton.stages.tts as tts_stage
-    from minicpmo_triton.sampling import distribution
+    from minicpmo_triton.rules.sampling import distribution
 
     seen: list[tuple[np.ndarray, object]] = []
     draw = tts_stage.sample
@@ -219,7 +219,7 @@ def test_tts_draws_as_generate_chunk_does(exported, monkeypatch) -> None:
     from types import SimpleNamespace
 
     from minicpmo_triton.engine.sampler import candidates, value_ordered
-    from minicpmo_triton.sampling import kept_k
+    from minicpmo_triton.rules.sampling import kept_k
     from minicpmo_triton.stages.tts import tts_rules, with_tts_sampling
 
     from .reference_demo import demo_module

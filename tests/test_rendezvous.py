@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from minicpmo_triton.rendezvous import BatchWindow, RecentPeak, Rendezvous
+from minicpmo_triton.serving.rendezvous import BatchWindow, RecentPeak, Rendezvous
 
 from .virtual_clock import now, virtual_time
 

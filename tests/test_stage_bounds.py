@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from minicpmo_triton.duplex_contract import StepEvent, StepInput
-from minicpmo_triton.duplex_options import DuplexOptions
 from minicpmo_triton.errors import StepError
-from minicpmo_triton.image_prompt import CHAT
-from minicpmo_triton.inprocess import InProcessStages
-from minicpmo_triton.pipeline import DuplexPipeline, DuplexSession
+from minicpmo_triton.media.tokenizer import ByteTokenizer
+from minicpmo_triton.rules.duplex_options import DuplexOptions
+from minicpmo_triton.rules.image_prompt import CHAT
+from minicpmo_triton.serving.inprocess import InProcessStages
+from minicpmo_triton.serving.pipeline import DuplexPipeline, DuplexSession
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.base import StageCall
-from minicpmo_triton.tokenizer import ByteTokenizer
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 from .helpers import append_message, init_message

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from gateway.triton.devices import listing
+from minicpmo_triton.engine.stage_engine import Placement, Probe, place
 from minicpmo_triton.errors import Code, StepError
-from minicpmo_triton.stage_engine import Placement, Probe, place
-from minicpmo_triton.stage_settings import STAGE_SETTINGS
+from minicpmo_triton.serving.stage_settings import STAGE_SETTINGS
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -53,11 +53,11 @@ class _Chosen(Exception):
 
 
 def _triton_models(monkeypatch: pytest.MonkeyPatch, probe: Probe) -> Any:
-    """minicpmo_triton.triton_models outside Triton (its backend module is a stand-in) on a machine that reports
+    """minicpmo_triton.serving.triton_models outside Triton (its backend module is a stand-in) on a machine that reports
     `probe`."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    monkeypatch.delitem(sys.modules, "minicpmo_triton.triton_models", raising=False)
-    models = importlib.import_module("minicpmo_triton.triton_models")
+    monkeypatch.delitem(sys.modules, "minicpmo_triton.serving.triton_models", raising=False)
+    models = importlib.import_module("minicpmo_triton.serving.triton_models")
     monkeypatch.setattr(models.Probe, "machine", classmethod(lambda cls, kind, device_id: probe))
     return models
 

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from minicpmo_triton.engines import load_engine
-from minicpmo_triton.kv_batch import KvBatch, KvCache
+from minicpmo_triton.engine.exported import load_engine
+from minicpmo_triton.engine.kv_batch import KvBatch, KvCache
+from minicpmo_triton.media.tokenizer import ByteTokenizer
 from minicpmo_triton.model_config import SAMPLES_PER_SPEECH_TOKEN, load_stage_config
 from minicpmo_triton.stage_io import (
     STAGE_IO,
@@ -23,10 +24,9 @@ from minicpmo_triton.stage_io import (
 )
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm import ContextFull, LlmStage
+from minicpmo_triton.stages.state_store import SequenceNotStarted, SequenceStore
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.tts import TtsStage
-from minicpmo_triton.state_store import SequenceNotStarted, SequenceStore
-from minicpmo_triton.tokenizer import ByteTokenizer
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 

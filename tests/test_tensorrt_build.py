@@ -14,7 +14,7 @@ import pytest
 
 from export.presets import get_preset
 from export.tensorrt_build import LONG_AUDIO_S, PREFILL_TOKENS, build_engine, builder_flags, profiles
-from minicpmo_triton.engines import pick_profile
+from minicpmo_triton.engine.exported import pick_profile
 
 FLAGS = SimpleNamespace(BF16="BF16", FP16="FP16")
 
@@ -126,12 +126,12 @@ def test_the_build_sets_bf16_and_every_profile(tmp_path: Path, monkeypatch: pyte
 
 
 def test_an_encoder_s_plan_is_built_once_and_kept_by_what_it_was_built_from(tmp_path: Path, monkeypatch) -> None:
-    """minicpmo_triton/plan_cache.py: the first load on a GPU builds the plan (TensorRT stands in here), the next
+    """minicpmo_triton/engine/plan_cache.py: the first load on a GPU builds the plan (TensorRT stands in here), the next
     finds it; a new graph, another TensorRT or another GPU builds another one beside it."""
     import torch
 
     from export import tensorrt_build
-    from minicpmo_triton.plan_cache import cached_plan
+    from minicpmo_triton.engine.plan_cache import cached_plan
 
     built: list[Path] = []
 

@@ -27,13 +27,13 @@ from export.modules.token2wav import Token2WavModel, tables_bytes
 from export.onnx_export import export_onnx
 from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
-from minicpmo_triton.causal_vocoder import load_causal_hift
 from minicpmo_triton.model_config import Token2WavDims, load_stage_config
-from minicpmo_triton.official_stepaudio2 import stepaudio2_module
 from minicpmo_triton.stage_io import Token2WavRequest
 from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, VoicePrompts
 from minicpmo_triton.stages.token2wav_stream import TABLES_FILE, Token2WavStreamer
-from minicpmo_triton.voice_prompt import VoiceFeatures
+from minicpmo_triton.stages.voice_prompt import VoiceFeatures
+from minicpmo_triton.vocoder.causal_vocoder import load_causal_hift
+from minicpmo_triton.vocoder.official_stepaudio2 import stepaudio2_module
 
 from .conftest import REPO
 from .reference_checkpoint import to_1_0_7_layout, write_checkpoint

@@ -23,12 +23,12 @@ from export.modules.token2wav import Token2WavModel, build_hift
 from export.onnx_export import export_onnx
 from export.presets import get_preset
 from export.stages import token2wav_stage_graphs
-from minicpmo_triton.engines import OnnxEngine
+from minicpmo_triton.engine.exported import OnnxEngine
 from minicpmo_triton.model_config import Token2WavDims
 from minicpmo_triton.stage_io import Token2WavRequest
 from minicpmo_triton.stages.token2wav import Token2WavSession, Token2WavStage, VoicePrompts
 from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
-from minicpmo_triton.voice_prompt import VoiceFeatures
+from minicpmo_triton.stages.voice_prompt import VoiceFeatures
 
 from .helpers import ring_streamer
 from .reference_demo import demo_module

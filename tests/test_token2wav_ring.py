@@ -20,10 +20,10 @@ from minicpmo_triton.engine.traffic import CountingEngine, Traffic
 from minicpmo_triton.model_config import load_stage_config
 from minicpmo_triton.stage_io import Token2WavRequest, Token2WavResult
 from minicpmo_triton.stages.base import StageCall
+from minicpmo_triton.stages.state_store import SequenceStore
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.token2wav_device import DeviceStreamer
 from minicpmo_triton.stages.token2wav_inflight import InflightToken2Wav
-from minicpmo_triton.state_store import SequenceStore
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 
@@ -287,12 +287,12 @@ def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp
     from export.checkpoint import copy_causal_vocoder, load_token2wav
     from export.modules.token2wav import graphs
     from export.torch_engine import TorchEngine
-    from minicpmo_triton.causal_vocoder import FOLDER as CAUSAL
-    from minicpmo_triton.causal_vocoder import CausalVocoder
     from minicpmo_triton.model_config import Token2WavDims
     from minicpmo_triton.stages.token2wav import VoicePrompts
     from minicpmo_triton.stages.token2wav_stream import Token2WavStreamer
-    from minicpmo_triton.voice_prompt import VoiceFeatures
+    from minicpmo_triton.stages.voice_prompt import VoiceFeatures
+    from minicpmo_triton.vocoder.causal_vocoder import FOLDER as CAUSAL
+    from minicpmo_triton.vocoder.causal_vocoder import CausalVocoder
 
     from .helpers import ring_streamer
     from .test_token2wav_1_0_7 import write_1_0_7_layout

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from minicpmo_triton.images import image_slices, slice_grid
+from minicpmo_triton.media.images import image_slices, slice_grid
 
 from .helpers import append_message, deltas, open_session, recv_until
 from .test_vision_reference import _png_header

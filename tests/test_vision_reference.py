@@ -32,7 +32,7 @@ from export.modules.vision import VisionEncoder
 from export.onnx_export import export_onnx
 from export.presets import minicpmo45
 from export.stages import vision_graph
-from minicpmo_triton.images import ImageError, image_slices, navit_position_ids, slice_grid
+from minicpmo_triton.media.images import ImageError, image_slices, navit_position_ids, slice_grid
 
 from .reference_demo import demo_module
 
@@ -290,7 +290,7 @@ def test_the_stage_batches_any_grids_as_each_alone() -> None:
     embeddings are what it gets alone; a bad image fails only its own request."""
     import dataclasses
 
-    from minicpmo_triton.engines import load_engine
+    from minicpmo_triton.engine.exported import load_engine
     from minicpmo_triton.model_config import load_stage_config
     from minicpmo_triton.stage_io import VisionEncoderRequest
     from minicpmo_triton.stages.vision_encoder import VisionEncoderStage

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from minicpmo_triton import voice_prompt as vp
+from minicpmo_triton.stages import voice_prompt as vp
 
 
 def _speech_like(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:

@@ -12,13 +12,13 @@ import pytest
 
 from gateway.codes import ClientCode
 from minicpmo_triton.errors import CLOSE_REASONS, RETRYABLE, Code, StepError
-from minicpmo_triton.inprocess import InProcessStages
 from minicpmo_triton.model_config import load_stage_config
+from minicpmo_triton.serving.inprocess import InProcessStages
 from minicpmo_triton.stage_io import Token2WavRequest, Token2WavResult
 from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.token2wav import Token2WavStage
 from minicpmo_triton.stages.voice_prep import VoicePreparer
-from minicpmo_triton.voice_prompt import VoiceFeatures
+from minicpmo_triton.stages.voice_prompt import VoiceFeatures
 
 from .conftest import MODEL_REPOSITORY, ensure_exported
 

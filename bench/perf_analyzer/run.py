@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.audio import read_wav  # noqa: E402 (after the sys.path line: run as a file)
 from gateway.triton import DEFAULT_MODEL_REPOSITORY, TritonServer  # noqa: E402 (after the sys.path line: run as a file)
-from minicpmo_triton.inprocess import InProcessStages  # noqa: E402 (after the sys.path line: run as a file)
+from minicpmo_triton.serving.inprocess import InProcessStages  # noqa: E402 (after the sys.path line: run as a file)
 from minicpmo_triton.stage_io import AudioEncoderRequest, LlmRequest  # noqa: E402 (after the sys.path line: run as a file)
 from minicpmo_triton.stages.base import StageCall  # noqa: E402 (after the sys.path line: run as a file)
 

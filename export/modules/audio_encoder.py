@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from minicpmo_triton.audio_mel import CONTEXT_FRAMES, HOP, N_FFT, mel_filterbank
+from minicpmo_triton.media.audio_mel import CONTEXT_FRAMES, HOP, N_FFT, mel_filterbank
 from minicpmo_triton.model_config import AudioEncoderDims, PresetConfig
 
 from ..tensor_names import Tensors, read_dims
@@ -208,7 +208,7 @@ class AudioEncoder(nn.Module):
 
 
 class AudioEncoderStream(nn.Module):
-    """One duplex chunk of each session, batched: the chunk's mel (cut by `minicpmo_triton.audio_mel.MelStream`)
+    """One duplex chunk of each session, batched: the chunk's mel (cut by `minicpmo_triton.media.audio_mel.MelStream`)
     through the Whisper encoder with the session's KV cache, then projector and pooling."""
 
     def __init__(self, encoder: AudioEncoder) -> None:

@@ -1,6 +1,6 @@
 """The official Step-Audio2 token2wav modules (PyPI `minicpmo-utils`) the export builds from.
 
-They are imported without the package's CUDA-only `__init__` (`minicpmo_triton.official_stepaudio2`, shared
+They are imported without the package's CUDA-only `__init__` (`minicpmo_triton.vocoder.official_stepaudio2`, shared
 with the token2wav stage, which runs 1.0.7's causal vocoder from the same package).
 `flow.yaml` (the checkpoint's, tags `cosyvoice2.*`) is read with hyperpyyaml, its tags mapped onto them.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minicpmo_triton.official_stepaudio2 import (
+from minicpmo_triton.vocoder.official_stepaudio2 import (
     FLOW_TAGS,
     PACKAGE,
     hift_class,

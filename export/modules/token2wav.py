@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from minicpmo_triton.hift import VocoderChunk, build_hift
 from minicpmo_triton.model_config import Token2WavDims
 from minicpmo_triton.stages.token2wav_flow import dit_input, guided
+from minicpmo_triton.vocoder.hift import VocoderChunk, build_hift
 
 from .stepaudio2 import load_flow_yaml
 

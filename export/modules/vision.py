@@ -3,7 +3,7 @@
 A batch holds slices of different patch grids, each padded to the batch's longest:
   pixels       [B, 3, 14, L * 14]  each slice's patches side by side (MiniCPM-V's `reshape_by_patch`)
   position_ids [B, L] int64        rows of the 70x70 position table (NaViT bucketing, done by the caller:
-                                   minicpmo_triton.images.navit_position_ids)
+                                   minicpmo_triton.media.images.navit_position_ids)
   tgt_sizes    [B, 2] int64        each slice's patch grid (rows, cols); patches past rows * cols are padding
 Output: embeds [B, 64, H].
 

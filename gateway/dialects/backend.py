@@ -22,7 +22,7 @@ from minicpmo_triton.duplex_contract import (
     StepEvent,
     StepInput,
 )
-from minicpmo_triton.duplex_options import DuplexOptions, InvalidOptions
+from minicpmo_triton.rules.duplex_options import DuplexOptions, InvalidOptions
 
 from ..audio import INPUT_RATE, OUTPUT_RATE, AudioDecodeError, decode_f32_base64, encode_f32_base64
 from ..codes import ClientCode

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minicpmo_triton.duplex_contract import StepEvent, StepInput
-from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
+from minicpmo_triton.rules.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..audio import encode_f32_base64
 from ..codes import ClientCode

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from minicpmo_triton.duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput
-from minicpmo_triton.duplex_options import DuplexOptions
+from minicpmo_triton.rules.duplex_options import DuplexOptions
 
 from ..audio import StreamResampler
 from ..codes import ClientCode

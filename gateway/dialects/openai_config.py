@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minicpmo_triton.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
+from minicpmo_triton.rules.duplex_options import DEFAULT_SYSTEM_PROMPT, DuplexOptions, InvalidOptions
 
 from ..codes import ClientCode
 from ..limits import Limits, identifier

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar, dat
 import numpy as np
 
 from minicpmo_triton.duplex_contract import ChatInput, StepEvent, StepInput, VoiceRefs
-from minicpmo_triton.duplex_options import DuplexOptions
+from minicpmo_triton.rules.duplex_options import DuplexOptions
 
 from ..codes import ClientCode
 from ..limits import Limits

@@ -1,7 +1,7 @@
 """Where each stage model of a Triton server runs, for /health (pure parsing, and one read of Triton's index).
 
 A model that loaded publishes `minicpmo_<model>_device{device="cuda:0 (device path)"} 1` on the server's
-metrics page (minicpmo_triton/triton_models.py); one that refused to load (a GPU given and out of reach:
+metrics page (minicpmo_triton/serving/triton_models.py); one that refused to load (a GPU given and out of reach:
 `device_unavailable`) is not ready in the model repository index, where Triton keeps its reason: its coded
 refusal. The index says which models are loaded (a model's samples may outlive its unloading on the page).
 """

@@ -26,7 +26,7 @@ _LIVE = re.compile(r'^minicpmo_(\w+)_live_sequences(?:\{[^}]*\})? ([-+\d.eE]+|Na
 
 
 def live_metric(model: str) -> str:
-    """A stateful model's live sequences on Triton's metrics page (minicpmo_triton/triton_models.py)."""
+    """A stateful model's live sequences on Triton's metrics page (minicpmo_triton/serving/triton_models.py)."""
     return f"minicpmo_{model}_live_sequences"
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..model_config import SpecialTokens
-from ..sampling import kept_k
+from ..rules.sampling import kept_k
 from .model import PagedDecoder
 from .protocol import CHAT, DREW_SECOND, DUPLEX, ENDED, NO_TOKEN, NOT_FINITE, LlmRow, Prefill
 from .sampler import candidates, first_draw, index_ordered, inverse_cdf, not_finite, put, take, value_ordered

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..audio_mel import DYNAMIC_RANGE, HOP, LOG_FLOOR, N_FFT, MelChunk, MelPlan, MelStream, frame_samples
+from ..media.audio_mel import DYNAMIC_RANGE, HOP, LOG_FLOOR, N_FFT, MelChunk, MelPlan, MelStream, frame_samples
 from .staging import DeviceWrites
 
 

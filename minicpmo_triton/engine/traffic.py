@@ -19,7 +19,7 @@ import numpy as np
 from ..model_config import DecoderDims
 
 if TYPE_CHECKING:
-    from ..engines import Engine
+    from .exported import Engine
 
 KINDS = ("state", "logits", "inputs", "outputs")
 STATE_NAMES = {"past_key", "past_value", "past_mask", "present_key", "present_value"}

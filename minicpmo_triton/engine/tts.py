@@ -23,7 +23,7 @@ import torch
 from torch.nn import functional
 
 from ..model_config import TtsDims
-from ..sampling import kept_k
+from ..rules.sampling import kept_k
 from .model import PagedDecoder
 from .protocol import ENDED, NOT_FINITE, TtsFeed, TtsRow, TtsRules
 from .sampler import candidates, inverse_cdf, not_finite, put, take, value_ordered

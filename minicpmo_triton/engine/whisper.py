@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from ..audio_mel import CONTEXT_FRAMES, MelChunk, MelStream
+from ..media.audio_mel import CONTEXT_FRAMES, MelChunk, MelStream
 from ..model_config import AudioEncoderDims
 from .attention import PagedAttention, Rows
 from .build import build_pool, load_weights

@@ -10,13 +10,13 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from ..audio_mel import CONTEXT_FRAMES, HOP, MelChunk, MelStream, mel_filterbank
+from ..engine.exported import Engine
+from ..engine.kv_batch import KvBatch, KvCache
 from ..engine.protocol import PagedCache
-from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvBatch, KvCache
+from ..media.audio_mel import CONTEXT_FRAMES, HOP, MelChunk, MelStream, mel_filterbank
+from ..media.pcm import pcm_problem
 from ..model_config import AudioEncoderDims
-from ..pcm import pcm_problem
 from ..stage_io import AudioEncoderRequest, AudioEncoderResult
 from .base import isolated
 

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..state_store import SequenceStore
+from .state_store import SequenceStore
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines import Engine
-from ..kv_batch import KvBatch, KvCache, right_pad
+from ..engine.exported import Engine
+from ..engine.kv_batch import KvBatch, KvCache, right_pad
 
 # choose(row, outputs of that row) -> the token to feed next, or None when the row is done
 Choose = Callable[[int, dict[str, np.ndarray]], "int | None"]

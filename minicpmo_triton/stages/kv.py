@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..duplex_window import drop_tokens
-from ..engines import Engine
-from ..kv_batch import KvBatch, KvCache
+from ..engine.exported import Engine
+from ..engine.kv_batch import KvBatch, KvCache
+from ..rules.duplex_window import drop_tokens
 from .decode_loop import batched_decode
 
 
@@ -126,7 +126,9 @@ class HostKv:
     def slide(self, cache: KvCache, keep: int, drop: int, theta: float, insert: Any) -> KvCache:
         """The window's slide: [keep, keep + drop) cut, `insert` (a prefill of len(insert) tokens) fed at `keep`
         over the kept head, the rest moved up after it with its keys re-rotated (`duplex_window.drop_tokens`)."""
-        head, tail = drop_tokens(cache, keep, drop, theta, len(insert))
+        k, v = cache.key, cache.value
+        head = KvCache(k[:, :, :keep], v[:, :, :keep])
+        tail = KvCache(drop_tokens(k, keep, drop, theta, len(insert)), v[:, :, keep + drop:])
         if len(insert):
             head = self.feed(head, insert)
         return KvCache(np.concatenate([head.key, tail.key], axis=2), np.concatenate([head.value, tail.value], axis=2))

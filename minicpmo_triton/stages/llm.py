@@ -9,18 +9,18 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..chat_rules import ChatDecoder, chat_token_mask
-from ..duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
-from ..duplex_window import PREVIOUS_MARKER, WINDOW_MODES, Slide, UnitLedger, WindowConfig
+from ..engine.exported import Engine
+from ..engine.kv_batch import KvCache
 from ..engine.protocol import CHAT, DREW_SECOND, DUPLEX, NOT_FINITE, LlmRow, PagedCache, Prefill
-from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvCache
+from ..media.pcm import pcm_problem
+from ..media.tokenizer import Tokenizer
 from ..model_config import PresetConfig
-from ..pcm import pcm_problem
-from ..sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
+from ..rules.chat_rules import ChatDecoder, chat_token_mask
+from ..rules.duplex_rules import ChunkDecoder, forbidden_token_mask, stream_decode
+from ..rules.duplex_window import PREVIOUS_MARKER, WINDOW_MODES, Slide, UnitLedger, WindowConfig
+from ..rules.sampling import DrawnAhead, SamplingParams, apply_repetition_penalty, check_sampling, sample, seeded_rng
 from ..stage_io import LlmRequest, LlmResult
-from ..tokenizer import Tokenizer
 from .audio_encoder import AudioStream, AudioStreamEncoder
 from .base import SequenceStage, StageCall
 from .kv import HostKv, KvRow, StageKv

@@ -22,9 +22,9 @@ import numpy as np
 from ..errors import Code, StepError
 from ..model_config import PresetConfig, Token2WavDims
 from ..stage_io import Token2WavRequest, Token2WavResult
-from ..voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, read_wav
 from .base import SequenceStage, StageCall
 from .token2wav_stream import Streamer, Token2WavStreamer
+from .voice_prompt import SAMPLE_RATE, VoiceFeatures, VoiceFeaturizer, read_wav
 
 DEFAULT_VOICE_WAV = "default_voice.wav"  # the checkpoint's own reference voice, where it ships one
 DEFAULT_VOICE_FILE = "default_voice.npz"  # else the export's prompt: tokens [T], mel [2T, 80], embedding [192]

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
-from ..causal_vocoder import CausalSlots, CausalTurn, CausalVocoder
+from ..engine.exported import Engine, load_engine
 from ..engine.traffic import Traffic
-from ..engines import Engine, load_engine
 from ..errors import Code, StepError
-from ..hift import VocoderChunk, build_hift, fold_weight_norm
 from ..model_config import Token2WavDims
-from ..official_stepaudio2 import load_flow_yaml
+from ..vocoder.causal_vocoder import FOLDER as CAUSAL_FOLDER
+from ..vocoder.causal_vocoder import CausalSlots, CausalTurn, CausalVocoder
+from ..vocoder.hift import VocoderChunk, build_hift, fold_weight_norm
+from ..vocoder.official_stepaudio2 import load_flow_yaml
 from .token2wav_flow import RingFlow
 from .token2wav_graphs import CfmGraphs
 from .token2wav_ring import (

@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from ..model_config import Token2WavDims
-from ..official_stepaudio2 import stepaudio2_module
+from ..vocoder.official_stepaudio2 import stepaudio2_module
 from .token2wav_ring import FlowPool, FlowRows
 
 

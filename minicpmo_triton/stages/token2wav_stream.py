@@ -36,10 +36,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..causal_vocoder import FOLDER as CAUSAL_FOLDER
-from ..causal_vocoder import CausalVocoder, VocoderState
-from ..engines import Engine, load_engine
+from ..engine.exported import Engine, load_engine
 from ..model_config import Token2WavDims
+from ..vocoder.causal_vocoder import FOLDER as CAUSAL_FOLDER
+from ..vocoder.causal_vocoder import CausalVocoder, VocoderState
 
 TABLES_FILE = "tables.npz"
 GRAPHS = ("encoder", "estimator", "vocoder")

@@ -9,12 +9,12 @@ from typing import cast
 
 import numpy as np
 
+from ..engine.exported import Engine
+from ..engine.kv_batch import KvCache
 from ..engine.protocol import NOT_FINITE, PagedCache, TtsFeed, TtsRow, TtsRules
-from ..engines import Engine
 from ..errors import Code, StepError
-from ..kv_batch import KvCache
 from ..model_config import SPEECH_TOKENS_PER_SECOND, PresetConfig
-from ..sampling import (
+from ..rules.sampling import (
     DrawnAhead,
     SamplingParams,
     apply_repetition_penalty,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engines import Engine
-from ..images import Slice, SlicedImage, image_slices, navit_position_ids
+from ..engine.exported import Engine
+from ..media.images import Slice, SlicedImage, image_slices, navit_position_ids
 from ..model_config import VisionDims
 from ..stage_io import VisionEncoderRequest, VisionEncoderResult
 from .base import isolated

@@ -1,5 +1,5 @@
-"""Triton model `token2wav`: the code lives in minicpmo_triton.triton_models."""
+"""Triton model `token2wav`: the code lives in minicpmo_triton.serving.triton_models."""
 
-from minicpmo_triton.triton_models import Token2WavModel as TritonPythonModel
+from minicpmo_triton.serving.triton_models import Token2WavModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

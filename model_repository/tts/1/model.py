@@ -1,5 +1,5 @@
-"""Triton model `tts`: the code lives in minicpmo_triton.triton_models."""
+"""Triton model `tts`: the code lives in minicpmo_triton.serving.triton_models."""
 
-from minicpmo_triton.triton_models import TtsModel as TritonPythonModel
+from minicpmo_triton.serving.triton_models import TtsModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from .model_config import PresetConfig
+from ..model_config import PresetConfig
 
 TINY_SPECIALS = (
     "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<unit>", "</unit>",

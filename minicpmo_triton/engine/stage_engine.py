@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import Code, StepError
+from ..errors import Code, StepError
 
 CHOICES = ("auto", "device", "onnx")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model_config import SpecialTokens
 from .duplex_rules import NEG_INF
-from .model_config import SpecialTokens
 
 
 def chat_token_mask(vocab: int, tokens: SpecialTokens, is_text: Callable[[int], bool]) -> np.ndarray:

@@ -16,15 +16,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, StepMetrics, VoiceRefs
-from .duplex_options import DuplexOptions
-from .duplex_window import WINDOW_MODES
-from .errors import Code, StepError
-from .image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
-from .model_config import PresetConfig
-from .prefill_chunks import split_prefill
-from .rendezvous import BatchWindow, Member, Rendezvous
-from .stage_io import (
+from ..duplex_contract import ChatInput, ChatMessage, StepEvent, StepInput, StepMetrics, VoiceRefs
+from ..errors import Code, StepError
+from ..media.tokenizer import IncrementalDecoder, Tokenizer
+from ..model_config import PresetConfig
+from ..rules.duplex_options import DuplexOptions
+from ..rules.duplex_window import WINDOW_MODES
+from ..rules.image_prompt import CHAT, DUPLEX, ImageLayout, image_ids
+from ..rules.voice_turn import VoiceTurn
+from ..stage_io import (
     AudioEncoderRequest,
     AudioEncoderResult,
     LlmRequest,
@@ -38,12 +38,12 @@ from .stage_io import (
     speech_request,
     spoke,
 )
+from ..stages.base import StageCall
+from ..stages.state_store import SequenceStore
+from ..stages.voice_prompt import VoiceLibrary
+from .prefill_chunks import split_prefill
+from .rendezvous import BatchWindow, Member, Rendezvous
 from .stage_settings import STAGE_SETTINGS
-from .stages.base import StageCall
-from .state_store import SequenceStore
-from .tokenizer import IncrementalDecoder, Tokenizer
-from .voice_prompt import VoiceLibrary
-from .voice_turn import VoiceTurn
 
 STATEFUL_STAGES = ("llm", "tts", "token2wav")
 MAX_CHUNK_SECONDS = 5

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import Code, StepError
+from ..errors import Code, StepError
 from .official_stepaudio2 import load_tagged_yaml, stepaudio2_module
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ TAGS = {
     "cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor":
         "stepaudio2.causal_vocoder.f0_predictor:CausalConvRNNF0Predictor",
     # only its settings are read (checked below); the package's own function needs librosa, absent here
-    "matcha.utils.audio.mel_spectrogram": "minicpmo_triton.causal_vocoder:mel_spectrogram_settings",
+    "matcha.utils.audio.mel_spectrogram": "minicpmo_triton.vocoder.causal_vocoder:mel_spectrogram_settings",
 }
 # the mel the flow produces, which the vocoder must have been trained on (token2wav.py:66-70)
 MEL_SETTINGS = {"n_fft": 1920, "num_mels": 80, "sampling_rate": 24000, "hop_size": 480, "win_size": 1920,

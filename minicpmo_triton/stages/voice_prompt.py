@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .engines import Engine, load_engine
-from .errors import Code, StepError
-from .pcm import pcm_problem
+from ..engine.exported import Engine, load_engine
+from ..errors import Code, StepError
+from ..media.pcm import pcm_problem
 
 SAMPLE_RATE = 16000
 PROMPT_RATE = 24000

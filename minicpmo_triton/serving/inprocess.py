@@ -10,21 +10,21 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from . import stage_io as io
-from .engines import load_engine
-from .errors import Code, StepError
-from .model_config import PresetConfig, load_stage_config
+from .. import stage_io as io
+from ..engine.exported import load_engine
+from ..errors import Code, StepError
+from ..media.tokenizer import load_tokenizer
+from ..model_config import PresetConfig, load_stage_config
+from ..stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
+from ..stages.base import SequenceStage, StageCall
+from ..stages.llm import LlmStage
+from ..stages.token2wav import Token2WavStage
+from ..stages.tts import TtsStage, with_tts_sampling
+from ..stages.vision_encoder import VisionEncoderStage
+from ..stages.voice_prep import VoicePreparer
+from ..stages.voice_prompt import default_ref_audio
 from .pipeline import DuplexPipeline, Ready
 from .stage_settings import stage_setting
-from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder
-from .stages.base import SequenceStage, StageCall
-from .stages.llm import LlmStage
-from .stages.token2wav import Token2WavStage
-from .stages.tts import TtsStage, with_tts_sampling
-from .stages.vision_encoder import VisionEncoderStage
-from .stages.voice_prep import VoicePreparer
-from .tokenizer import load_tokenizer
-from .voice_prompt import default_ref_audio
 
 
 def _raise(result: Any) -> Any:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .model_config import Token2WavDims
+from ..model_config import Token2WavDims
 from .official_stepaudio2 import hift_class
 
 

@@ -2,7 +2,8 @@
 
 The gateway sends a traced step's W3C context as the request parameter `traceparent` (and in its stream's headers,
 for Triton's own spans). Here the step becomes `duplex.step`, a child of that context, and each stage call a
-`stage.<model>` inside it (minicpmo_triton/bls.py): the time from the call leaving the entry model to the stage's
+`stage.<model>` inside it (minicpmo_triton/serving/bls.py):
+the time from the call leaving the entry model to the stage's
 answer (its queue and its compute), so a slow step names its slow stage. Triton 2.51 cannot trace the stage calls
 itself: a BLS request given the step's Triton trace (`trace=request.trace()`) crashes tritonserver (SIGSEGV in
 TRITONBACKEND_RequestRelease) once the async decoupled entry model's request, and its trace with it, is released

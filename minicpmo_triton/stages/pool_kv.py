@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine.build import BATCH_ROWS, llm_core, load_weights, tts_core
+from ..engine.core import EngineCore
+from ..engine.pool import KvPool
+from ..engine.protocol import PagedCache
+from ..engine.request import Request
 from ..model_config import PresetConfig
-from .build import BATCH_ROWS, llm_core, load_weights, tts_core
-from .core import EngineCore
-from .pool import KvPool
-from .protocol import PagedCache
-from .request import Request
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..media.tokenizer import Tokenizer
 
 
 class PoolKv:
@@ -105,7 +105,7 @@ def llm_kv(weights: dict[str, torch.Tensor], preset: PresetConfig, tokenizer: To
            overlap: bool = True, graphs: bool | None = None, **build: Any) -> PoolKv:
     """The LLM stage's device KV: its core over `weights` with the stage's rule masks; `build`:
     `build.build_decoder`'s settings (pool size, dtypes, attention)."""
-    from ..stages.llm import rule_masks
+    from .llm import rule_masks
 
     dx = preset.duplex
     core = llm_core(weights, preset.llm, preset.tokens, rule_masks(preset, tokenizer), window=dx.repetition_window,
@@ -117,7 +117,7 @@ def llm_kv(weights: dict[str, torch.Tensor], preset: PresetConfig, tokenizer: To
 def tts_kv(weights: dict[str, torch.Tensor], preset: PresetConfig, *, rows: int = BATCH_ROWS, overlap: bool = True,
            graphs: bool | None = None, **build: Any) -> PoolKv:
     """The TTS stage's device KV: its core over `weights` with the preset's TTS rules."""
-    from ..stages.tts import tts_rules
+    from .tts import tts_rules
 
     return PoolKv(tts_core(weights, preset.tts, tts_rules(preset), rows=rows, overlap=overlap, graphs=graphs,
                            **build))

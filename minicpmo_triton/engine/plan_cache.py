@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .model_config import PresetConfig
+from ..model_config import PresetConfig
 
 PLANS = "plans"
 

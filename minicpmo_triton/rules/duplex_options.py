@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..model_config import DuplexDefaults
 from .duplex_window import WINDOW_MODES
-from .model_config import DuplexDefaults
 from .sampling import sampling_problems, temperature_problem
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

@@ -1,7 +1,7 @@
 """Every setting of the Triton models, written down once: its key, default, the models that read it, and what it
 does. Each model's `config.pbtxt` carries the same value under `parameters` (`tests/test_settings.py` keeps the
 two equal), and `MINICPMO_<KEY>` in tritonserver's environment overrides it, for every key alike.
-The table in docs/settings.md is printed from here (`python -m minicpmo_triton.stage_settings`).
+The table in docs/settings.md is printed from here (`python -m minicpmo_triton.serving.stage_settings`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .model_config import DuplexDefaults
+from ..model_config import DuplexDefaults
 
 ENV_PREFIX = "MINICPMO_"
 STATEFUL = ("duplex", "llm", "tts", "token2wav")  # the models that keep state per sequence

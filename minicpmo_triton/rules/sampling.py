@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import Code, StepError
+from ..errors import Code, StepError
 
 MAX_TEMPERATURE = 10.0  # far past any useful setting; far inside float32
 MIN_TEMPERATURE = 1e-6  # a positive temperature below it is greedy in effect: say 0

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .stage_io import LlmRequest
+from ..stage_io import LlmRequest
 
 
 def split_prefill(request: LlmRequest, max_tokens: int, audio_placeholder: int) -> list[LlmRequest]:

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kv_batch import KvCache
-
 WINDOW_MODES = ("off", "basic", "context")  # LlmRequest.window_mode: the index in this tuple
 PREVIOUS_MARKER = "\n\nprevious: "  # DuplexCapability.prepare's `context_previous_marker` default
 
@@ -171,9 +169,8 @@ def realign_rope(keys: np.ndarray, old_start: int, new_start: int, theta: float)
     return (cos_new * base + sin_new * _rotate_half(base)).astype(np.float32)
 
 
-def drop_tokens(cache: KvCache, preserve: int, length: int, theta: float, gap: int = 0) -> tuple[KvCache, KvCache]:
-    """utils.py `drop_tokens_from_cache`: [preserve, preserve + length) out; returns what stays before the cut and
-    what follows it, re-rotated to start at `preserve + gap` (`gap` tokens are to be fed between the two)."""
-    k, v = cache.key, cache.value
-    suffix = realign_rope(k[:, :, preserve + length:], preserve + length, preserve + gap, theta)
-    return KvCache(k[:, :, :preserve], v[:, :, :preserve]), KvCache(suffix, v[:, :, preserve + length:])
+def drop_tokens(key: np.ndarray, preserve: int, length: int, theta: float, gap: int = 0) -> np.ndarray:
+    """utils.py `drop_tokens_from_cache` on a cache's keys [layers, kv_heads, length, head_dim]: [preserve, preserve +
+    length) out; returns the keys that follow the cut, re-rotated to start at `preserve + gap` (`gap` tokens are to be
+    fed between the two). The values move as they are."""
+    return realign_rope(key[:, :, preserve + length:], preserve + length, preserve + gap, theta)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model_config import SpecialTokens
+from ..model_config import SpecialTokens
 from .sampling import SamplingParams, check_finite
 
 NEG_INF = np.float32(-np.inf)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .model_config import SpecialTokens
+from ..model_config import SpecialTokens
 
 Encode = Callable[[str], list[int]]
 

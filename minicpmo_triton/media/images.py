@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import Code, StepError
+from ..errors import Code, StepError
 
 if TYPE_CHECKING:  # PIL is imported where an image is decoded (a stage that sees none never loads it)
     import PIL.Image

@@ -20,36 +20,36 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from . import duplex_contract as contract
+from .. import duplex_contract as contract
+from ..duplex_contract import StepEvent
+from ..engine.exported import Engine, OnnxEngine, gpu_available, load_engine
+from ..engine.protocol import pick_engine, tts_in_llm
+from ..engine.stage_engine import Placement, Probe, place
+from ..errors import Code, StepError, describe, to_wire
+from ..media.tokenizer import load_tokenizer
+from ..model_config import load_stage_config
+from ..stage_io import PROBE, STAGE_IO, decode, encode
+from ..stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
+from ..stages.base import SequenceStage, StageCall, answer_order
+from ..stages.kv import StageKv
+from ..stages.llm import LlmStage
+from ..stages.state_store import SequenceNotStarted, SequenceStore
+from ..stages.token2wav import Token2WavStage, VoicePrompts
+from ..stages.tts import TtsStage, with_tts_sampling
+from ..stages.vision_encoder import VisionEncoderStage
+from ..stages.voice_prep import VoicePreparer, as_bulk
+from ..stages.voice_prompt import VoiceLibrary, default_ref_audio
 from . import tracing
 from .bls import TritonBlsStages
-from .duplex_contract import StepEvent
-from .engine.protocol import pick_engine, tts_in_llm
-from .engines import Engine, OnnxEngine, gpu_available, load_engine
-from .errors import Code, StepError, describe, to_wire
-from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
-from .stage_engine import Placement, Probe, place
-from .stage_io import PROBE, STAGE_IO, decode, encode
 from .stage_settings import stage_setting
-from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
-from .stages.base import SequenceStage, StageCall, answer_order
-from .stages.kv import StageKv
-from .stages.llm import LlmStage
-from .stages.token2wav import Token2WavStage, VoicePrompts
-from .stages.tts import TtsStage, with_tts_sampling
-from .stages.vision_encoder import VisionEncoderStage
-from .stages.voice_prep import VoicePreparer, as_bulk
-from .state_store import SequenceNotStarted, SequenceStore
-from .tokenizer import load_tokenizer
-from .voice_prompt import VoiceLibrary, default_ref_audio
 
 if TYPE_CHECKING:  # torch: imported only where the device engine is built
-    from .stages.inflight import InflightLoop
-    from .stages.speaker import Speaker
-    from .stages.token2wav_inflight import InflightToken2Wav
-    from .tokenizer import Tokenizer
+    from ..media.tokenizer import Tokenizer
+    from ..stages.inflight import InflightLoop
+    from ..stages.speaker import Speaker
+    from ..stages.token2wav_inflight import InflightToken2Wav
 
 _FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
 
@@ -294,7 +294,7 @@ class LlmModel(_InflightStageModel):
     speaker: Speaker | None = None
 
     def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
-        from .stages.llm_inflight import InflightLlm  # torch, as the device engine
+        from ..stages.llm_inflight import InflightLlm  # torch, as the device engine
 
         return InflightLlm(self.stage, period_s, changed)
 
@@ -332,7 +332,7 @@ def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
     device = _device(ctx)
     if pick_engine(ctx.setting("audio_engine"), device != "cpu", "audio_engine") == "onnx":
         return load_engine(folder, _threads(ctx), "stream")
-    from .engine.whisper import load_paged_whisper  # torch
+    from ..engine.whisper import load_paged_whisper  # torch
 
     return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
                               compiled=_compiled(ctx))
@@ -359,10 +359,10 @@ def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
     instance's device (its GPU for a KIND_GPU instance where CUDA is, else the CPU), as `llm_engine` says."""
     device = _device(ctx)
     if pick_engine(ctx.setting("llm_engine"), device != "cpu") == "onnx":
-        from .engines import OnnxEngine
+        from ..engine.exported import OnnxEngine
 
         return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
-    from .engine.stage_kv import load_llm_kv  # torch
+    from ..stages.pool_kv import load_llm_kv  # torch
 
     return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
                        kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
@@ -373,7 +373,7 @@ class TtsModel(_InflightStageModel):
     stage: TtsStage
 
     def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
-        from .stages.tts_inflight import InflightTts  # torch, as the device engine
+        from ..stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
 
@@ -389,8 +389,8 @@ def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStag
                                float(ctx.setting("tts_top_p")))
     if not device_engine:
         return TtsStage(load_engine(folder, _threads(ctx)), preset, _ttl(ctx))
-    from .engine.stage_kv import load_tts_kv  # torch
-    from .stages.tts import TURN_TOKENS
+    from ..stages.pool_kv import load_tts_kv  # torch
+    from ..stages.tts import TURN_TOKENS
 
     kv = load_tts_kv(folder, preset, _device(ctx), pool_size=ctx.setting("tts_pool_size"), max_tokens=TURN_TOKENS,
                      **_core_settings(ctx))
@@ -400,8 +400,8 @@ def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStag
 def _speaker(ctx: _ModelContext) -> Speaker:
     """`tts_in_llm`: the device TTS (../tts/1's artefacts) on its own engine thread in the llm model's process; its
     pool and sessions published as the llm model's `tts_kv_free_blocks` and `tts_live_sequences`."""
-    from .stages.speaker import Speaker
-    from .stages.tts_inflight import InflightTts  # torch
+    from ..stages.speaker import Speaker
+    from ..stages.tts_inflight import InflightTts  # torch
 
     stage = _tts_stage(ctx, ctx.version_dir.parent.parent / "tts" / "1", device_engine=True)
     live = stage_metric(ctx.name, "tts_live_sequences", "Live TTS sessions of the TTS run in this model (tts_in_llm)")
@@ -446,7 +446,7 @@ class Token2WavModel(_StatefulStageModel):
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
         streamer = None
         if self.placement.engine == "device":
-            from .stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
+            from ..stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
 
             streamer = DeviceStreamer.load(ctx.version_dir, ctx.preset.token2wav, self.placement.device,
                                            ctx.setting("token2wav_slots"),
@@ -467,7 +467,7 @@ class Token2WavModel(_StatefulStageModel):
         self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=not device)  # else the engine thread
         self.inflight: InflightToken2Wav | None = None
         if device:
-            from .stages.token2wav_inflight import InflightToken2Wav  # torch
+            from ..stages.token2wav_inflight import InflightToken2Wav  # torch
 
             self.inflight = InflightToken2Wav(self.stage, period, self._counted)
         self.voices = VoicePreparer(self.stage, ctx.setting("voice_prep_queue"),
@@ -537,8 +537,8 @@ def _encoder_engine(ctx: _ModelContext, placement: Placement) -> Engine:
         return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))
     import torch
 
-    from .engines import TensorRTEngine
-    from .plan_cache import cached_plan
+    from ..engine.exported import TensorRTEngine
+    from ..engine.plan_cache import cached_plan
 
     torch.cuda.set_device(placement.device)  # the plan binds on the current device
     max_batch = int(ctx.config["max_batch_size"])

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .model_config import SAMPLE_RATE_IN
+from ..model_config import SAMPLE_RATE_IN
 
 N_FFT = 400
 HOP = 160

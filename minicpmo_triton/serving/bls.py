@@ -10,11 +10,11 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from . import stage_io as io
+from .. import stage_io as io
+from ..errors import Code, StepError, from_wire
+from ..stages.base import StageCall
 from . import tracing
-from .errors import Code, StepError, from_wire
 from .pipeline import Ready
-from .stages.base import StageCall
 
 
 class FinishedStreams:
