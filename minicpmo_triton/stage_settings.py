@@ -53,9 +53,10 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "(CPU: of 8 GB)"),
     StageSetting("tts_engine", "auto", str, ("tts", "llm"),
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
-    StageSetting("tts_in_llm", "auto", str, ("llm", "duplex"),
+    StageSetting("tts_in_llm", "auto", str, ("llm", "duplex", "tts"),
                  "the llm model runs the TTS's engine core too, so a speaking step's text and speech codes come from "
-                 "one request (its hidden rows stay on the device, no tts hop, no tts queue delay): auto (when "
+                 "one request (its hidden rows stay on the device, no tts hop, no tts queue delay) and every other "
+                 "use of the TTS goes there (the tts model loads nothing: one TTS pool per GPU): auto (when "
                  "llm_engine and tts_engine both resolve to the device engine), 1 (needs llm_engine paged) or 0"),
     StageSetting("tts_pool_size", "0.05", float, ("tts", "llm"),
                  "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),

@@ -31,7 +31,7 @@ from .model_config import load_stage_config
 from .pipeline import DuplexPipeline
 from .rendezvous import BatchWindow
 from .stage_engine import Placement, Probe, place
-from .stage_io import PROBE, STAGE_IO, decode, encode
+from .stage_io import PROBE, SPEECH_CALL, STAGE_IO, TtsRequest, decode, encode
 from .stage_settings import stage_setting
 from .stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from .stages.base import SequenceStage, StageCall, answer_order
@@ -154,6 +154,11 @@ def _rows(request: Any) -> dict[str, np.ndarray]:
 def _is_probe(request: Any) -> bool:
     """The gateway's liveness probe (`stage_io.PROBE`, a request parameter)."""
     return PROBE in json.loads(request.parameters() or "{}")
+
+
+def _is_speech_call(request: Any) -> bool:
+    """A TTS call to the llm model (`stage_io.SPEECH_CALL`, a request parameter; `tts_in_llm`)."""
+    return SPEECH_CALL in json.loads(request.parameters() or "{}")
 
 
 def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool]:
@@ -301,10 +306,31 @@ class LlmModel(_InflightStageModel):
     def initialize(self, args: dict[str, Any]) -> None:
         super().initialize(args)
         ctx = _ModelContext(args)
-        if tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
-                      _device(ctx) != "cpu"):
+        if _runs_tts_in_llm(ctx):
             self.speaker = _speaker(ctx)
             self.stage.hidden_on_device = True  # a speaking call's hidden rows go to it on the device
+
+    def execute(self, requests: list[Any]) -> None:
+        rest = []
+        for request in requests:
+            if _is_speech_call(request):
+                self._speech(request)
+            else:
+                rest.append(request)
+        return super().execute(rest)
+
+    def _speech(self, request: Any) -> None:
+        """A TTS call (`stage_io.SPEECH_CALL`): straight to the in-process TTS's thread, on the session's TTS sequence
+        (the llm sequence's flags are not its own: a call that carries them is refused)."""
+        rows = _rows(request)
+        corr_id, start, end = _control(request, rows)
+        send = functools.partial(self._send, request.get_response_sender(), corr_id)
+        if self.speaker is None:
+            send(StepError(Code.STAGE_ERROR, "this llm model runs no TTS (tts_in_llm is off): call the tts model"))
+        elif start or end:
+            send(StepError(Code.INVALID_INPUT, "a TTS call to the llm model carries no START or END"))
+        else:
+            self.speaker.voice(StageCall(decode(TtsRequest, rows.get), corr_id), send)
 
     def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
         if self.speaker is None:
@@ -368,6 +394,9 @@ def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
                        kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
 
 
+MOVED_TTS = "in the llm model (tts_in_llm)"  # where the TTS runs when the llm model runs it (/health's devices)
+
+
 class TtsModel(_InflightStageModel):
     stage_name = "tts"
     stage: TtsStage
@@ -376,6 +405,27 @@ class TtsModel(_InflightStageModel):
         from .stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.moved = _runs_tts_in_llm(ctx)
+        if not self.moved:
+            super().initialize(args)
+            return
+        # the llm model runs the TTS, and every use of it goes there: this model loads nothing (no weights, no
+        # pool: one TTS pool per GPU) and refuses work; its live-sequence gauge stays at 0 for the probes
+        self.inflight = None
+        self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
+        self.device_gauge = _DeviceGauge(ctx.name, MOVED_TTS)
+
+    def execute(self, requests: list[Any]) -> None:
+        if not self.moved:
+            return super().execute(requests)
+        for request in self._answer_probes(requests):
+            corr_id, _, _ = _control(request, _rows(request))
+            self._send(request.get_response_sender(), corr_id, StepError(
+                Code.STAGE_ERROR, "the TTS runs in the llm model here (tts_in_llm): its calls go there"))
+        return None
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
         device = pick_engine(ctx.setting("tts_engine"), _device(ctx) != "cpu", "tts_engine") == "paged"
@@ -395,6 +445,12 @@ def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStag
     kv = load_tts_kv(folder, preset, _device(ctx), pool_size=ctx.setting("tts_pool_size"), max_tokens=TURN_TOKENS,
                      **_core_settings(ctx))
     return TtsStage(kv, preset, _ttl(ctx))
+
+
+def _runs_tts_in_llm(ctx: _ModelContext) -> bool:
+    """`tts_in_llm` as the llm and tts models resolve it for their instance (the duplex model, for the machine)."""
+    return tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
+                      _device(ctx) != "cpu")
 
 
 def _speaker(ctx: _ModelContext) -> Speaker:
