@@ -24,6 +24,7 @@ from . import duplex_contract as contract
 from . import tracing
 from .bls import TritonBlsStages
 from .duplex_contract import StepEvent
+from .engine.memory_plan import POOLS, MemoryPlan, plan_pools, repository_stages
 from .engine.protocol import pick_engine, tts_in_llm
 from .engines import Engine, OnnxEngine, gpu_available, load_engine
 from .errors import Code, StepError, describe, to_wire
@@ -79,6 +80,30 @@ class _ModelContext:
     def setting(self, key: str) -> Any:
         """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
         return stage_setting(key, self.params)
+
+    @functools.cached_property
+    def memory_plan(self) -> MemoryPlan:
+        """This instance's device shared out (`engine.memory_plan`): every stage's weights and workspace, then the
+        pools; the same for every model on the device, whatever order they load in."""
+        import torch
+
+        from .engine.pool import device_memory  # torch: only a model that builds a pool asks
+
+        device = _device(self)
+        cuda = device != "cpu"
+        stage_engine = self.setting("stage_engine")
+        tts_here = _runs_tts_in_llm(self)
+        on_device = {name for name, on in (
+            ("llm", pick_engine(self.setting("llm_engine"), cuda) == "paged"),
+            ("whisper", pick_engine(self.setting("audio_engine"), cuda, "audio_engine") == "paged"),
+            ("tts", tts_here or pick_engine(self.setting("tts_engine"), cuda, "tts_engine") == "paged"),
+            ("token2wav", stage_engine == "device" or (stage_engine == "auto" and cuda)),
+            ("audio_encoder", cuda and stage_engine != "onnx"),
+            ("vision_encoder", cuda and stage_engine != "onnx")) if on}
+        stages = repository_stages(self.version_dir.parent.parent, self.preset, on_device, self.setting("engine_rows"),
+                                   2 if cuda else 4, cuda, tts_here)
+        return plan_pools(device_memory(torch.device(device)), stages,
+                          {pool: self.setting(key) for pool, key in POOLS.items()})
 
     def placement(self, plans: bool) -> Placement:
         """Where this model runs (`stage_engine`); a GPU it was given and cannot reach fails its load, with the
@@ -309,6 +334,8 @@ class LlmModel(_InflightStageModel):
         if _runs_tts_in_llm(ctx):
             self.speaker = _speaker(ctx)
             self.stage.hidden_on_device = True  # a speaking call's hidden rows go to it on the device
+        if self.inflight is not None:  # the device engine: its pools are the memory plan's
+            self.plan_metrics = _publish_plan(ctx.name, ctx.memory_plan)
 
     def execute(self, requests: list[Any]) -> None:
         rest = []
@@ -346,7 +373,7 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        llm = _llm_kv(ctx, tokenizer)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        llm = _llm_kv(ctx, tokenizer)
         encoder = AudioStreamEncoder(_audio_stream_kv(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
                                      ctx.preset.samples_per_audio_token)
         return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
@@ -360,7 +387,7 @@ def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
         return load_engine(folder, _threads(ctx), "stream")
     from .engine.whisper import load_paged_whisper  # torch
 
-    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_bytes=ctx.memory_plan.pools["audio"],
                               compiled=_compiled(ctx))
 
 
@@ -390,7 +417,7 @@ def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
         return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
     from .engine.stage_kv import load_llm_kv  # torch
 
-    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
+    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_bytes=ctx.memory_plan.pools["kv"],
                        kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
 
 
@@ -411,6 +438,8 @@ class TtsModel(_InflightStageModel):
         self.moved = _runs_tts_in_llm(ctx)
         if not self.moved:
             super().initialize(args)
+            if self.inflight is not None:  # the device engine: its pool is the memory plan's
+                self.plan_metrics = _publish_plan(ctx.name, ctx.memory_plan)
             return
         # the llm model runs the TTS, and every use of it goes there: this model loads nothing (no weights, no
         # pool: one TTS pool per GPU) and refuses work; its live-sequence gauge stays at 0 for the probes
@@ -442,9 +471,26 @@ def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStag
     from .engine.stage_kv import load_tts_kv  # torch
     from .stages.tts import TURN_TOKENS
 
-    kv = load_tts_kv(folder, preset, _device(ctx), pool_size=ctx.setting("tts_pool_size"), max_tokens=TURN_TOKENS,
+    kv = load_tts_kv(folder, preset, _device(ctx), pool_bytes=ctx.memory_plan.pools["tts"], max_tokens=TURN_TOKENS,
                      **_core_settings(ctx))
     return TtsStage(kv, preset, _ttl(ctx))
+
+
+def _publish_plan(model: str, plan: MemoryPlan) -> list[Any]:
+    """The memory plan in the load's log, and on Triton's metrics port as `minicpmo_<model>_memory_plan_bytes{item}`
+    (the device's total, the margin, each stage's weights and workspace, each pool); its series, to be kept."""
+    for line in plan.lines():
+        pb_utils.Logger.log_info(f"{model}: {line}")
+    items = {"total": plan.total, "margin": plan.margin, "budget": plan.budget,
+             **{f"weights_{s.name}": s.weights for s in plan.stages},
+             **{f"workspace_{s.name}": s.workspace for s in plan.stages},
+             **{f"pool_{pool}": size for pool, size in plan.pools.items()}}
+    metrics = []
+    for item, value in items.items():
+        metrics.append(stage_metric(model, "memory_plan_bytes", "The device's memory plan: its total, the margin, "
+                                    "each stage's weights and workspace, each KV pool's bytes", item=item))
+        metrics[-1].set(value)
+    return metrics
 
 
 def _runs_tts_in_llm(ctx: _ModelContext) -> bool:

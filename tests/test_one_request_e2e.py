@@ -141,6 +141,9 @@ async def test_a_turn_based_voice_goes_to_the_llm_models_tts_and_the_tts_model_h
     with pytest.raises(KeyError):
         await asyncio.to_thread(one_triton.stage_metric, "kv_free_blocks", "tts")
     assert await asyncio.to_thread(one_triton.stage_metric, "tts_live_sequences", "llm") == 0
+    # ... its bytes the llm model's memory plan's (engine/memory_plan.py), published beside the other pools'
+    plan = await asyncio.to_thread(one_triton.metrics_text)
+    assert all(f'minicpmo_llm_memory_plan_bytes{{item="pool_{pool}"}}' in plan for pool in ("kv", "audio", "tts"))
 
 
 async def until_refused(triton: RunningTriton, audio: np.ndarray, log: Path) -> list[dict]:
