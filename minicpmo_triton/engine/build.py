@@ -32,7 +32,7 @@ def device_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_pool(shape: PoolShape, weights: dict[str, torch.Tensor], *, device: str = "cpu", pool_size: float = 0.5,
+def build_pool(shape: PoolShape, *, device: str = "cpu", pool_size: float = 0.5,
                kv_dtype: str = "auto", max_sessions: int = 256, max_tokens: int = 8192, attention: str = "auto",
                pool_tokens: int = 0, dtype: torch.dtype | None = None, compiled: bool | None = None,
                pool_bytes: int = 0) -> tuple[KvPool, PagedAttention, torch.dtype]:
@@ -63,7 +63,7 @@ def build_decoder(weights: dict[str, torch.Tensor], dims: DecoderDims, *, device
     """`build_pool`'s settings; `compile_layers`: the layers and flex compiled (None: on CUDA). The pool's traffic
     ledger is `decoder.pool.traffic`."""
     shape = PoolShape(dims.layers, dims.kv_heads, dims.head_dim, block_size)
-    pool, backend, dtype = build_pool(shape, weights, device=device, pool_size=pool_size, kv_dtype=kv_dtype,
+    pool, backend, dtype = build_pool(shape, device=device, pool_size=pool_size, kv_dtype=kv_dtype,
                                       max_sessions=max_sessions, max_tokens=max_tokens, attention=attention,
                                       pool_tokens=pool_tokens, dtype=dtype, compiled=compile_layers,
                                       pool_bytes=pool_bytes)
