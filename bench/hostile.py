@@ -45,7 +45,8 @@ from minicpmo_client.backend import converse
 LIMITS = Limits.default()
 PNG_SIDE = 4096  # the largest image a stage takes
 INIT_TIMEOUT_S = 8  # the stack's first-event deadline (MINICPMO_INIT_TIMEOUT_S), within a row
-PAGED = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "2048"}
+# room for four sessions of 2048 tokens (as tests/test_pool_full_e2e.py FOUR: a share of the memory plan's budget)
+PAGED = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.0011", "MINICPMO_ADMIT_TOKENS": "2048"}
 
 
 @dataclass(frozen=True)

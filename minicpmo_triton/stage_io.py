@@ -30,6 +30,10 @@ DECOUPLED_STAGES = frozenset({"llm", "tts", "token2wav"})
 # model answers it at once with an empty final response, before any stage work or admission (its stub is alive;
 # a full KV pool would refuse a new sequence `pool_full`, which says nothing of a dead stub).
 PROBE = "minicpmo_probe"
+# A request parameter that makes a request to the llm model a TTS call (a `TtsRequest`'s tensors, no sequence flags of
+# its own): where the llm model runs the TTS (`tts_in_llm`), every use of the TTS goes to it, a turn-based reply's
+# voice too, so a GPU holds one TTS pool.
+SPEECH_CALL = "minicpmo_speech"
 
 
 def tensor(dtype: type, ndim: int) -> Any:
@@ -257,6 +261,11 @@ STAGE_IO: dict[str, tuple[type, type]] = {
     "tts": (TtsRequest, TtsResult),
     "token2wav": (Token2WavRequest, Token2WavResult),
 }
+
+# What a model's requests may carry (its config.pbtxt's inputs): its request's tensors, and for the llm a TTS call's
+# (`SPEECH_CALL`; `temperature` and `seed` are then the TTS's).
+STAGE_INPUTS: dict[str, tuple[type, ...]] = {**{m: (io[0],) for m, io in STAGE_IO.items()},
+                                             "llm": (LlmRequest, TtsRequest)}
 
 # What a model's responses may carry (its config.pbtxt's outputs): its result's tensors, and for the llm the TTS's
 # codes or its refusal after them (`tts_in_llm`; `kv_length` is then the TTS's).

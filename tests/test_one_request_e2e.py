@@ -3,6 +3,7 @@ is one llm request (its text, then its codes on the same stream) and one token2w
 own path makes three hops; the caller hears and reads exactly what that path says (greedy). The TTS's sequence
 follows the LLM's: a session's END gives its TTS blocks back (`minicpmo_llm_tts_kv_free_blocks`), and a TTS pool
 with no room refuses the session's first spoken chunk `pool_full` (retryable) as the tts model does, its state freed.
+A turn-based reply's voice goes to the llm model's TTS too: the tts model serves nothing and holds no pool.
 
 Hops are counted from Triton's own `nv_inference_request_success` per model, before and after the conversation."""
 
@@ -105,6 +106,44 @@ async def test_end_gives_the_sessions_tts_blocks_back(one_triton, speech, tmp_pa
                                    tmp_path / "gateway_end.log")
     assert deltas(result.events, "audio")
     assert await asyncio.to_thread(one_triton.stage_metric, "tts_kv_free_blocks", "llm") == free
+
+
+async def voiced_chat(triton: RunningTriton, log: Path) -> tuple[list[dict], dict[str, float]]:
+    """A greedy turn-based reply with its voice, over the gateway; its events and the requests each stage served."""
+    gw = start_gateway(triton.endpoint, log, health_period_s="3600")
+    try:
+        before = await asyncio.to_thread(requests, triton)
+        ws, _ = await open_session(gw.ws, mode="turn_based", config=GREEDY)
+        messages = [{"role": "user", "content": "Hello! Who are you?"}]
+        await ws.send(json.dumps({"type": "input.append", "input": {
+            "input_id": "t", "messages": messages, "max_new_tokens": 24, "generate_audio": True}}))
+        events = await recv_until(ws, lambda e: e["type"] in ("response.done", "error", "session.closed"), 120)
+        await ws.close()
+    finally:
+        stop_gateway(gw)
+    await asyncio.to_thread(triton.wait_live, lambda live: live["llm"] == 0)
+    after = await asyncio.to_thread(requests, triton)
+    return events, {m: after[m] - before[m] for m in STAGES}
+
+
+async def test_a_turn_based_voice_goes_to_the_llm_models_tts_and_the_tts_model_holds_no_pool(
+        hops_triton, one_triton, tmp_path) -> None:
+    before, hops = await voiced_chat(hops_triton, tmp_path / "gateway_hops.log")
+    after, one = await voiced_chat(one_triton, tmp_path / "gateway_one.log")
+    assert before[-1]["type"] == "response.done" and deltas(before, "audio"), before[-1]
+    said = lambda events: ([e["text"] for e in deltas(events, "text")], [e["audio"] for e in deltas(events, "audio")])  # noqa: E731
+    assert said(after) == said(before), "the same words and the same voice, sample for sample"
+    assert hops["tts"] >= 1 and one["tts"] == 0, (hops, one)
+    # each of the tts model's calls is one to the llm model here, but its END: the llm's END ends the TTS
+    assert one["llm"] == hops["llm"] + hops["tts"] - 1, (hops, one)
+    # one TTS pool on the machine: the llm model's; the tts model loaded none, and holds no session
+    assert await asyncio.to_thread(hops_triton.stage_metric, "kv_free_blocks", "tts") > 0
+    with pytest.raises(KeyError):
+        await asyncio.to_thread(one_triton.stage_metric, "kv_free_blocks", "tts")
+    assert await asyncio.to_thread(one_triton.stage_metric, "tts_live_sequences", "llm") == 0
+    # ... its bytes the llm model's memory plan's (engine/memory_plan.py), published beside the other pools'
+    plan = await asyncio.to_thread(one_triton.metrics_text)
+    assert all(f'minicpmo_llm_memory_plan_bytes{{item="pool_{pool}"}}' in plan for pool in ("kv", "audio", "tts"))
 
 
 async def until_refused(triton: RunningTriton, audio: np.ndarray, log: Path) -> list[dict]:

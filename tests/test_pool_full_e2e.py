@@ -25,9 +25,10 @@ pytestmark = pytest.mark.engines  # .ci/run step of its own (pyproject's markers
 FULL = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "100000000"}
 
 
-# the paged engine on the CPU, room for four sessions: the pool is 0.001 of 8 GB (524 blocks of 16 tokens of tiny's
-# 1 KiB), each session admitted with 2048 tokens of it (128 blocks: a minute of speech and the system prompt fit)
-FOUR = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.001", "MINICPMO_ADMIT_TOKENS": "2048"}
+# the paged engine on the CPU, room for four sessions: the pool is 0.0011 of the memory plan's budget (8 GB less the
+# margin and the stages: ~545 blocks of 16 tokens of tiny's 1 KiB), each session admitted with 2048 tokens of it (128
+# blocks: a minute of speech and the system prompt fit)
+FOUR = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_KV_POOL_SIZE": "0.0011", "MINICPMO_ADMIT_TOKENS": "2048"}
 SESSIONS = 4
 
 

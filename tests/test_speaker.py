@@ -102,3 +102,27 @@ def test_the_llms_end_ends_the_tts_and_is_answered_after_it() -> None:
     # a new sequence on the same id starts its TTS again
     answered(speaker, StageCall(SPEAK, 1, start=True), SPOKE)
     assert tts.answer().start
+
+
+def test_a_tts_call_of_its_own_is_on_the_sessions_tts_sequence() -> None:
+    """A turn-based reply's voice (`Speaker.voice`): the same TTS sequence a spoken duplex chunk starts, started once,
+    a refused start ENDed at once and told as the error itself (its one response), ENDed with the LLM's END."""
+    tts = FakeTtsLoop()
+    speaker = Speaker(tts)  # type: ignore[arg-type]
+    sent: list[tuple[Any, bool]] = []
+    chunk = TtsRequest(text_ids=np.array([5]), tts_hidden=np.ones((1, 4), np.float32), turn_start=True, n_tokens=4)
+    speaker.voice(StageCall(chunk, 1), lambda r, final: sent.append((r, final)))
+    refused = StepError(Code.POOL_FULL, "the TTS pool is full")
+    call = tts.answer(refused)
+    assert call.start and not call.end and call.request is chunk
+    assert sent == [(refused, True)], "a call of its own is refused with the error itself"
+    assert tts.answer(TtsResult()).end, "the state its START made is freed now"
+    speaker.voice(StageCall(chunk, 1), lambda r, final: sent.append((r, final)))
+    assert tts.answer().start and sent[-1][1] and sent[-1][0].speech_tokens.tolist() == [0, 1, 2]
+    speaker.voice(StageCall(chunk, 1), lambda r, final: sent.append((r, final)))
+    assert not tts.answer().start, "started once"
+    answered(speaker, StageCall(SPEAK, 1), SPOKE)
+    assert not tts.answer().start, "a spoken duplex chunk joins the same sequence"
+    ended = LlmResult()
+    answered(speaker, StageCall(LlmRequest(decode=False), 1, end=True), ended)
+    assert tts.answer(TtsResult()).end

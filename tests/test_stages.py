@@ -13,7 +13,7 @@ from minicpmo_triton.engine.kv_batch import KvBatch, KvCache
 from minicpmo_triton.media.tokenizer import ByteTokenizer
 from minicpmo_triton.model_config import SAMPLES_PER_SPEECH_TOKEN, load_stage_config
 from minicpmo_triton.stage_io import (
-    STAGE_IO,
+    STAGE_INPUTS,
     STAGE_OUTPUTS,
     LlmRequest,
     Token2WavRequest,
@@ -195,7 +195,7 @@ def test_a_tts_turn_never_runs_past_the_position_table(preset) -> None:
 def test_model_configs_declare_the_stage_tensors(model: str) -> None:
     """config.pbtxt and the dataclasses the code exchanges must not drift apart."""
     text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    for classes, section in zip(((STAGE_IO[model][0],), STAGE_OUTPUTS[model]), ("input", "output"), strict=True):
+    for classes, section in zip((STAGE_INPUTS[model], STAGE_OUTPUTS[model]), ("input", "output"), strict=True):
         block = text.split(f"\n{section} [", 1)[1].split("\n]", 1)[0]
         declared = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]', block)
         expected = list({f.name: (f.name, triton_dtype(f), ", ".join(map(str, triton_dims(f))))

@@ -32,13 +32,13 @@ def device_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_pool(shape: PoolShape, weights: dict[str, torch.Tensor], *, device: str = "cpu", pool_size: float = 0.5,
+def build_pool(shape: PoolShape, *, device: str = "cpu", pool_size: float = 0.5,
                kv_dtype: str = "auto", max_sessions: int = 256, max_tokens: int = 8192, attention: str = "auto",
                pool_tokens: int = 0, dtype: torch.dtype | None = None, compiled: bool | None = None,
-               ) -> tuple[KvPool, PagedAttention, torch.dtype]:
+               pool_bytes: int = 0) -> tuple[KvPool, PagedAttention, torch.dtype]:
     """A KV pool of `shape` sized to its budget and the attention backend that reads it; returns them and the
-    weights' dtype. `pool_size`: GB (> 1) or a fraction of the device's free memory now (less these `weights` on a
-    GPU when they are not there yet), unless `pool_tokens` says how many tokens it holds; `kv_dtype`: auto (the
+    weights' dtype. `pool_bytes`: its bytes (the models': their memory plan's share), else `pool_size`: GB (> 1) or a
+    fraction of the device's memory, unless `pool_tokens` says how many tokens it holds; `kv_dtype`: auto (the
     weights'), fp8 (read by the gather: flex reads bf16 only); `dtype`: the weights' (default: `device_dtype`);
     `compiled`: flex and the layers compiled (None: on CUDA)."""
     dev = torch.device(device)
@@ -47,10 +47,7 @@ def build_pool(shape: PoolShape, weights: dict[str, torch.Tensor], *, device: st
     flex = attention == "flex" or (attention == "auto" and kv_dtype != "fp8" and dev.type == "cuda")
     if flex:
         shape = dataclasses.replace(shape, block_size=max(shape.block_size, 128))  # flex's KV tile: one block a tile
-    budget = budget_bytes(pool_size, dev)
-    if pool_size <= 1 and dev.type == "cuda":
-        budget -= sum(t.numel() for t in weights.values() if t.device.type != "cuda") * \
-            torch.empty(0, dtype=dtype).element_size()
+    budget = pool_bytes or budget_bytes(pool_size, dev)
     blocks = shape.blocks_for(pool_tokens) if pool_tokens else blocks_in_budget(shape, kv, budget)
     # flex masks scores, not values: a never-written block must hold no NaN, so its pool is zeroed
     pool = KvPool(shape, max(1, blocks), kv, dev, max_sessions, max_tokens, Traffic(), zeroed=flex or dev.type != "cpu")
@@ -61,13 +58,15 @@ def build_pool(shape: PoolShape, weights: dict[str, torch.Tensor], *, device: st
 def build_decoder(weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
                   pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
                   max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
-                  dtype: torch.dtype | None = None, compile_layers: bool | None = None) -> PagedDecoder:
+                  dtype: torch.dtype | None = None, compile_layers: bool | None = None,
+                  pool_bytes: int = 0) -> PagedDecoder:
     """`build_pool`'s settings; `compile_layers`: the layers and flex compiled (None: on CUDA). The pool's traffic
     ledger is `decoder.pool.traffic`."""
     shape = PoolShape(dims.layers, dims.kv_heads, dims.head_dim, block_size)
-    pool, backend, dtype = build_pool(shape, weights, device=device, pool_size=pool_size, kv_dtype=kv_dtype,
+    pool, backend, dtype = build_pool(shape, device=device, pool_size=pool_size, kv_dtype=kv_dtype,
                                       max_sessions=max_sessions, max_tokens=max_tokens, attention=attention,
-                                      pool_tokens=pool_tokens, dtype=dtype, compiled=compile_layers)
+                                      pool_tokens=pool_tokens, dtype=dtype, compiled=compile_layers,
+                                      pool_bytes=pool_bytes)
     return PagedDecoder(weights, dims, pool, backend, dtype, Work(), compile_layers)
 
 

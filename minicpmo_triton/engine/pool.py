@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import Code, StepError
+from .memory_plan import CPU_MEMORY
 from .staging import DeviceWrites, Staging
 from .traffic import Traffic
 
@@ -52,15 +53,17 @@ def blocks_in_budget(shape: PoolShape, dtype: torch.dtype, budget_bytes: int) ->
     return budget_bytes // (shape.token_bytes(dtype) * shape.block_size)
 
 
-def budget_bytes(size: float, device: torch.device) -> int:
-    """`size` > 1: gigabytes; within (0, 1]: that fraction of the device's free memory now (CUDA: measured after
-    every stage before it has loaded, so the pools follow what is left) or of 8 GB (CPU)."""
-    if size > 1:
-        return int(size * 2**30)
+def device_memory(device: torch.device) -> int:
+    """The device's whole memory (a CPU counts as `memory_plan.CPU_MEMORY`): what the memory plan shares out."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(size * free)
-    return int(size * 8 * 2**30)
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return CPU_MEMORY
+
+
+def budget_bytes(size: float, device: torch.device) -> int:
+    """A pool built without a plan (tests, benches): `size` > 1 gigabytes, else that fraction of the device's memory.
+    The models' pools come from the memory plan (`memory_plan.plan_pools`)."""
+    return int(size * 2**30) if size > 1 else int(size * device_memory(device))
 
 
 class KvPool:

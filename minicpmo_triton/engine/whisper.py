@@ -64,7 +64,7 @@ class PagedWhisper:
         """`build`: `build.build_pool`'s settings (the pool's size, dtypes, attention backend). A session holds
         at most `max_positions` encoder frames (the stream restarts before it would pass them)."""
         shape = PoolShape(dims.layers, dims.heads, dims.d_model // dims.heads, block_size)
-        pool, backend, dtype = build_pool(shape, weights, max_tokens=dims.max_positions, **build)
+        pool, backend, dtype = build_pool(shape, max_tokens=dims.max_positions, **build)
         return cls(weights, dims, pool, backend, dtype)
 
     # ---- the streams' places in the pool (`StreamKv`) ----

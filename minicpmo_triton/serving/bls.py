@@ -104,6 +104,14 @@ def _decoded(response: Any, result_cls: type[Any], model: str) -> Any:
     return io.decode(result_cls, outputs_by_name.get)
 
 
+def _spoken(response: Any) -> io.TtsResult:
+    """The llm model's answer from its TTS (`tts_in_llm`): the codes, or the TTS's refusal raised with its code."""
+    refused = _decoded(response, io.SpeechRefused, "llm").error()
+    if refused is not None:
+        raise refused
+    return _decoded(response, io.TtsResult, "llm")
+
+
 def _flags(call: StageCall[Any]) -> int:
     flags = 0
     if call.start:
@@ -120,11 +128,14 @@ class TritonBlsStages:
         self._speaking: dict[int, asyncio.Future[Any]] = {}
 
     @staticmethod
-    def _infer(model: str, request: Any, outputs: list[str], call: StageCall[Any] | None) -> Any:
+    def _infer(model: str, request: Any, outputs: list[str], call: StageCall[Any] | None,
+               parameters: dict[str, Any] | None = None) -> Any:
         tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
+        if parameters:
+            kwargs["parameters"] = parameters
         return pb_utils.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=outputs, **kwargs)
 
     async def _exec(self, model: str, request: Any, result_cls: type[Any], call: StageCall[Any] | None = None,
@@ -164,10 +175,18 @@ class TritonBlsStages:
     async def speech(self, corr_id: int) -> io.TtsResult:
         with tracing.stage_span("tts"):
             response = await self._speaking.pop(corr_id)
-        refused = _decoded(response, io.SpeechRefused, "llm").error()
-        if refused is not None:
-            raise refused
-        return _decoded(response, io.TtsResult, "llm")
+        return _spoken(response)
+
+    async def speak(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
+        """A TTS chunk on the llm model's TTS (`tts_in_llm`): no sequence flags (the session's llm sequence is
+        live; its TTS sequence is the llm model's to start and end)."""
+        infer = self._infer("llm", call.request, io.output_names("llm"), StageCall(call.request, call.corr_id),
+                            {io.SPEECH_CALL: True})
+        with tracing.stage_span("tts"):
+            response = await _answer(infer, True, self.finished)
+        if response is not None and response.has_error():
+            raise from_wire(response.error().message(), "tts")
+        return _spoken(response)
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return await self._exec("tts", call.request, io.TtsResult, call)

@@ -73,6 +73,10 @@ class InProcessStages:
         """Never asked for: this process's LLM is the ONNX one, which runs no TTS (`tts_in_llm`)."""
         raise StepError(Code.STAGE_ERROR, "the in-process llm runs no TTS")
 
+    async def speak(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
+        """Never asked for, as `speech`."""
+        raise StepError(Code.STAGE_ERROR, "the in-process llm runs no TTS")
+
     async def token2wav(self, call: StageCall[io.Token2WavRequest]) -> io.Token2WavResult:
         """Answered at once, or (a new voice) once its prompt is prepared on the preparer's worker."""
         loop = asyncio.get_running_loop()

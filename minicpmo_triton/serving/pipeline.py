@@ -72,6 +72,10 @@ class StageClient(Protocol):
         that call's stream. Called once for each such call, whatever the step does with them."""
         ...
 
+    async def speak(self, call: StageCall[TtsRequest]) -> TtsResult:
+        """A TTS chunk on the llm model's TTS (`tts_in_llm`): its sequence is the llm model's to start and end."""
+        ...
+
     async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult: ...
 
 
@@ -100,7 +104,8 @@ class DuplexPipeline:
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, tts_in_llm: bool = False) -> None:
         self.stages = stages
         # The llm model runs the TTS too: a duplex step's voice comes on its llm call's stream (`speech`), with no
-        # tts call of its own (a turn-based reply's voice still goes through the tts model).
+        # tts call of its own; a turn-based reply's voice is a TTS call to the llm model (`speak`): the tts model is
+        # never called, and holds no pool.
         self.tts_in_llm = tts_in_llm
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
@@ -524,10 +529,13 @@ class DuplexPipeline:
                      n_chars: int, voice: np.ndarray | None) -> tuple[np.ndarray, int]:
         """Speech for one chunk of turn-based text: as many speech tokens as the text takes to say."""
         n_tokens = -(-max(n_chars, 1) * self.preset.duplex.tts_tokens_per_chunk // CHARS_PER_SECOND)
-        tts = await self._stage(state, "tts", corr_id, TtsRequest(
-            text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start, turn_end=llm.end_of_turn,
-            n_tokens=n_tokens if len(llm.text_ids) else 0, temperature=state.options.tts_temperature,
-            seed=state.options.seed))
+        request = TtsRequest(text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start,
+                             turn_end=llm.end_of_turn, n_tokens=n_tokens if len(llm.text_ids) else 0,
+                             temperature=state.options.tts_temperature, seed=state.options.seed)
+        if self.tts_in_llm:
+            tts = await self.stages.speak(StageCall(request, corr_id))
+        else:
+            tts = await self._stage(state, "tts", corr_id, request)
         wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
             speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
             **_voice_to_send(state, voice, turn_start)))

@@ -16,6 +16,9 @@ ENV_PREFIX = "MINICPMO_"
 STATEFUL = ("duplex", "llm", "tts", "token2wav")  # the models that keep state per sequence
 ENGINES = ("audio_encoder", "vision_encoder", "llm", "tts", "token2wav")  # the models that run an engine
 _D = DuplexDefaults()
+POOL_SHARE = ("GB when > 1 (an explicit size), else that share of the pools' budget: the device's memory less every "
+              "stage's weights and workspace and a margin, whatever order the models load in (engine/memory_plan.py; "
+              "CPU: of 8 GB)")
 
 
 @dataclass(frozen=True)
@@ -40,25 +43,24 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
     StageSetting("llm_engine", "auto", str, ("llm",),
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx; "
                  "the duplex model's door before the LLM stands aside when it resolves to the device engine"),
-    StageSetting("kv_pool_size", "0.5", float, ("llm",),
-                 "the device engine's KV pool: GB when > 1, else that fraction of the GPU's free memory "
-                 "(CPU: of 8 GB)"),
+    StageSetting("kv_pool_size", "0.65", float, ("llm",),
+                 "the device engine's KV pool: " + POOL_SHARE),
     StageSetting("kv_dtype", "auto", str, ("llm",),
                  "the device engine's KV: auto (bf16 on a GPU, fp32 on the CPU) or fp8"),
     StageSetting("audio_engine", "auto", str, ("llm",),
                  "the duplex audio stream's Whisper (encoded in the llm model): auto (its KV cache in a pool on "
                  "a GPU instance, the stream.onnx graph on the CPU), paged or onnx"),
-    StageSetting("audio_pool_size", "0.3", float, ("llm",),
-                 "the device Whisper's KV pool: GB when > 1, else that fraction of the GPU's free memory "
-                 "(CPU: of 8 GB)"),
+    StageSetting("audio_pool_size", "0.15", float, ("llm",),
+                 "the device Whisper's KV pool: " + POOL_SHARE),
     StageSetting("tts_engine", "auto", str, ("tts", "llm"),
                  "auto (the device engine on a GPU instance, ONNX on the CPU), paged (the device engine) or onnx"),
-    StageSetting("tts_in_llm", "auto", str, ("llm", "duplex"),
+    StageSetting("tts_in_llm", "auto", str, ("llm", "duplex", "tts"),
                  "the llm model runs the TTS's engine core too, so a speaking step's text and speech codes come from "
-                 "one request (its hidden rows stay on the device, no tts hop, no tts queue delay): auto (when "
+                 "one request (its hidden rows stay on the device, no tts hop, no tts queue delay) and every other "
+                 "use of the TTS goes there (the tts model loads nothing: one TTS pool per GPU): auto (when "
                  "llm_engine and tts_engine both resolve to the device engine), 1 (needs llm_engine paged) or 0"),
-    StageSetting("tts_pool_size", "0.05", float, ("tts", "llm"),
-                 "the device TTS's KV pool: GB when > 1, else that fraction of the GPU's free memory (CPU: of 8 GB)"),
+    StageSetting("tts_pool_size", "0.15", float, ("tts", "llm"),
+                 "the device TTS's KV pool: " + POOL_SHARE),
     StageSetting("engine_rows", "256", int, ("llm", "tts"),
                  "the device engine's persistent batch: rows decoding at once (its largest CUDA graph bucket)"),
     StageSetting("engine_graphs", "1", int, ("llm", "tts"),

@@ -23,12 +23,13 @@ import triton_python_backend_utils as pb_utils
 from .. import duplex_contract as contract
 from ..duplex_contract import StepEvent
 from ..engine.exported import Engine, OnnxEngine, gpu_available, load_engine
+from ..engine.memory_plan import POOLS, MemoryPlan, plan_pools, repository_stages
 from ..engine.protocol import pick_engine, tts_in_llm
 from ..engine.stage_engine import Placement, Probe, place
 from ..errors import Code, StepError, describe, to_wire
 from ..media.tokenizer import load_tokenizer
 from ..model_config import load_stage_config
-from ..stage_io import PROBE, STAGE_IO, decode, encode
+from ..stage_io import PROBE, SPEECH_CALL, STAGE_IO, TtsRequest, decode, encode
 from ..stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from ..stages.base import SequenceStage, StageCall, answer_order
 from ..stages.kv import StageKv
@@ -79,6 +80,30 @@ class _ModelContext:
     def setting(self, key: str) -> Any:
         """MINICPMO_<KEY>, else this model's config.pbtxt parameter, else the default (`stage_settings`)."""
         return stage_setting(key, self.params)
+
+    @functools.cached_property
+    def memory_plan(self) -> MemoryPlan:
+        """This instance's device shared out (`engine.memory_plan`): every stage's weights and workspace, then the
+        pools; the same for every model on the device, whatever order they load in."""
+        import torch
+
+        from ..engine.pool import device_memory  # torch: only a model that builds a pool asks
+
+        device = _device(self)
+        cuda = device != "cpu"
+        stage_engine = self.setting("stage_engine")
+        tts_here = _runs_tts_in_llm(self)
+        on_device = {name for name, on in (
+            ("llm", pick_engine(self.setting("llm_engine"), cuda) == "paged"),
+            ("whisper", pick_engine(self.setting("audio_engine"), cuda, "audio_engine") == "paged"),
+            ("tts", tts_here or pick_engine(self.setting("tts_engine"), cuda, "tts_engine") == "paged"),
+            ("token2wav", stage_engine == "device" or (stage_engine == "auto" and cuda)),
+            ("audio_encoder", cuda and stage_engine != "onnx"),
+            ("vision_encoder", cuda and stage_engine != "onnx")) if on}
+        stages = repository_stages(self.version_dir.parent.parent, self.preset, on_device, self.setting("engine_rows"),
+                                   2 if cuda else 4, cuda, tts_here)
+        return plan_pools(device_memory(torch.device(device)), stages,
+                          {pool: self.setting(key) for pool, key in POOLS.items()})
 
     def placement(self, plans: bool) -> Placement:
         """Where this model runs (`stage_engine`); a GPU it was given and cannot reach fails its load, with the
@@ -154,6 +179,11 @@ def _rows(request: Any) -> dict[str, np.ndarray]:
 def _is_probe(request: Any) -> bool:
     """The gateway's liveness probe (`stage_io.PROBE`, a request parameter)."""
     return PROBE in json.loads(request.parameters() or "{}")
+
+
+def _is_speech_call(request: Any) -> bool:
+    """A TTS call to the llm model (`stage_io.SPEECH_CALL`, a request parameter; `tts_in_llm`)."""
+    return SPEECH_CALL in json.loads(request.parameters() or "{}")
 
 
 def _control(request: Any, rows: dict[str, np.ndarray]) -> tuple[int, bool, bool]:
@@ -301,10 +331,33 @@ class LlmModel(_InflightStageModel):
     def initialize(self, args: dict[str, Any]) -> None:
         super().initialize(args)
         ctx = _ModelContext(args)
-        if tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
-                      _device(ctx) != "cpu"):
+        if _runs_tts_in_llm(ctx):
             self.speaker = _speaker(ctx)
             self.stage.hidden_on_device = True  # a speaking call's hidden rows go to it on the device
+        if self.inflight is not None:  # the device engine: its pools are the memory plan's
+            self.plan_metrics = _publish_plan(ctx.name, ctx.memory_plan)
+
+    def execute(self, requests: list[Any]) -> None:
+        rest = []
+        for request in requests:
+            if _is_speech_call(request):
+                self._speech(request)
+            else:
+                rest.append(request)
+        return super().execute(rest)
+
+    def _speech(self, request: Any) -> None:
+        """A TTS call (`stage_io.SPEECH_CALL`): straight to the in-process TTS's thread, on the session's TTS sequence
+        (the llm sequence's flags are not its own: a call that carries them is refused)."""
+        rows = _rows(request)
+        corr_id, start, end = _control(request, rows)
+        send = functools.partial(self._send, request.get_response_sender(), corr_id)
+        if self.speaker is None:
+            send(StepError(Code.STAGE_ERROR, "this llm model runs no TTS (tts_in_llm is off): call the tts model"))
+        elif start or end:
+            send(StepError(Code.INVALID_INPUT, "a TTS call to the llm model carries no START or END"))
+        else:
+            self.speaker.voice(StageCall(decode(TtsRequest, rows.get), corr_id), send)
 
     def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
         if self.speaker is None:
@@ -320,7 +373,7 @@ class LlmModel(_InflightStageModel):
         models = ctx.version_dir.parent.parent
         tokenizer = load_tokenizer(ctx.preset, models / "duplex" / "1")
         # The step's audio is encoded here, in the LLM's batch: one BLS hop less per step.
-        llm = _llm_kv(ctx, tokenizer)  # first: on a GPU its pool's share is of the memory free before the Whisper's
+        llm = _llm_kv(ctx, tokenizer)
         encoder = AudioStreamEncoder(_audio_stream_kv(ctx, models / "audio_encoder" / "1"), ctx.preset.audio,
                                      ctx.preset.samples_per_audio_token)
         return LlmStage(llm, ctx.preset, tokenizer, _ttl(ctx), encoder, ctx.setting("admit_tokens"))
@@ -334,7 +387,7 @@ def _audio_stream_kv(ctx: _ModelContext, folder: Path) -> Engine | StreamKv:
         return load_engine(folder, _threads(ctx), "stream")
     from ..engine.whisper import load_paged_whisper  # torch
 
-    return load_paged_whisper(folder, ctx.preset.audio, device, pool_size=ctx.setting("audio_pool_size"),
+    return load_paged_whisper(folder, ctx.preset.audio, device, pool_bytes=ctx.memory_plan.pools["audio"],
                               compiled=_compiled(ctx))
 
 
@@ -364,8 +417,11 @@ def _llm_kv(ctx: _ModelContext, tokenizer: Tokenizer) -> Engine | StageKv:
         return OnnxEngine(ctx.version_dir / "model.onnx", _threads(ctx))  # the LLM's host path: no TensorRT plan
     from ..stages.pool_kv import load_llm_kv  # torch
 
-    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_size=ctx.setting("kv_pool_size"),
+    return load_llm_kv(ctx.version_dir, ctx.preset, tokenizer, device, pool_bytes=ctx.memory_plan.pools["kv"],
                        kv_dtype=ctx.setting("kv_dtype"), **_core_settings(ctx))
+
+
+MOVED_TTS = "in the llm model (tts_in_llm)"  # where the TTS runs when the llm model runs it (/health's devices)
 
 
 class TtsModel(_InflightStageModel):
@@ -376,6 +432,29 @@ class TtsModel(_InflightStageModel):
         from ..stages.tts_inflight import InflightTts  # torch, as the device engine
 
         return InflightTts(self.stage, period_s, changed)
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        ctx = _ModelContext(args)
+        self.moved = _runs_tts_in_llm(ctx)
+        if not self.moved:
+            super().initialize(args)
+            if self.inflight is not None:  # the device engine: its pool is the memory plan's
+                self.plan_metrics = _publish_plan(ctx.name, ctx.memory_plan)
+            return
+        # the llm model runs the TTS, and every use of it goes there: this model loads nothing (no weights, no
+        # pool: one TTS pool per GPU) and refuses work; its live-sequence gauge stays at 0 for the probes
+        self.inflight = None
+        self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
+        self.device_gauge = _DeviceGauge(ctx.name, MOVED_TTS)
+
+    def execute(self, requests: list[Any]) -> None:
+        if not self.moved:
+            return super().execute(requests)
+        for request in self._answer_probes(requests):
+            corr_id, _, _ = _control(request, _rows(request))
+            self._send(request.get_response_sender(), corr_id, StepError(
+                Code.STAGE_ERROR, "the TTS runs in the llm model here (tts_in_llm): its calls go there"))
+        return None
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
         device = pick_engine(ctx.setting("tts_engine"), _device(ctx) != "cpu", "tts_engine") == "paged"
@@ -392,9 +471,32 @@ def _tts_stage(ctx: _ModelContext, folder: Path, device_engine: bool) -> TtsStag
     from ..stages.pool_kv import load_tts_kv  # torch
     from ..stages.tts import TURN_TOKENS
 
-    kv = load_tts_kv(folder, preset, _device(ctx), pool_size=ctx.setting("tts_pool_size"), max_tokens=TURN_TOKENS,
+    kv = load_tts_kv(folder, preset, _device(ctx), pool_bytes=ctx.memory_plan.pools["tts"], max_tokens=TURN_TOKENS,
                      **_core_settings(ctx))
     return TtsStage(kv, preset, _ttl(ctx))
+
+
+def _publish_plan(model: str, plan: MemoryPlan) -> list[Any]:
+    """The memory plan in the load's log, and on Triton's metrics port as `minicpmo_<model>_memory_plan_bytes{item}`
+    (the device's total, the margin, each stage's weights and workspace, each pool); its series, to be kept."""
+    for line in plan.lines():
+        pb_utils.Logger.log_info(f"{model}: {line}")
+    items = {"total": plan.total, "margin": plan.margin, "budget": plan.budget,
+             **{f"weights_{s.name}": s.weights for s in plan.stages},
+             **{f"workspace_{s.name}": s.workspace for s in plan.stages},
+             **{f"pool_{pool}": size for pool, size in plan.pools.items()}}
+    metrics = []
+    for item, value in items.items():
+        metrics.append(stage_metric(model, "memory_plan_bytes", "The device's memory plan: its total, the margin, "
+                                    "each stage's weights and workspace, each KV pool's bytes", item=item))
+        metrics[-1].set(value)
+    return metrics
+
+
+def _runs_tts_in_llm(ctx: _ModelContext) -> bool:
+    """`tts_in_llm` as the llm and tts models resolve it for their instance (the duplex model, for the machine)."""
+    return tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
+                      _device(ctx) != "cpu")
 
 
 def _speaker(ctx: _ModelContext) -> Speaker:

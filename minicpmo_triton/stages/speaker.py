@@ -7,6 +7,9 @@ the TTS's own engine thread (`InflightTts`), which joins it to its running decod
 it, with the final flag, in the iteration its last code is chosen (a refusal as `SpeechRefused`). No Triton hop, no
 tts batcher delay between them.
 
+Every other use of the TTS comes here too (`voice`: a turn-based reply's chunks, sent to the llm model as TTS calls,
+`stage_io.SPEECH_CALL`), so a GPU holds one TTS engine core and one TTS pool: the tts model holds none on this path.
+
 The TTS's sequence follows the LLM's: started with a session's first spoken chunk (a refused start is ENDed at
 once, and the next spoken chunk starts it again, as the duplex pipeline does with the tts model), ENDed with the
 LLM's END, whose final answer waits for it (the session's TTS blocks are back when the caller hears the END).
@@ -46,7 +49,8 @@ class Speaker:
                 self._forget(call.corr_id)
             if not isinstance(result, Exception) and spoke(call.request, result):
                 send(replace(result, tts_hidden=NO_HIDDEN), False)  # the rows go on to the TTS, not to the caller
-                self._speak(call, speech_request(call.request, result), send)
+                # a refusal as a tensor, not an error response: one after a first response never reaches a BLS caller
+                self._speak(call.corr_id, call.end, speech_request(call.request, result), send, SpeechRefused.of)
             elif call.end and self._forget(call.corr_id):
                 self.tts.submit(StageCall(END_ONLY, call.corr_id, end=True),
                                 lambda ended: send(ended if _failed(ended, result) else result, True))
@@ -55,11 +59,18 @@ class Speaker:
 
         return answer
 
-    def _speak(self, call: StageCall[LlmRequest], request: TtsRequest, send: Send) -> None:
-        corr = call.corr_id
+    def voice(self, call: StageCall[TtsRequest], send: Send) -> None:
+        """A TTS chunk sent on its own (a turn-based reply's voice), on the session's TTS sequence as a spoken
+        duplex step's; its refusal is its one response, an error."""
+        self._speak(call.corr_id, False, call.request, send, lambda exc: exc)
+
+    def _speak(self, corr: int, end: bool, request: TtsRequest, send: Send,
+               refusal: Callable[[Exception], Any]) -> None:
+        """`request` on the TTS's thread, the session's TTS sequence started first where it is not live; `refusal`:
+        what a refused chunk is answered with."""
         with self._lock:
             start = corr not in self._started
-            if not call.end:
+            if not end:
                 self._started.add(corr)
             else:
                 self._started.discard(corr)
@@ -68,12 +79,12 @@ class Speaker:
             if not isinstance(result, Exception):
                 send(result, True)
                 return
-            if start and not call.end and self._forget(corr):
+            if start and not end and self._forget(corr):
                 # a refused start: the state it made is ENDed now (queued before any later chunk of the session)
                 self.tts.submit(StageCall(END_ONLY, corr, end=True), lambda _: None)
-            send(SpeechRefused.of(result), True)  # not an error response: the second one would never arrive
+            send(refusal(result), True)
 
-        self.tts.submit(StageCall(request, corr, start=start, end=call.end), spoken)
+        self.tts.submit(StageCall(request, corr, start=start, end=end), spoken)
 
     def _forget(self, corr_id: int) -> bool:
         """The session's TTS sequence is no longer live; whether it was."""
