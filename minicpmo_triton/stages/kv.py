@@ -2,7 +2,7 @@
 of rows is run over them, so the stage keeps only its per-session rules.
 
 Two implementations: `HostKv` here (numpy, no torch: the cache is host arrays fed to the exported graph each call
-and given back grown, each token chosen on the host from the logits), and `engine.stage_kv.PoolKv` (the cache in a
+and given back grown, each token chosen on the host from the logits), and `stages.pool_kv.PoolKv` (the cache in a
 pool on the device, each token chosen there by the engine core). A row brings its cache, its prefill and, when it
 decodes, its rules (`RowRules`), which serve both: `choose` picks from host logits, `row` / `confirm` / `done` drive
 the device.
