@@ -11,16 +11,16 @@ from torch import nn
 from torch.export import Dim
 
 from minicpmo_triton.audio_mel import CONTEXT_FRAMES
+from minicpmo_triton.engine.model import DuplexLLM
+from minicpmo_triton.engine.tts_model import DuplexTTS
 from minicpmo_triton.images import Slice
 from minicpmo_triton.model_config import PresetConfig, VisionDims
 from minicpmo_triton.stages.token2wav_device import TORCH_FOLDER
 from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs
 
 from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
-from .modules.llm import DuplexLLM
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
-from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
 from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 
