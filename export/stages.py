@@ -18,7 +18,7 @@ from minicpmo_triton.model_config import PresetConfig, VisionDims
 from minicpmo_triton.stages.token2wav_device import TORCH_FOLDER
 from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs
 
-from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
+from .modules.audio_encoder import AudioEncoderStream, UtteranceEncoder
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
 from .modules.vision import VisionEncoder
@@ -77,7 +77,7 @@ def build_module(preset: PresetConfig, stage: str, seed: int, token2wav: Token2W
     builds for it), on the default device (a `torch.device` context puts it on a GPU)."""
     h = preset.llm.hidden
     makers: dict[str, Callable[[], nn.Module]] = {
-        "audio_encoder": lambda: AudioEncoder(preset.audio, h),
+        "audio_encoder": lambda: UtteranceEncoder(preset.audio, h),
         "vision_encoder": lambda: VisionEncoder(preset.vision, h),
         "llm": lambda: DuplexLLM(preset.llm),
         "tts": lambda: DuplexTTS(preset.tts, h),

@@ -33,9 +33,9 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 
 class DenseCache:
     """past_key / past_value [L, B, kv_heads, P, D] (None: no past, no present) and `mask` [B or 1, 1, T, P + T]
-    additive; q, k, v come as [B, T, heads, D]."""
+    additive (None: every token sees every key); q, k, v come as [B, T, heads, D]."""
 
-    def __init__(self, mask: torch.Tensor, past_key: torch.Tensor | None = None,
+    def __init__(self, mask: torch.Tensor | None, past_key: torch.Tensor | None = None,
                  past_value: torch.Tensor | None = None) -> None:
         self.mask = mask
         self.past_key, self.past_value = past_key, past_value
@@ -68,7 +68,9 @@ class DenseCache:
             v = torch.cat([self.past_value[layer], v], dim=2)
         groups = q.shape[1] // k.shape[1]  # GQA: each KV head serves `groups` query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + self.mask
+        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        if self.mask is not None:
+            scores = scores + self.mask
         return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)  # [B, T, heads, D]
 
     def present(self) -> tuple[torch.Tensor, torch.Tensor]:
