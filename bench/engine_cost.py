@@ -4,7 +4,7 @@ history.
 The LLM at MiniCPM-o 4.5's hidden size, heads, KV heads and MLP width (Qwen3-8B) with 2 layers and random
 weights; the vocabulary cut to 32000 to fit this machine's memory (the lm_head costs both paths the same, at any
 history). Per decode token, for one session and for a batch of four:
-- before: the exported graph's module (`export/modules/llm.py`, what the ONNX graph is) fed the session's
+- before: the exported graph's module (`DuplexLLM.forward`, what the ONNX graph is) fed the session's
   whole cache and returning the grown one (`present = cat(past, new)`), through `KvBatch`, as the stage runs it;
 - after: the engine core (KV in its pool, written in place, the token chosen by the device's rules, the next
   iteration launched before this one's token is read).
@@ -22,11 +22,11 @@ import time
 import numpy as np
 import torch
 
-from export.modules.llm import DuplexLLM
 from export.presets import tiny
 from export.torch_engine import TorchEngine
 from minicpmo_triton.engine.build import llm_core
 from minicpmo_triton.engine.kv_batch import KvBatch, KvCache
+from minicpmo_triton.engine.model import DuplexLLM
 from minicpmo_triton.engine.protocol import DUPLEX, LlmRow, Prefill
 from minicpmo_triton.engine.request import Request
 from minicpmo_triton.engine.traffic import CountingEngine, Traffic

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from minicpmo_triton.engine.model import DuplexLLM
+from minicpmo_triton.engine.tts_model import DuplexTTS
 from minicpmo_triton.media.audio_mel import CONTEXT_FRAMES
 from minicpmo_triton.media.images import Slice
 from minicpmo_triton.model_config import PresetConfig, VisionDims
 from minicpmo_triton.stages.token2wav_device import TORCH_FOLDER
 from minicpmo_triton.stages.vision_encoder import batch_inputs as vision_batch_inputs
 
-from .modules.audio_encoder import AudioEncoder, AudioEncoderStream
-from .modules.llm import DuplexLLM
+from .modules.audio_encoder import AudioEncoderStream, UtteranceEncoder
 from .modules.token2wav import Token2WavModel, tables_bytes
 from .modules.token2wav import graphs as token2wav_graphs
-from .modules.tts import DuplexTTS
 from .modules.vision import VisionEncoder
 from .modules.voice import TinyCampPlus, TinyS3Tokenizer
 
@@ -77,7 +77,7 @@ def build_module(preset: PresetConfig, stage: str, seed: int, token2wav: Token2W
     builds for it), on the default device (a `torch.device` context puts it on a GPU)."""
     h = preset.llm.hidden
     makers: dict[str, Callable[[], nn.Module]] = {
-        "audio_encoder": lambda: AudioEncoder(preset.audio, h),
+        "audio_encoder": lambda: UtteranceEncoder(preset.audio, h),
         "vision_encoder": lambda: VisionEncoder(preset.vision, h),
         "llm": lambda: DuplexLLM(preset.llm),
         "tts": lambda: DuplexTTS(preset.tts, h),

@@ -141,12 +141,14 @@ def test_the_decode_step_reads_and_writes_the_same_storages(core) -> None:
 
 
 def _persistent(runner: Any) -> list[torch.Tensor]:
-    """Every tensor the runner owns for the life of the batch."""
+    """Every tensor the runner owns for the life of the batch (the network's weights included)."""
     owners = [runner.state, runner.head, runner.pool, runner.model]
     out: list[torch.Tensor] = []
     for owner in owners:
         for value in vars(owner).values():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.nn.Module):
+                out += [*value.parameters(), *value.buffers()]
+            elif isinstance(value, torch.Tensor):
                 out.append(value)
             elif isinstance(value, (list, tuple)):
                 out += [v for v in value if isinstance(v, torch.Tensor)]

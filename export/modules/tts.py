@@ -1,25 +1,15 @@
-"""The TTS stage: a Llama over [text condition | audio_bos | speech codes] predicting the next speech token (25/s).
-
-Follows MiniCPM-o 4.5's `MiniCPMTTS` (OpenBMB/MiniCPM-o-Demo `MiniCPMO45/modeling_minicpmo_unified.py`):
-`model` is a transformers `LlamaModel` built from `tts_config` with Llama defaults for what the config
-leaves out (rope_theta 10000, rms eps 1e-6, vocab 32000: its `embed_tokens` is never used);
-`projector_semantic` / `projector_spk` are `MultiModalProjector`s (linear1, ReLU, linear2) from the LLM
-width; `head_code.0` is weight-normed (folded at load). The duplex path never applies `projector_spk`
-(4.5 passes no speaker embedding; the voice lives in token2wav): it is loaded and left out of the graph.
+"""The TTS stage's checkpoint mapping: `tts.*` loaded into `DuplexTTS` (minicpmo_triton/engine/tts_model.py: the one
+definition, the graph's and the device engine's), `head_code.0`'s weight norm folded; `tts_config` read with Llama's
+defaults for what it leaves out (rope_theta 10000, rms eps 1e-6, vocab 32000: its `embed_tokens` is never used).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-from torch import nn
-
 from minicpmo_triton.model_config import DecoderDims, PresetConfig, TtsDims
 
 from ..tensor_names import CheckpointError, Tensors, fold_weight_norm, strip_prefix
-from .audio_encoder import AudioProjection as MultiModalProjector
-from .decoder import DecoderModel
 
 PREFIXES = ("tts.",)
 LLAMA_ROPE_THETA = 10_000.0  # LlamaConfig's defaults: tts_config has no rope/eps/vocab keys
@@ -58,41 +48,3 @@ def read_config(preset: PresetConfig, config: dict) -> PresetConfig:
 
 def state_from_checkpoint(tensors: Tensors, preset: PresetConfig) -> Tensors:
     return fold_weight_norm(strip_prefix(tensors, "tts."))
-
-
-class DuplexTTS(nn.Module):
-    """Names follow `tts.*` in the MiniCPM-o checkpoint."""
-
-    def __init__(self, d: TtsDims, llm_hidden: int) -> None:
-        super().__init__()
-        h = d.decoder.hidden
-        self.normalize = d.normalize_projected_hidden
-        self.model = DecoderModel(d.decoder, vocab=d.decoder.vocab)  # model.embed_tokens: [32000, h], unused
-        self.emb_text = nn.Embedding(d.num_text_tokens, h)  # [152064, 768]
-        self.emb_code = nn.ModuleList([nn.Embedding(d.num_audio_tokens, h)])  # [6562, 768]
-        self.head_code = nn.ModuleList([nn.Linear(h, d.num_audio_tokens, bias=False)])  # weight-normed in the file
-        self.projector_semantic = MultiModalProjector(llm_hidden, h)  # 4096 -> 768 -> 768
-        self.projector_spk = MultiModalProjector(llm_hidden, h)  # in the file; 4.5's inference never applies it
-
-    def forward(
-        self,
-        text_ids: torch.Tensor,  # [B, T]
-        llm_hidden: torch.Tensor,  # [B, T, H_llm]
-        has_hidden: torch.Tensor,  # [B, T] bool: text positions with an LLM hidden state (not audio_bos)
-        code_ids: torch.Tensor,  # [B, T]
-        is_code: torch.Tensor,  # [B, T] bool
-        position_ids: torch.Tensor,
-        past_mask: torch.Tensor,
-        past_key: torch.Tensor,
-        past_value: torch.Tensor,
-        last_index: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # The condition of `_convert_results_to_tts_input`: emb_text(id) + L2norm(projector_semantic(h)).
-        semantic = self.projector_semantic(llm_hidden)
-        if self.normalize:
-            semantic = nn.functional.normalize(semantic, p=2, dim=-1)
-        condition = self.emb_text(text_ids) + torch.where(has_hidden[..., None], semantic, 0.0)
-        x = torch.where(is_code[..., None], self.emb_code[0](code_ids), condition)
-        hidden, present_key, present_value = self.model(x, position_ids, past_mask, past_key, past_value)
-        last = hidden[torch.arange(hidden.shape[0]), last_index]
-        return self.head_code[0](last), present_key, present_value

@@ -6,22 +6,26 @@ differ); the streaming Whisper's pool (whisper.py) is built by `build_pool` too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..model_config import DecoderDims, SpecialTokens, TtsDims
 from .attention import PagedAttention, pick_attention
 from .core import EngineCore
 from .llm_head import LlmHead
-from .model import PagedDecoder
+from .model import DuplexLLM, PagedDecoder
 from .pool import KvPool, PoolShape, blocks_in_budget, budget_bytes
 from .protocol import TtsRules
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .traffic import Traffic, Work
 from .tts import TtsHead
+from .tts_model import DuplexTTS
 
 BATCH_ROWS = 256  # rows of a core's persistent batch (its largest CUDA graph bucket) unless the pool says fewer
 
@@ -30,6 +34,20 @@ def device_dtype(device: torch.device) -> torch.dtype:
     """bf16 on the GPU (Qwen3 overflows fp16), fp32 on the CPU (where bf16 matmuls are slow and the parity
     tests hold the path to 1e-4)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+Net = TypeVar("Net", bound=nn.Module)
+
+
+def load_net(make: Callable[[], Net], weights: dict[str, torch.Tensor], device: torch.device,
+             dtype: torch.dtype) -> Net:
+    """The network `make` builds, holding `weights` (its state dict, the checkpoint's names) on `device` in `dtype`:
+    built on the meta device (no random initialisation, nothing allocated twice), the weights assigned, then cast;
+    no autograd (the engine never trains)."""
+    with torch.device("meta"):
+        net = make()
+    net.load_state_dict(weights, assign=True)
+    return net.to(device, dtype).eval().requires_grad_(False)
 
 
 def build_pool(shape: PoolShape, *, device: str = "cpu", pool_size: float = 0.5,
@@ -55,19 +73,20 @@ def build_pool(shape: PoolShape, *, device: str = "cpu", pool_size: float = 0.5,
     return pool, backend, dtype
 
 
-def build_decoder(weights: dict[str, torch.Tensor], dims: DecoderDims, *, device: str = "cpu",
-                  pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto", max_sessions: int = 256,
-                  max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
+def build_decoder(net: Callable[[], DuplexLLM | DuplexTTS], weights: dict[str, torch.Tensor], dims: DecoderDims, *,
+                  device: str = "cpu", pool_size: float = 0.5, block_size: int = 16, kv_dtype: str = "auto",
+                  max_sessions: int = 256, max_tokens: int = 8192, attention: str = "auto", pool_tokens: int = 0,
                   dtype: torch.dtype | None = None, compile_layers: bool | None = None,
                   pool_bytes: int = 0) -> PagedDecoder:
-    """`build_pool`'s settings; `compile_layers`: the layers and flex compiled (None: on CUDA). The pool's traffic
+    """The decoder of the network `net` builds (dims: its decoder's) over `weights`, on a pool of its own:
+    `build_pool`'s settings; `compile_layers`: the layers and flex compiled (None: on CUDA). The pool's traffic
     ledger is `decoder.pool.traffic`."""
     shape = PoolShape(dims.layers, dims.kv_heads, dims.head_dim, block_size)
     pool, backend, dtype = build_pool(shape, device=device, pool_size=pool_size, kv_dtype=kv_dtype,
                                       max_sessions=max_sessions, max_tokens=max_tokens, attention=attention,
                                       pool_tokens=pool_tokens, dtype=dtype, compiled=compile_layers,
                                       pool_bytes=pool_bytes)
-    return PagedDecoder(weights, dims, pool, backend, dtype, Work(), compile_layers)
+    return PagedDecoder(load_net(net, weights, pool.device, dtype), pool, backend, dtype, Work(), compile_layers)
 
 
 def core_over(head: LlmHead | TtsHead, rows: int, overlap: bool = True, graphs: bool | None = None,
@@ -88,7 +107,7 @@ def llm_core(weights: dict[str, torch.Tensor], dims: DecoderDims, tokens: Specia
     `top_k` the largest k its fixed top-k serves; `build`: `build_decoder`'s settings (the pool's sessions at
     least the batch's rows: `rows` past 256 where the memory holds them)."""
     build.setdefault("max_sessions", max(256, rows))
-    model = build_decoder(weights, dims, **build)  # type: ignore[arg-type]
+    model = build_decoder(lambda: DuplexLLM(dims), weights, dims, **build)  # type: ignore[arg-type]
     rows = min(rows, model.pool.trash_seq)
     head = LlmHead(model, tokens, forbidden, rows, model.pool.writes, window, top_k=top_k)
     return core_over(head, rows, overlap, graphs)
@@ -98,7 +117,8 @@ def tts_core(weights: dict[str, torch.Tensor], tts: TtsDims, rules: TtsRules, *,
              overlap: bool = True, graphs: bool | None = None, **build: object) -> EngineCore:
     """The TTS's core over its rules' settings; `build`: `build_decoder`'s settings."""
     build.setdefault("max_sessions", max(256, rows))
-    model = build_decoder(weights, tts.decoder, **build)  # type: ignore[arg-type]
+    llm_hidden = weights["projector_semantic.linear1.weight"].shape[1]
+    model = build_decoder(lambda: DuplexTTS(tts, llm_hidden), weights, tts.decoder, **build)  # type: ignore[arg-type]
     rows = min(rows, model.pool.trash_seq)
     return core_over(TtsHead(model, tts, rules, rows, model.pool.writes), rows, overlap, graphs)
 

@@ -27,7 +27,7 @@ import torch
 
 from ..model_config import SpecialTokens
 from ..rules.sampling import kept_k
-from .model import PagedDecoder
+from .model import DuplexLLM, PagedDecoder
 from .protocol import CHAT, DREW_SECOND, DUPLEX, ENDED, NO_TOKEN, NOT_FINITE, LlmRow, Prefill
 from .sampler import candidates, first_draw, index_ordered, inverse_cdf, not_finite, put, take, value_ordered
 from .staging import DeviceWrites, Staging
@@ -46,7 +46,10 @@ class LlmHead:
         self.window = window
         self.forbidden = torch.as_tensor(forbidden, device=dev)  # uploaded once
         self.narrow = candidates(top_k, self.vocab)
-        self.head_bytes = model.head_bytes
+        net = model.net
+        assert isinstance(net, DuplexLLM)
+        self.net = net
+        self.head_bytes = net.lm_head.weight.numel() * net.lm_head.weight.element_size()
         z = torch.zeros
         self.is_chat = z(r, dtype=torch.bool, device=dev)
         self.greedy = z(r, dtype=torch.bool, device=dev)
@@ -152,7 +155,7 @@ class LlmHead:
                  for p in prefills if p.use.any()]
 
         def make() -> torch.Tensor:
-            x = self.model.embed(staging.view(ids))
+            x = self.embed(staging.view(ids))
             if at is None:
                 return x
             rows = [p if isinstance(p, torch.Tensor) else staging.view(p) for p in parts]
@@ -162,10 +165,11 @@ class LlmHead:
 
     # ---- the device side ----
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(ids)
+        return self.net.model.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
+        """[B, vocab] fp32 for the rows' last hidden states; they never leave the device."""
+        return self.net.lm_head(hidden).to(torch.float32)
 
     def keep_decoded(self, hidden: torch.Tensor, b: int, was_live: torch.Tensor) -> None:
         """The decode step's rows whose fed token is text keep its hidden state (the TTS's condition)."""

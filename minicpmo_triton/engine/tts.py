@@ -1,16 +1,17 @@
-"""The TTS's side of the engine core: MiniCPM-o 4.5's TTS Llama over a KV pool of its own (its layers and heads
-are not the LLM's), the same `PagedDecoder` layers and attention, its own input, head and rules.
+"""The TTS's side of the engine core: MiniCPM-o 4.5's TTS Llama (`DuplexTTS`, engine/tts_model.py) over a KV pool
+of its own (its layers and heads are not the LLM's), the same `PagedDecoder` layers and attention, its own input,
+head and rules.
 
-Input (`DuplexTTS.forward`, export/modules/tts.py): a chunk's condition is emb_text(id) + L2norm(projector_semantic
-(h)) where a text token has an LLM hidden state, then emb_text(audio_bos); every later position is a code,
-emb_code(code). Head: `head_code` over the speech codes; the logits [B, 6562] never leave the device. Rules
-(`TtsStage`'s `TtsRows`, MiniCPM-o's `MiniCPMTTS.generate_chunk`, OpenBMB/MiniCPM-o-Demo
-MiniCPMO45/modeling_minicpmo_unified.py:6792-6816), step for step and in the same precision: the logits divided by
-the temperature (float32); the repetition penalty per occurrence over the chunk's codes in its window
-(`CustomRepetitionPenaltyLogitsProcessorRepeat`, :6950-6968: alpha = penalty ** count in float64, stored float32);
-EOS masked mid-turn (:6809-6810); then the argmax when greedy, else top-k / top-p (`sampling.distribution`: off at
-top_k 0 / top_p 1) and the inverse CDF at the session rng's uniform for that code. A chunk ends on EOS or on its
-(n_tokens + 1)-th code (chosen, dropped); the device knows both, so a TTS row is never wasted by the overlap.
+Input (as `DuplexTTS.forward`, the ONNX graph): a chunk's condition is emb_text(id) + `DuplexTTS.semantic(h)` where
+a text token has an LLM hidden state, then emb_text(audio_bos); every later position is a code, emb_code(code).
+Head: `head_code` over the speech codes; the logits [B, 6562] never leave the device. Rules (`TtsStage`'s `TtsRows`,
+MiniCPM-o's `MiniCPMTTS.generate_chunk`, OpenBMB/MiniCPM-o-Demo MiniCPMO45/modeling_minicpmo_unified.py:6792-6816),
+step for step and in the same precision: the logits divided by the temperature (float32); the repetition penalty per
+occurrence over the chunk's codes in its window (`CustomRepetitionPenaltyLogitsProcessorRepeat`, :6950-6968: alpha =
+penalty ** count in float64, stored float32); EOS masked mid-turn (:6809-6810); then the argmax when greedy, else
+top-k / top-p (`sampling.distribution`: off at top_k 0 / top_p 1) and the inverse CDF at the session rng's uniform for
+that code. A chunk ends on EOS or on its (n_tokens + 1)-th code (chosen, dropped); the device knows both, so a TTS row
+is never wasted by the overlap.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn import functional
 
 from ..model_config import TtsDims
 from ..rules.sampling import kept_k
@@ -28,18 +28,20 @@ from .model import PagedDecoder
 from .protocol import ENDED, NOT_FINITE, TtsFeed, TtsRow, TtsRules
 from .sampler import candidates, inverse_cdf, not_finite, put, take, value_ordered
 from .staging import DeviceWrites, Staging
+from .tts_model import DuplexTTS
 
 
 class TtsHead:
     def __init__(self, model: PagedDecoder, tts: TtsDims, rules: TtsRules, capacity: int, writes: DeviceWrites,
                  steps: int = 32) -> None:
         self.model, self.rules, self.writes = model, rules, writes
+        net = model.net
+        assert isinstance(net, DuplexTTS)
+        self.net = net
         self.device = dev = model.device
-        self.normalize = tts.normalize_projected_hidden
         self.vocab = tts.num_audio_tokens
         self.capacity = r = capacity
-        w = model.w
-        self.head_bytes = w["head_code.0.weight"].numel() * w["head_code.0.weight"].element_size()
+        self.head_bytes = sum(t.numel() * t.element_size() for t in net.head_code.parameters())
         self.narrow = candidates(rules.top_k, self.vocab)
         self.temperature = torch.ones(r, device=dev)  # float32, as the host divides its float32 logits
         self.greedy = torch.zeros(r, dtype=torch.bool, device=dev)
@@ -99,26 +101,20 @@ class TtsHead:
                  for f in feeds if len(f.hidden)]
 
         def make() -> torch.Tensor:
-            w = self.model.w
-            x = w["emb_text.weight"][staging.view(ids)]
+            x = self.net.emb_text(staging.view(ids))
             if where is None:
                 return x
             h = torch.cat([p if isinstance(p, torch.Tensor) else staging.view(p) for p in parts]).to(x.dtype)
-            h = functional.linear(functional.relu(functional.linear(h, w["projector_semantic.linear1.weight"],
-                                                                    w["projector_semantic.linear1.bias"])),
-                                  w["projector_semantic.linear2.weight"], w["projector_semantic.linear2.bias"])
-            if self.normalize:
-                h = functional.normalize(h, p=2, dim=-1)
-            return x.index_add(0, staging.view(where), h)
+            return x.index_add(0, staging.view(where), self.net.semantic(h))
 
         return make
 
     # ---- the device side ----
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.model.w["emb_code.0.weight"][codes]
+        return self.net.emb_code[0](codes)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return functional.linear(hidden, self.model.w["head_code.0.weight"]).to(torch.float32)
+        return self.net.head_code[0](hidden).to(torch.float32)
 
     def keep_decoded(self, hidden: torch.Tensor, b: int, was_live: torch.Tensor) -> None:
         """The TTS keeps no hidden rows."""

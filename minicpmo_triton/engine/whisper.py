@@ -6,38 +6,31 @@ It is the stream's KV interface on the device (`stages.audio_encoder.StreamKv`):
 its restarts (a truncation in place), and a group of equal chunks encoded with only the chunks' mel, positions and
 slots going up (the pool's one staging copy) and the embeddings staying on the device for the LLM to splice in.
 
-The layers are `export/modules/audio_encoder.py`'s `WhisperEncoder.stream` (the reference's
-`get_audio_embedding_streaming`, MiniCPMO45/modeling_minicpmo_unified.py), written as plain functions over the
-checkpoint's weights (`apm.*`, `audio_projection_layer.*`, as the export writes them to
-`audio_encoder/1/weights.safetensors`): conv stem, learned positions, pre-LayerNorm layers with biased q/v/out
-projections and GELU, the final LayerNorm, the projector and the pooling. A Whisper layer is not a Qwen3 layer
-(LayerNorm, biases, no rope, its own widths), so it does not run through `PagedDecoder`; it shares the pool
-(`KvPool`), its builder and the attention backends, with non-causal rows: a chunk's frames see each other and the
-session's whole past, as the graph's mask lets them.
-Norms and softmax run in fp32 whatever the weights' dtype (bf16 on the GPU, fp32 on the CPU).
+The network is `AudioEncoder.stream` (engine/whisper_model.py, the one definition the `stream.onnx` graph is traced
+from) over the exported weights (`audio_encoder/1/weights.safetensors`), its keys and values through a `PoolCache`.
+A Whisper layer is not a Qwen3 layer (LayerNorm, biases, no rope, its own widths), so it does not run through
+`PagedDecoder`; it shares the pool (`KvPool`), its builder and the attention backends, with non-causal rows: a
+chunk's frames see each other and the session's whole past, as the graph's mask lets them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.nn import functional
 
 from ..media.audio_mel import CONTEXT_FRAMES, MelChunk, MelStream
 from ..model_config import AudioEncoderDims
 from .attention import PagedAttention, Rows
-from .build import build_pool, load_weights
+from .build import build_pool, load_net, load_weights
+from .cache import PoolCache
 from .mel import DeviceMel
 from .pool import KvPool, PoolShape
 from .protocol import PagedCache
-
-
-def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return functional.layer_norm(x.to(torch.float32), x.shape[-1:], weight.to(torch.float32),
-                                 bias.to(torch.float32), 1e-5).to(x.dtype)
+from .whisper_model import AudioEncoder
 
 
 class PagedWhisper:
@@ -54,7 +47,10 @@ class PagedWhisper:
         self.device = pool.device
         self.traffic = pool.traffic
         self.staging = pool.writes.staging
-        self.w = {name: t.detach().to(self.device, dtype) for name, t in weights.items()}
+        # the network as its weights are (a stream may restart before its `max_positions` rows)
+        net_dims = dataclasses.replace(dims, max_positions=weights["apm.embed_positions.weight"].shape[0])
+        llm_hidden = weights["audio_projection_layer.linear1.weight"].shape[0]
+        self.net = load_net(lambda: AudioEncoder(net_dims, llm_hidden), weights, self.device, dtype)
         self._restarted: dict[int, int] = {}  # restarts of each pool entry (its frames rewritten from 0)
         self._mel: DeviceMel | None = None
 
@@ -118,32 +114,6 @@ class PagedWhisper:
         return embeds
 
     # ---- the encoder ----
-    def _stem(self, mel: torch.Tensor, mel_mask: torch.Tensor) -> torch.Tensor:
-        """[B, n_mels, F] -> [B, T, D]: `WhisperEncoder.stem`, less the context frames."""
-        w = self.w
-        x = functional.gelu(functional.conv1d(mel, w["apm.conv1.weight"], w["apm.conv1.bias"], padding=1))
-        x = x * mel_mask[:, None, :].to(x.dtype)
-        x = functional.gelu(functional.conv1d(x, w["apm.conv2.weight"], w["apm.conv2.bias"], stride=2, padding=1))
-        drop = (CONTEXT_FRAMES + 1) // 2
-        return x.transpose(1, 2)[:, drop:-drop]
-
-    def _layer(self, i: int, x: torch.Tensor, slots: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """One pre-norm Whisper layer over the packed frames x [N, D]; its keys and values go into the pool."""
-        w, p = self.w, f"apm.layers.{i}."
-        heads = self.d.heads
-        n, hd = x.shape[0], self.d.d_model // heads
-        h = _layer_norm(x, w[p + "self_attn_layer_norm.weight"], w[p + "self_attn_layer_norm.bias"])
-        q = functional.linear(h, w[p + "self_attn.q_proj.weight"], w[p + "self_attn.q_proj.bias"]).view(n, heads, hd)
-        k = functional.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, heads, hd)  # k_proj has no bias
-        v = functional.linear(h, w[p + "self_attn.v_proj.weight"], w[p + "self_attn.v_proj.bias"]).view(n, heads, hd)
-        self.pool.write(i, slots, k, v)
-        a = self.attention(q, self.pool.key[i], self.pool.value[i], rows)  # scaled by hd ** -0.5, as Whisper's q
-        o = w[p + "self_attn.out_proj.weight"], w[p + "self_attn.out_proj.bias"]
-        x = x + functional.linear(a.reshape(n, -1), *o)
-        h = _layer_norm(x, w[p + "final_layer_norm.weight"], w[p + "final_layer_norm.bias"])
-        h = functional.gelu(functional.linear(h, w[p + "fc1.weight"], w[p + "fc1.bias"]))
-        return x + functional.linear(h, w[p + "fc2.weight"], w[p + "fc2.bias"])
-
     def forward(self, seqs: list[int], pasts: list[int], mel: Any, mel_mask: Any) -> torch.Tensor:
         """Rows of equal frames: mel [B, n_mels, F] (a chunk and its context), mel_mask [B, F], host arrays or
         device tensors; row r's encoder frames go to positions pasts[r] .. of pool session seqs[r]. Returns the
@@ -163,20 +133,11 @@ class PagedWhisper:
         self.pool.flush()
         positions, slots, seq_t = (self.staging.view(h) for h in staged)
         mel_t, mask_t = (self.staging.view(mel_h), self.staging.view(mask_h)) if host_mel else (mel, mel_mask)
-        w = self.w
-        x = self._stem(mel_t.to(self.dtype), mask_t)
-        dim = x.shape[2]
-        x = x.reshape(b * t, dim) + w["apm.embed_positions.weight"][positions]
         width = max(self.pool.shape.blocks_for(p + t) for p in pasts)
         rows = Rows(self.pool.device_tables.index_select(0, seq_t)[:, :width], list(pasts), [t] * b, causal=False,
                     seq=seq_t)
-        for i in range(self.d.layers):
-            x = self._layer(i, x, slots, rows)
-        x = _layer_norm(x, w["apm.layer_norm.weight"], w["apm.layer_norm.bias"])
-        x = functional.linear(functional.relu(functional.linear(x, w["audio_projection_layer.linear1.weight"],
-                                                                w["audio_projection_layer.linear1.bias"])),
-                              w["audio_projection_layer.linear2.weight"], w["audio_projection_layer.linear2.bias"])
-        return x.view(b, t // self.d.pool, self.d.pool, -1).to(torch.float32).mean(dim=2)  # AvgPool(pool)
+        return self.net.stream(mel_t.to(self.dtype), mask_t, positions.view(b, t),
+                               PoolCache(self.pool, self.attention, slots, rows))
 
 
 def load_paged_whisper(folder: Path, dims: AudioEncoderDims, device: str, **build: Any) -> PagedWhisper:
