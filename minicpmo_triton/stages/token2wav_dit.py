@@ -30,18 +30,29 @@ from .token2wav_ops import Linear, Norm, read_frames, write_frames
 
 
 @dataclass
+class _BlockTime:
+    """A block's adaLN modulations at one step's time: each `modulate(norm(h), shift, scale)` as the LayerNorm's
+    own affine (weight 1 + scale, bias shift: one op), and the three gates [1, 1, hidden]."""
+
+    msa: Norm
+    conv: Norm
+    mlp: Norm
+    gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # msa, conv, mlp
+
+
+@dataclass
 class StepTime:
-    """What an Euler step's time alone decides, the same for every row: each block's 9 adaLN modulations
-    (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp, shift_conv, 1 + scale_conv,
-    gate_conv; [1, 1, hidden] each) and the final layer's (shift, 1 + scale)."""
+    """What an Euler step alone decides, the same for every row: its blocks' modulations, the final layer's
+    modulated norm, and the final linear scaled by the step's dt (the Euler update x + dt * v folded in)."""
 
-    blocks: list[tuple[torch.Tensor, ...]]
-    final: tuple[torch.Tensor, torch.Tensor]
+    blocks: list[_BlockTime]
+    final_norm: Norm
+    final: Linear
 
 
-def _one_plus_scale(mods: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """adaLN's (shift, scale, gate) triples with each scale as 1 + scale (what `modulate` multiplies by)."""
-    return tuple(1 + m if i % 3 == 1 else m for i, m in enumerate(mods))
+def _modulated(norm: Norm, shift: torch.Tensor, scale: torch.Tensor) -> Norm:
+    """`modulate(norm(x), shift, scale)` = norm(x) * (1 + scale) + shift: the plain LayerNorm with that affine."""
+    return Norm(norm.shape, (1 + scale).flatten(), shift.flatten(), norm.eps)
 
 
 @dataclass
@@ -104,18 +115,25 @@ class LeanDiT:
         self.blocks = [_Block.of(b) for b in est.blocks]
         self.norm = Norm.of(est.blocks[0].norm1)  # the blocks' and the final layer's (no affine, eps 1e-6)
         self.final = Linear.of(est.final_layer.linear)
-        self._times: dict[tuple[float, torch.dtype, str], StepTime] = {}
+        self._times: dict[tuple[float, float, torch.dtype, str], StepTime] = {}
 
-    def time(self, t: float, dtype: torch.dtype, device: torch.device) -> StepTime:
+    def time(self, t: float, dt: float, dtype: torch.dtype, device: torch.device) -> StepTime:
         """A step's modulations, computed once (the schedule's times are fixed): the row-independent part of the
         DiT, out of every chunk's work."""
-        key = (t, dtype, str(device))
+        key = (t, dt, dtype, str(device))
         if key not in self._times:
-            est = self.est
+            est, norm = self.est, self.norm
             temb = est.t_embedder(torch.full((1,), t, dtype=dtype, device=device)).unsqueeze(1)  # [1, 1, hidden]
+            blocks = []
+            for b in est.blocks:
+                s_msa, c_msa, g_msa, s_mlp, c_mlp, g_mlp, s_conv, c_conv, g_conv = b.adaLN_modulation(temb).chunk(9, -1)
+                blocks.append(_BlockTime(_modulated(norm, s_msa, c_msa), _modulated(norm, s_conv, c_conv),
+                                         _modulated(norm, s_mlp, c_mlp), (g_msa, g_conv, g_mlp)))
             shift, scale = est.final_layer.adaLN_modulation(temb).chunk(2, -1)
-            self._times[key] = StepTime([_one_plus_scale(b.adaLN_modulation(temb).chunk(9, -1)) for b in est.blocks],
-                                        (shift, 1 + scale))
+            final = self.final
+            assert final.bias is not None
+            self._times[key] = StepTime(blocks, _modulated(norm, shift, scale),
+                                        Linear(final.weight * dt, final.bias * dt))
         return self._times[key]
 
     def condition(self, mu: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -127,26 +145,26 @@ class LeanDiT:
         cond_rows = self.rest_proj(packed)
         return torch.stack([cond_rows, self.in_bias.expand_as(cond_rows)])
 
-    def velocity(self, x: torch.Tensor, condition: torch.Tensor, time: StepTime, cnn: torch.Tensor,
-                 frames: list[torch.Tensor], keys: torch.Tensor, new: torch.Tensor,
-                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, x: torch.Tensor, condition: torch.Tensor, time: StepTime, cnn: torch.Tensor,
+             frames: list[torch.Tensor], keys: torch.Tensor, new: torch.Tensor,
+             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One Euler step: x [B, 80, n], `condition` [2, B, n, hidden], the step's conv caches [depth, 2B,
         2*hidden, 2] and attention frames (per block [slots * F, H, 2*hd]; the rows read `keys` [2B, K] masked
-        by `bias` [2B, 1, 1, K], write `new` [2B, n]) -> the guided velocity [B, 80, n] and the new conv caches."""
+        by `bias` [2B, 1, 1, K], write `new` [2B, n]) -> x + dt * the guided velocity, and the new conv caches."""
         b, _, n = x.shape
         h = (condition + self.x_proj(x.transpose(1, 2))).view(2 * b, n, self.hidden)
         new_cnn = []
         for blk, mods, cache, cnn_i in zip(self.blocks, time.blocks, frames, cnn, strict=True):
-            s_msa, c_msa, g_msa, s_mlp, c_mlp, g_mlp, s_conv, c_conv, g_conv = mods
-            h = torch.addcmul(h, g_msa, self._attention(blk, torch.addcmul(s_msa, self.norm(h), c_msa), cache, keys,
-                                                        new, bias))
-            conv, cnn_i = self._conv(blk, torch.addcmul(s_conv, self.norm(h), c_conv), cnn_i)
+            g_msa, g_conv, g_mlp = mods.gates
+            h = torch.addcmul(h, g_msa, self._attention(blk, mods.msa(h), cache, keys, new, bias))
+            conv, cnn_i = self._conv(blk, mods.conv(h), cnn_i)
             h = torch.addcmul(h, g_conv, conv)
-            mlp = blk.fc2(F.gelu(blk.fc1(torch.addcmul(s_mlp, self.norm(h), c_mlp)), approximate="tanh"))
-            h = torch.addcmul(h, g_mlp, mlp)
+            h = torch.addcmul(h, g_mlp, blk.fc2(F.gelu(blk.fc1(mods.mlp(h)), approximate="tanh")))
             new_cnn.append(cnn_i)
-        v = self.final(torch.addcmul(time.final[0], self.norm(h), time.final[1])).transpose(1, 2)  # [2B, 80, n]
-        return (1.0 + self.rate) * v[:b] - self.rate * v[b:], torch.stack(new_cnn)  # guidance, as `guided`
+        m = time.final_norm(h)
+        # guidance ((1 + rate) v_cond - rate v_uncond, `guided`) before the final linear, which is linear in it
+        guided = torch.add(m[:b] * (1.0 + self.rate), m[b:], alpha=-self.rate)  # [B, n, hidden]
+        return x + time.final(guided).transpose(1, 2), torch.stack(new_cnn)
 
     @staticmethod
     def _attention(blk: _Block, x: torch.Tensor, frames: torch.Tensor, keys: torch.Tensor, new: torch.Tensor,

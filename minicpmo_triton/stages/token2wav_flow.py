@@ -67,7 +67,7 @@ class _Positions:
         count = valid.sum(1)  # [B]
         q_time = count[:, None] - n + torch.arange(n, device=valid.device)[None, :]  # [B, n]
         k_time = torch.arange(valid.shape[1], device=valid.device)
-        most = int(count.max()) - 1
+        most = valid.shape[1] - 1  # the longest row's last key (the lists are padded to the longest): no sync
         return cls(most, (most - (q_time[:, :, None] - k_time[None, None, :])).clamp(0, most + n - 1),
                    key_bias(valid, dtype))
 
@@ -191,9 +191,9 @@ class RingFlow:
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
             k = step - 1
-            velocity, step_cnn = self.dit.velocity(x, condition, self.dit.time(float(t), x.dtype, x.device), cnn[k],
-                                                   [pool.flat("est", k, i) for i in range(depth)], keys, new, bias)
-            x = x + float(dt) * velocity
+            time = self.dit.time(float(t), float(dt), x.dtype, x.device)
+            x, step_cnn = self.dit.step(x, condition, time, cnn[k], [pool.flat("est", k, i) for i in range(depth)],
+                                        keys, new, bias)
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t

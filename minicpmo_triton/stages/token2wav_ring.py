@@ -102,6 +102,7 @@ class FlowPool:
                 index[axis] = slice(0, old.shape[axis])
             new[name][tuple(index)] = old
         self.tensors, self.slots, self.frames = new, slots, frames
+        self._flat: dict[tuple[Any, ...], torch.Tensor] = {}  # `flat`'s views of these tensors
         self.version += 1
         return True
 
@@ -122,9 +123,13 @@ class FlowPool:
 
     def flat(self, name: str, *lead: int) -> torch.Tensor:
         """One layer's (and step's) frames of every slot as one axis: [slots * frames, H, 2*d], a view (the flat ids
-        of `FlowRows` index it)."""
-        t = self[name][lead]
-        return t.view(-1, *t.shape[-2:])
+        of `FlowRows` index it), made once per allocation."""
+        key = (name, *lead)
+        view = self._flat.get(key)
+        if view is None:
+            t = self[name][lead]
+            view = self._flat[key] = t.view(-1, *t.shape[-2:])
+        return view
 
 
 @dataclass
