@@ -12,10 +12,10 @@ tests/test_token2wav_ring.py and tests/test_token2wav_parity.py hold them):
 - the adaLN modulations `x * (1 + scale) + shift` and the gated residuals as one `addcmul` each, (1 + scale)
   computed once per step's time (`StepTime`);
 - the block's causal convs (kernel 3 over the cached 2 frames + the chunk) as one matmul over the unfolded
-  windows, channels-last (no transposes; oneDNN's conv1d costs ~0.1 ms a call at these widths).
+  windows, channels-last, their caches too (no transposes; oneDNN's conv1d costs ~0.1 ms a call at these widths).
 
-Caches are the official layout: the conv cache [2B, 2*hidden, 2] (both convs' last inputs, channels-first) and the
-attention frames [slots * F, H, 2*hd] of `FlowPool` (token2wav_ring), read and written by flat frame ids.
+Caches are `FlowPool`'s (token2wav_ring): the conv caches [2B, 2, 2*hidden] (both convs' last 2 input frames,
+channels-last) and the attention frames [slots * F, H, 2*hd], read and written by flat frame ids.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .token2wav_ops import Linear, Norm, read_frames, write_frames
+from .token2wav_ops import Conv, Linear, Norm, read_frames, write_frames
 
 
 @dataclass
@@ -56,28 +56,6 @@ def _modulated(norm: Norm, shift: torch.Tensor, scale: torch.Tensor) -> Norm:
 
 
 @dataclass
-class _Conv:
-    """A causal conv (kernel k, its left k - 1 frames cached) as a matmul over unfolded windows."""
-
-    linear: Linear  # [out, in * k]: Conv1d's [out, in, k] flattened as unfold lays windows out
-    channels: int  # in
-    k: int
-
-    @classmethod
-    def of(cls, conv: Any) -> _Conv:
-        w = conv.weight.detach()
-        return cls(Linear(w.reshape(w.shape[0], -1), conv.bias.detach()), w.shape[1], w.shape[2])
-
-    def __call__(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [R, n, C] (channels-last), cache [R, C, k - 1] (channels-first, as the official) -> [R, n, out] and
-        the new cache [R, C, k - 1] (its input's last k - 1 frames)."""
-        r, n, _ = x.shape
-        xp = torch.cat([cache.transpose(1, 2), x], dim=1)  # [R, n + k - 1, C]
-        windows = xp.unfold(1, self.k, 1).reshape(r, n, -1)  # [R, n, C * k]
-        return self.linear(windows), xp[:, n:].transpose(1, 2)
-
-
-@dataclass
 class _Block:
     """One DiTBlock's weights, as `LeanDiT` uses them."""
 
@@ -85,9 +63,9 @@ class _Block:
     q_norm: Norm
     k_norm: Norm
     proj: Linear
-    conv1: _Conv
+    conv1: Conv
     conv_norm: Norm  # the conv block's LayerNorm (affine) between its convs
-    conv2: _Conv
+    conv2: Conv
     fc1: Linear
     fc2: Linear
     heads: int
@@ -97,7 +75,7 @@ class _Block:
     def of(cls, block: Any) -> _Block:
         a, conv = block.attn, block.conv.block  # conv: Transpose, conv1, Transpose, LayerNorm, Mish, ...conv2...
         return cls(Linear.stacked(a.to_q, a.to_k, a.to_v), Norm.of(a.q_norm), Norm.of(a.k_norm), Linear.of(a.proj),
-                   _Conv.of(conv[1]), Norm.of(conv[3]), _Conv.of(conv[6]), Linear.of(block.mlp.fc1),
+                   Conv.of(conv[1]), Norm.of(conv[3]), Conv.of(conv[6]), Linear.of(block.mlp.fc1),
                    Linear.of(block.mlp.fc2), a.num_heads, a.head_dim)
 
 
@@ -148,8 +126,8 @@ class LeanDiT:
     def step(self, x: torch.Tensor, condition: torch.Tensor, time: StepTime, cnn: torch.Tensor,
              frames: list[torch.Tensor], keys: torch.Tensor, new: torch.Tensor,
              bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Euler step: x [B, 80, n], `condition` [2, B, n, hidden], the step's conv caches [depth, 2B,
-        2*hidden, 2] and attention frames (per block [slots * F, H, 2*hd]; the rows read `keys` [2B, K] masked
+        """One Euler step: x [B, 80, n], `condition` [2, B, n, hidden], the step's conv caches [depth, 2B, 2,
+        2*hidden] and attention frames (per block [slots * F, H, 2*hd]; the rows read `keys` [2B, K] masked
         by `bias` [2B, 1, 1, K], write `new` [2B, n]) -> x + dt * the guided velocity, and the new conv caches."""
         b, _, n = x.shape
         h = (condition + self.x_proj(x.transpose(1, 2))).view(2 * b, n, self.hidden)
@@ -180,9 +158,9 @@ class LeanDiT:
 
     @staticmethod
     def _conv(blk: _Block, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`CausalConvBlock.forward_chunk`: conv, LayerNorm, Mish, conv; x [2B, n, hidden], cache [2B, 2*hidden,
-        k - 1] (conv1's input's last frames, then conv2's) -> [2B, n, hidden] and the new cache."""
-        c1, c2 = cache[:, :blk.conv1.channels], cache[:, blk.conv1.channels:]
-        y, new1 = blk.conv1(x, c1)
-        y, new2 = blk.conv2(F.mish(blk.conv_norm(y)), c2)
-        return y, torch.cat([new1, new2], dim=1)
+        """`CausalConvBlock.forward_chunk`: conv, LayerNorm, Mish, conv; x [2B, n, hidden], cache [2B, k - 1,
+        2*hidden] (conv1's last input frames | conv2's) -> [2B, n, hidden] and the new cache."""
+        x1 = torch.cat([cache[..., :blk.conv1.channels], x], dim=1)  # [2B, k - 1 + n, hidden]
+        x2 = torch.cat([cache[..., blk.conv1.channels:], F.mish(blk.conv_norm(blk.conv1(x1)))], dim=1)
+        lead = x.shape[1]
+        return blk.conv2(x2), torch.cat([x1[:, lead:], x2[:, lead:]], dim=2)  # the new cache: their last k - 1

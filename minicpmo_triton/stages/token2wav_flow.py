@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from ..model_config import Token2WavDims
 from .token2wav_dit import LeanDiT
-from .token2wav_ops import Linear, Norm, key_bias, read_frames, write_frames
+from .token2wav_ops import Conv, Linear, Norm, key_bias, read_frames, write_frames
 from .token2wav_ring import FlowPool, FlowRows
 
 
@@ -148,39 +148,49 @@ class RingFlow:
         self.layers = [_RelLayer.of(layer) for layer in enc.encoders]  # token rate
         self.up_layers = [_RelLayer.of(layer) for layer in enc.up_encoders]  # mel rate
         self.after_norm, self.proj = Norm.of(enc.after_norm), Linear.of(flow.encoder_proj)
+        look, up = enc.pre_lookahead_layer, enc.up_layer
+        self.look1, self.look2, self.up_conv = Conv.of(look.conv1), Conv.of(look.conv2), Conv.of(up.conv)
+        self.up_rate = int(up.scale_factor)
+        if (look.pre_lookahead_len, self.look1.k, self.look2.k, self.up_rate, self.up_conv.k) != (3, 4, 3, 2, 5):
+            raise ValueError("token2wav's conformer looks 3 tokens ahead and upsamples x2 (its caches: 2 + 4 frames)")
         self.dit = LeanDiT(flow.decoder.estimator, float(flow.decoder.inference_cfg_rate))
 
     # ---- the conformer: tokens -> mu ----
     def conformer(self, tokens: torch.Tensor, n_real: torch.Tensor, rows: FlowRows,
                   pool: FlowPool) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] (T - 3 decoded, 3 lookahead; a turn's last chunk: `n_real` < T and the frames past it
-        zeroed, as the reference pads it) -> mu [B, 2*(T-3), 80], the rows' new conv caches [B, C, 6]. The new
+        zeroed, as the reference pads it) -> mu [B, 2*(T-3), 80], the rows' new conv caches [B, 6, C]. The new
         key/value frames are written to the rows' slots (`rows.tok_new`, `rows.mel_new`)."""
         flow, enc = self.flow, self.flow.encoder
         t = tokens.shape[1]
         xs = self.embed(F.embedding(tokens, flow.input_embedding.weight))
         xs = xs * (torch.arange(t, device=xs.device)[None, :] < n_real[:, None]).unsqueeze(-1).to(xs.dtype)
-        cnn = pool["cnn"].index_select(0, rows.own).to(xs.dtype)  # [B, C, 6]
-        xs, new_cnn1 = enc.pre_lookahead_layer.forward_chunk(xs, cache=cnn[:, :, :2])
+        cnn = pool["cnn"].index_select(0, rows.own).to(xs.dtype)  # [B, 6, C]
+        # PreLookaheadLayer.forward_chunk: a conv over the 3 lookahead tokens, then a causal one over 2 cached frames
+        look = F.leaky_relu(self.look1(xs))  # [B, T - 3, C]
+        xs = self.look2(torch.cat([cnn[:, :2], look], dim=1)) + xs[:, :look.shape[1]]
+        new_cnn1 = look[:, -2:]
         pe = enc.embed.pos_enc.pe.to(device=xs.device, dtype=xs.dtype)
         positions = _Positions.of(rows.tok_valid, xs.shape[1], xs.dtype)
         for i, layer in enumerate(self.layers):
             xs = layer(xs, pool.flat("tok", i), rows.tok_keys, rows.tok_new, positions, pe)
-        xs, _, new_cnn2 = enc.up_layer.forward_chunk(xs.transpose(1, 2), None, cache=cnn[:, :, 2:])
-        xs = self.up_embed(xs.transpose(1, 2))
+        # Upsample1D.forward_chunk: nearest x2, then a causal conv over 4 cached frames
+        up = torch.cat([cnn[:, 2:], xs.repeat_interleave(self.up_rate, dim=1)], dim=1)
+        xs, new_cnn2 = self.up_conv(up), up[:, -(self.up_conv.k - 1):]
+        xs = self.up_embed(xs)
         positions = _Positions.of(rows.mel_valid, xs.shape[1], xs.dtype)
         for i, layer in enumerate(self.up_layers):
             xs = layer(xs, pool.flat("mel", i), rows.mel_keys, rows.mel_new, positions, pe)
-        return self.proj(self.after_norm(xs)), torch.cat([new_cnn1, new_cnn2], dim=2)
+        return self.proj(self.after_norm(xs)), torch.cat([new_cnn1, new_cnn2], dim=1)
 
     # ---- the CFM: n_timesteps Euler steps of the DiT ----
     def cfm(self, mu: torch.Tensor, x: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor, t_span: np.ndarray,
             rows: FlowRows, pool: FlowPool) -> tuple[torch.Tensor, torch.Tensor]:
         """mu, x (the noise), cond [B, 80, n]; spk [B, 80] -> mel [B, 80, n] and the new DiT conv caches
-        [steps, depth, 2B, 2*hidden, 2] (rows' conditional halves first, then the unconditional). Each step's new
+        [steps, depth, 2B, 2, 2*hidden] (rows' conditional halves first, then the unconditional). Each step's new
         key/value frames are written to the rows' slots (`rows.est_new`)."""
         cfg = torch.cat([2 * rows.own, 2 * rows.own + 1])  # the rows' conditional, then unconditional, slot rows
-        cnn = pool["est_cnn"][:, :, cfg].to(x.dtype)  # [steps, depth, 2B, 2*hidden, 2]
+        cnn = pool["est_cnn"][:, :, cfg].to(x.dtype)  # [steps, depth, 2B, 2, 2*hidden]
         # the unconditional rows read the same frames one slot row on: (2s + 1) * F
         keys = torch.cat([rows.est_keys, rows.est_keys + pool.frames])
         new = torch.cat([rows.est_new, rows.est_new + pool.frames])
