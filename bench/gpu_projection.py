@@ -6,7 +6,7 @@ its own offset in the second (staggered arrivals, uniform), 30% of the steps spe
 (Whisper: its 1 s chunk over up to 30 s of frames), prefilled into the LLM (12 tokens over 60 s of history) and
 decodes: a listening step 1 token, a speaking step 20 (its chunk's budget); a spoken chunk then goes to the TTS
 (its condition, 11 positions, then 26 codes, one an iteration) and its 25 codes to token2wav (one 1 s chunk: the
-flow's conformer over 28 tokens, 5 Euler steps of the DiT estimator with guidance, HiFT over 50 mel frames). Each
+flow's conformer over 28 tokens, 5 Euler steps of the DiT estimator with guidance, HiFT over 58 mel frames). Each
 loop iteration runs every engine's work at hand: the Whisper chunks and LLM prefills of the steps that arrived, one
 LLM decode iteration of every decoding row, one TTS iteration, the token2wav chunks ready. A speaking step's latency
 is its arrival to its audio's end.
@@ -14,8 +14,9 @@ is its arrival to its audio's end.
 Device time per piece of work: a roofline from counted work at NVIDIA's published H200 peaks (HBM3e 4.8 TB/s, bf16
 dense 989 TFLOP/s) derated to what kernels commonly reach (75% / 50%): max(FLOPs / compute, bytes / bandwidth), the
 bytes each forward's weights read once and each row's KV read (`engine/traffic.py`'s `Work` formulas), the samplers'
-passes over the logits; token2wav's FLOPs as 2 per parameter per position of each of its parts (parameters counted
-from its modules at the real widths). An iteration's wall time is the larger of its device time and the host's
+passes over the logits; token2wav's work per chunk as `bench/token2wav_work.chunk_work` counts it (FLOPs counted
+over its modules at the real widths, a 3 s voice; its weights read once an iteration, the estimator's at each
+step; each chunk's cache reads and writes). An iteration's wall time is the larger of its device time and the host's
 work per iteration (overlap: the next iteration is launched before this one's tokens are read), plus each CUDA
 graph's replay launch. The host's work per iteration is MEASURED on this machine by `bench/engine_host.py`'s after
 path (the engine core's step, the decode step's replay stubbed) at 32 / 128 / 256 rows, interpolated, plus each
@@ -37,10 +38,10 @@ from __future__ import annotations
 import argparse
 import heapq
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from bench.token2wav_work import ChunkWork, chunk_work
 from export.memory import pool_bytes
 from export.presets import minicpmo45
 from minicpmo_triton.engine.traffic import layer_flops_per_token, layer_weight_count
@@ -62,6 +63,7 @@ WHISPER_FRAMES = 50  # a 1 s chunk's encoder frames
 WHISPER_HISTORY = 750  # the frames a session's stream holds on average (it restarts at 1500)
 BF16 = 2
 SAMPLER_PASSES = 10  # the LLM's rules and draws read the logits about this many times (fp32 and fp64 passes)
+VOICE_FRAMES = 150  # token2wav's voice prompt: a 3 s reference (its kept frames are what each chunk attends to)
 SECONDS = 6  # simulated; the first two are the warm-up (their steps are not counted)
 
 
@@ -115,36 +117,23 @@ def whisper_bill(preset: PresetConfig, chunks: int) -> Bill:
 
 @dataclass
 class Token2Wav:
-    """token2wav's parts (parameters from its modules at the real widths, meta device) and a chunk's positions."""
+    """token2wav's work per speaking chunk, as `bench/token2wav_work.chunk_work` counts it (the one definition):
+    FLOPs by FlopCounterMode over its modules at the real widths, its weights' reads per iteration (shared by the
+    chunks in it), each chunk's cache reads and writes."""
 
-    encoder: int
-    estimator: int
-    vocoder: int
+    work: ChunkWork
 
     @classmethod
     def of(cls, preset: PresetConfig) -> Token2Wav:
-        import torch
+        return cls(chunk_work(preset.token2wav, VOICE_FRAMES, cache_bytes=BF16, weight_bytes=BF16))
 
-        from export.stages import build_module
-
-        with torch.device("meta"):
-            m: Any = build_module(preset, "token2wav", 0)
-        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
-        return cls(count(m.flow.encoder) + count(m.flow.input_embedding), count(m.flow.decoder), count(m.hift))
-
-    def bill(self, chunks: int, preset: PresetConfig) -> Bill:
-        """`chunks` 1 s chunks: the conformer over 28 tokens (2 mel frames each), the estimator over the prompt
-        (~3 s: 150 frames), its cache (100) and the chunk's 50 frames, 5 steps x 2 (guidance), HiFT over 50 frames
-        at 24 kHz (480 samples a frame: its convolutions run at the upsampled rates; counted at 120 positions a frame,
-        the weighted mean of its stages)."""
+    def bill(self, chunks: int) -> Bill:
+        """`chunks` 1 s chunks in one iteration: the conformer over 28 tokens, 5 Euler steps x 2 (guidance) of the
+        DiT over the voice's kept frames, its cache and the chunk's 50 frames, HiFT over 58 mel frames."""
         if not chunks:
             return Bill()
-        t = preset.token2wav
-        est_positions = (150 + t.cache_tail_frames + 50) * t.n_timesteps * 2
-        flops = 2 * (self.encoder * 2 * (t.chunk_tokens + t.lookahead) + self.estimator * est_positions
-                     + self.vocoder * 50 * 120)
-        weights = (self.encoder + self.estimator + self.vocoder) * BF16
-        return Bill(chunks * flops, weights * (1 + t.n_timesteps))
+        w = self.work
+        return Bill(chunks * w.total_flops, w.weight_reads + chunks * (w.cache_read + w.cache_written))
 
 
 @dataclass(order=True)
@@ -196,7 +185,7 @@ def simulate(preset: PresetConfig, sessions: int, host: HostCost, t2w: Token2Wav
                                  head=len(tts_next), sampler=codes)
                   + forward_bill(td, len(tts_rows), len(tts_rows), TTS_HISTORY, BF16, head=len(tts_rows),
                                  sampler=codes)
-                  + t2w.bill(len(t2w_next), preset))
+                  + t2w.bill(len(t2w_next)))
         graphs = 2 * REPLAY_S  # the LLM's and the TTS's decode graphs
         t += max(roofline(device), host(len(llm_rows) + len(tts_rows), len(new))) + graphs
         busy += roofline(device)

@@ -4,7 +4,7 @@ only, no math), the bytes its attention reads and writes of the caches, the weig
 every session in it), and what crosses between host and device (the device path's: tokens and key lists up,
 HiFT's noise up, the audio down).
 
-`chunk_work(d, voice_frames)` is what bench/gpu_projection.py calls to put token2wav beside the LLM on the GPU.
+`chunk_work(d, voice_frames)` is the one count of it: bench/gpu_projection.py bills token2wav's chunks with it.
 
     python -m bench.token2wav_work [--voice-s 10]
 """
@@ -34,7 +34,9 @@ class ChunkWork:
     """One session's speaking chunk on the device path."""
 
     flops: dict[str, float] = field(default_factory=dict)  # by part: conformer, estimator (5 steps), vocoder
-    weight_bytes: float = 0.0  # flow + HiFT weights, read once per iteration for every session in it
+    weight_bytes: float = 0.0  # flow + HiFT weights, held once, shared by every session
+    weight_reads: float = 0.0  # what an iteration reads of them, once for every session in it (the estimator's at
+    # each of its Euler steps)
     cache_read: float = 0.0  # keys/values its attention reads (the voice's kept frames and its own), all layers
     cache_written: float = 0.0  # the chunk's new keys/values
     host_bytes: float = 0.0  # host <-> device
@@ -63,7 +65,9 @@ def chunk_work(d: Token2WavDims | None = None, voice_frames: int = 500, cache_by
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "flow.yaml").write_text(flow_yaml(d))
         flow = load_flow_yaml(Path(tmp) / "flow.yaml")
-    weights = sum(p.numel() for m in (flow, hift) for p in m.parameters()) * weight_bytes
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    weights = (count(flow) + count(hift)) * weight_bytes
+    reads = weights + (d.n_timesteps - 1) * count(flow.decoder) * weight_bytes
     mods = {"conformer": ConformerChunk(flow).eval().to("meta"), "estimator": EstimatorStep(flow).eval().to("meta"),
             "vocoder": VocoderChunk(hift).eval().to("meta")}
     with torch.device("meta"):
@@ -96,7 +100,7 @@ def chunk_work(d: Token2WavDims | None = None, voice_frames: int = 500, cache_by
     host = (8 * (n_tok + d.lookahead) + ids + kept * 3 + 4 * d.n_mels  # tokens, ids, masks, the voice vector
             + 4 * frames * SAMPLES_PER_FRAME * HARMONICS  # HiFT's noise (1.0.5's path)
             + 4 * n * SAMPLES_PER_FRAME)  # the audio back
-    return ChunkWork(flops, float(weights), float(read), float(written), float(host))
+    return ChunkWork(flops, float(weights), float(reads), float(read), float(written), float(host))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, f in w.flops.items():
         print(f"| {name} | {f / 1e9:.1f} |")
     print(f"| total | {w.total_flops / 1e9:.1f} |")
-    print(f"weights {w.weight_bytes / 2**20:.0f} MiB a batch; caches read {w.cache_read / 2**20:.1f} MiB, written "
-          f"{w.cache_written / 2**20:.1f} MiB; host<->device {w.host_bytes / 2**20:.2f} MiB per session and chunk")
+    print(f"weights {w.weight_bytes / 2**20:.0f} MiB, {w.weight_reads / 2**20:.0f} MiB read an iteration; caches "
+          f"read {w.cache_read / 2**20:.1f} MiB, written {w.cache_written / 2**20:.1f} MiB; host<->device "
+          f"{w.host_bytes / 2**20:.2f} MiB per session and chunk")
     return 0
 
 

@@ -280,10 +280,11 @@ def test_the_ring_path_on_cuda_streams_as_on_the_cpu() -> None:
 
 def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp_path) -> None:
     """minicpmo-utils 1.0.7's layout (its causal HiFT streamed by the package's BoundedVocoder): three sessions with
-    two voices, chunks of different lengths side by side, turns ending and starting at different steps and a
-    barge-in; the device path runs the vocoder for every row of a step at once (their histories in slots) and
-    gives today's path's audio (one BoundedVocoder call per session, matched to the package's own Token2wav in
-    tests/test_token2wav_1_0_7.py) within 1e-5."""
+    two voices, chunks of different lengths side by side, turns ending and starting at different steps, a barge-in
+    and an eviction mid-turn whose slot (and its vocoder history) the next session takes; the device path runs the
+    vocoder for every row of a step at once (their histories in slots) and gives today's path's audio (one
+    BoundedVocoder call per session, matched to the package's own Token2wav in tests/test_token2wav_1_0_7.py) within
+    1e-5."""
     from export.checkpoint import copy_causal_vocoder, load_token2wav
     from export.modules.token2wav import graphs
     from export.torch_engine import TorchEngine
@@ -312,17 +313,28 @@ def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp
     preset = load_stage_config(FOLDER)
     host, ring = (Token2WavStage(s, VoicePrompts(s, lambda a: voices[float(a[0])], voices[0.0]), preset, ttl_s=60)
                   for s in (host_streamer, ring_streamer_))
+    clock = Clock()
+    for stage in (host, ring):
+        stage.store = SequenceStore(60, clock=clock, on_drop=stage.drop_state)
     refs = [np.full(8000, v, np.float32) for v in voices]
     script: list[list[tuple[int, int, dict[str, Any]]]] = [
         [(1, 25, dict(start=True, turn_start=True, voice=refs[0])), (2, 9, dict(start=True, turn_start=True))],
         [(1, 13, dict(finalize=True)), (2, 40, {}), (3, 31, dict(start=True, turn_start=True, voice=refs[1]))],
-        [(1, 25, dict(turn_start=True)), (2, 7, dict(turn_start=True)), (3, 25, {})],
+        [(1, 25, dict(turn_start=True)), (2, 7, dict(turn_start=True)),  # 3 goes quiet mid-turn: evicted below
+         (4, 25, dict(start=True, turn_start=True, voice=refs[1]))],
         [(1, 0, dict(finalize=True, end=True)), (2, 25, dict(finalize=True, end=True)),
-         (3, 30, dict(finalize=True, end=True))],
+         (4, 30, dict(finalize=True, end=True))],
     ]
     rng = np.random.default_rng(9)
-    worst, heard = 0.0, 0
+    worst, heard, evicted_slot = 0.0, 0, None
     for step, calls in enumerate(script):
+        if step == 2:  # session 3 idles out mid-turn: its slot goes back, and session 4 takes it
+            evicted_slot = ring.store.get(3).stream.slot
+            assert evicted_slot is not None
+            clock.now += 61
+            for cid in (1, 2):
+                host.store.get(cid), ring.store.get(cid)
+            assert host.store.evict_expired() == ring.store.evict_expired() == [3]
         batch = [call(cid, n, np.random.default_rng(rng.integers(1 << 30)), **kw) for cid, n, kw in calls]
         for c, w, g in zip(batch, host.run(batch), ring.run(batch), strict=True):
             assert isinstance(w, Token2WavResult) and isinstance(g, Token2WavResult), (step, c.corr_id, w, g)
@@ -330,9 +342,11 @@ def test_the_1_0_7_layout_streams_as_today_s_with_its_causal_vocoder_batched(tmp
             if len(w.waveform):
                 heard += 1
                 worst = max(worst, float(np.abs(w.waveform - g.waveform).max()))
+        if step == 2:
+            assert ring.store.get(4).stream.slot == evicted_slot
     print(f"1.0.7 ring vs today's path over {heard} calls with audio: max |diff| = {worst:.3g}")
     assert heard >= 9 and worst < 1e-5
-    assert isinstance(ring.streamer, DeviceStreamer) and ring.streamer.turns == 0
+    assert isinstance(ring.streamer, DeviceStreamer) and ring.streamer.turns == 0 and len(ring.store) == 0
 
 
 def test_the_cfm_graphs_padding_streams_as_the_plain_call() -> None:

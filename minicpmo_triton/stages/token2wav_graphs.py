@@ -53,7 +53,7 @@ class CfmGraphs:
     def run(self, mu: torch.Tensor, x: torch.Tensor, spk: torch.Tensor, cond: torch.Tensor, rows: FlowRows,
             pool: FlowPool, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`RingFlow.cfm` for rows that `fit`, through the bucket's graph: mel [B, 80, n] and the new DiT conv
-        caches [steps, depth, 2B, 2*hidden, 2]."""
+        caches [steps, depth, 2B, 2, 2*hidden]."""
         if pool.version != self._version:  # the pool's tensors were reallocated: graphs hold the old ones
             self._graphs, self._version = {}, pool.version
         b = rows.size

@@ -66,8 +66,9 @@ class FlowPool:
     tok  [L1, slots, frames/2, H, 2*dk]   conformer token-rate keys|values (dk = channels / heads)
     mel  [L2, slots, frames, H, 2*dk]     conformer mel-rate keys|values
     est  [steps, depth, slots*2, frames, Hd, 2*hd]  DiT keys|values per Euler step; row 2s: conditional, 2s+1: not
-    cnn  [slots, C, 6]                    conformer conv caches: pre-lookahead (2) + upsample (4)
-    est_cnn [steps, depth, slots*2, 2*hidden, 2]   DiT conv caches
+    cnn  [slots, 6, C]                    conformer conv caches: pre-lookahead (2) + upsample (4) input frames
+    est_cnn [steps, depth, slots*2, 2, 2*hidden]   DiT conv caches: each block's two convs' last 2 input frames
+    (the conv caches channels-last: the official keeps them channels-first)
     """
 
     def __init__(self, d: Token2WavDims, slots: int, frames: int, device: str | torch.device,
@@ -85,8 +86,8 @@ class FlowPool:
         return {"tok": (d.num_blocks, slots, frames // UP_RATE, d.heads, dk),
                 "mel": (d.num_up_blocks, slots, frames, d.heads, dk),
                 "est": (d.n_timesteps, d.dit_depth, 2 * slots, frames, d.dit_heads, hd),
-                "cnn": (slots, d.channels, 2 + 2 * UP_RATE),
-                "est_cnn": (d.n_timesteps, d.dit_depth, 2 * slots, 2 * d.dit_hidden, 2)}
+                "cnn": (slots, 2 + 2 * UP_RATE, d.channels),
+                "est_cnn": (d.n_timesteps, d.dit_depth, 2 * slots, 2, 2 * d.dit_hidden)}
 
     def grow(self, slots: int, frames: int) -> bool:
         """At least `slots` slots of `frames` frames (even: token rate is half): reallocate and copy when either is
@@ -102,6 +103,7 @@ class FlowPool:
                 index[axis] = slice(0, old.shape[axis])
             new[name][tuple(index)] = old
         self.tensors, self.slots, self.frames = new, slots, frames
+        self._flat: dict[tuple[Any, ...], torch.Tensor] = {}  # `flat`'s views of these tensors
         self.version += 1
         return True
 
@@ -122,9 +124,13 @@ class FlowPool:
 
     def flat(self, name: str, *lead: int) -> torch.Tensor:
         """One layer's (and step's) frames of every slot as one axis: [slots * frames, H, 2*d], a view (the flat ids
-        of `FlowRows` index it)."""
-        t = self[name][lead]
-        return t.view(-1, *t.shape[-2:])
+        of `FlowRows` index it), made once per allocation."""
+        key = (name, *lead)
+        view = self._flat.get(key)
+        if view is None:
+            t = self[name][lead]
+            view = self._flat[key] = t.view(-1, *t.shape[-2:])
+        return view
 
 
 @dataclass
