@@ -10,20 +10,16 @@ Hops are counted from Triton's own `nv_inference_request_success` per model, bef
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
 
-from gateway.audio import encode_f32_base64
-
-from .conftest import MODEL_REPOSITORY, RunningTriton, start_gateway, stop_gateway, triton_with
-from .helpers import GREEDY, SPEAKING_TEXT, deltas, open_session, recv_until
-from .test_one_request_e2e import STAGES, conversation, heard, requests
+from .conftest import MODEL_REPOSITORY, RunningTriton, triton_with
+from .helpers import deltas
+from .test_one_request_e2e import says_the_same, voiced_chat
 
 pytestmark = [pytest.mark.asyncio(loop_scope="function"), pytest.mark.engines]  # engines: a .ci/run step of its own
 
@@ -67,13 +63,7 @@ async def gauges(triton: RunningTriton) -> dict[str, float]:
 
 async def test_a_speaking_step_is_one_request_and_says_what_two_requests_say(two_triton, one_triton, speech,
                                                                              tmp_path) -> None:
-    audio = speech(SPEAKING_TEXT)
-    audio = audio[: min(8, len(audio) // 16_000) * 16_000]
-    before, two = await conversation(two_triton, audio, tmp_path / "gateway_two.log")
-    after, one = await conversation(one_triton, audio, tmp_path / "gateway_one.log")
-    texts, voice = heard(before)
-    assert voice, "the tiny model speaks on this input"
-    assert heard(after) == (texts, voice), "the same words and the same voice, sample for sample"
+    before, two, after, one = await says_the_same(speech, tmp_path, two_triton, one_triton)
     speaking = two["token2wav"] - 1  # each voiced step once, and the session's END
     assert speaking >= 2 and two["tts"] == 0, two
     # the same llm requests (one per step, the END), and none to token2wav: one request per speaking step
@@ -85,39 +75,13 @@ async def test_a_speaking_step_is_one_request_and_says_what_two_requests_say(two
     assert await asyncio.to_thread(one_triton.stage_metric, "live_sequences", "token2wav") == 0
 
 
-async def voiced_turns(triton: RunningTriton, voice: np.ndarray, log: Path) -> tuple[list[dict], dict[str, float]]:
-    """A greedy turn-based session of three voiced replies: the session's voice, a reference of its own for the
-    second (set mid-session), the session's again; its events and the requests each stage served."""
-    gw = start_gateway(triton.endpoint, log, health_period_s="3600")
-    events: list[dict] = []
-    try:
-        before = await asyncio.to_thread(requests, triton)
-        ws, _ = await open_session(gw.ws, mode="turn_based", config=GREEDY)
-        messages = [{"role": "user", "content": "Hello! Who are you?"}]
-        for turn, ref in enumerate((None, voice, None)):
-            extra = {} if ref is None else {"tts_ref_audio": encode_f32_base64(ref)}
-            await ws.send(json.dumps({"type": "input.append", "input": {
-                "input_id": f"t{turn}", "messages": messages, "max_new_tokens": 20, "generate_audio": True,
-                **extra}}))
-            got = await recv_until(ws, lambda e: e["type"] in ("response.done", "error", "session.closed"), 120)
-            assert got[-1]["type"] == "response.done", got[-1]
-            events += got
-            said = "".join(e["text"] for e in deltas(got, "text"))
-            messages = [*messages, {"role": "assistant", "content": said},
-                        {"role": "user", "content": f"Tell me more, part {turn}."}]
-        await ws.close()
-    finally:
-        stop_gateway(gw)
-    await asyncio.to_thread(triton.wait_live, lambda live: live["llm"] == 0)
-    after = await asyncio.to_thread(requests, triton)
-    return events, {m: after[m] - before[m] for m in STAGES}
-
-
 async def test_a_voice_set_mid_session_changes_the_voice_as_on_two_requests(two_triton, one_triton, speech,
                                                                             tmp_path) -> None:
     ref = speech("This is how I sound when I speak.", voice="en+f3")[: 2 * 16_000]
-    before, two = await voiced_turns(two_triton, ref, tmp_path / "gateway_two.log")
-    after, one = await voiced_turns(one_triton, ref, tmp_path / "gateway_one.log")
+    # the session's voice, a reference of its own for the second reply (set mid-session), the session's again
+    before, two = await voiced_chat(two_triton, tmp_path / "gateway_two.log", (None, ref, None), 20)
+    after, one = await voiced_chat(one_triton, tmp_path / "gateway_one.log", (None, ref, None), 20)
+    assert [e["type"] for e in before if e["type"] != "response.output.delta"].count("response.done") == 3, before
     said = lambda events: ([(e["input_id"], e["text"]) for e in deltas(events, "text")],  # noqa: E731
                            [(e["input_id"], e["audio"]) for e in deltas(events, "audio")])
     assert said(after) == said(before), "the same words and the same voices, turn by turn, sample for sample"
