@@ -1,11 +1,12 @@
-"""Triton hops of a speaking duplex step on the device path, the tts model a hop of its own vs the TTS in the llm
-model's process (`tts_in_llm`), measured on the tiny export over real tritonservers (the device engines on the CPU).
+"""Triton hops of a speaking duplex step on the device path: the tts and token2wav models hops of their own, the TTS in
+the llm model's process (`tts_in_llm`), and token2wav there too (`token2wav_in_llm`: one request), measured on the tiny
+export over real tritonservers (the device engines on the CPU; token2wav on its host path in every mode).
 
 Each mode gets a fresh tritonserver and gateway (its health probes held off: they are requests too); the same
 greedy sessions (espeak-ng speech, sent as fast as answered) run through it, one after another. From Triton's own
 `nv_inference_request_success` per model, and the steps' metrics: requests each stateful stage served per speaking
-step (its END excluded), and from a speaking step's text to its codes (`cost_tts_ms`: the tts hop with its batcher's
-queue delay, or the in-process TTS's wait), p50 / p95.
+step (its END excluded), and from a speaking step's text to its audio (`cost_tts_ms` + `cost_token2wav_ms`: the hops
+with their batchers' queue delays, or the in-process stages' wait), p50 / p95.
 
     python bench/step_hops.py [--sessions 2] [--seconds 8]
 
@@ -29,7 +30,9 @@ from minicpmo_client.backend import converse
 
 STAGES = ("llm", "tts", "token2wav")
 DEVICE = {"MINICPMO_LLM_ENGINE": "paged", "MINICPMO_TTS_ENGINE": "paged"}
-MODES = {"tts hop": {**DEVICE, "MINICPMO_TTS_IN_LLM": "0"}, "one request": {**DEVICE, "MINICPMO_TTS_IN_LLM": "1"}}
+MODES = {"tts hop": {**DEVICE, "MINICPMO_TTS_IN_LLM": "0"},
+         "tts in llm": {**DEVICE, "MINICPMO_TTS_IN_LLM": "1", "MINICPMO_TOKEN2WAV_IN_LLM": "0"},
+         "one request": {**DEVICE, "MINICPMO_TTS_IN_LLM": "1", "MINICPMO_TOKEN2WAV_IN_LLM": "1"}}
 
 
 def requests(metrics_url: str) -> dict[str, float]:
@@ -57,10 +60,10 @@ def run(mode: str, env: dict[str, str], sessions: int, seconds: int, work: Path)
         after = requests(stack.triton.ports.metrics_url)
     served = {m: after[m] - before[m] for m in STAGES}
     spoken = [e["metrics"] for e in events if e.get("kind") == "audio" and "cost_tts_ms" in e.get("metrics", {})]
-    speaking = served["token2wav"] - sessions  # each voiced step once, and each session's END
-    per_step = {m: (served[m] - sessions) / speaking if served[m] else 0.0 for m in ("tts", "token2wav")}
-    return {"speaking": int(speaking), "served": served, "hops": 1 + per_step["tts"] + per_step["token2wav"],
-            "tts_ms": [m["cost_tts_ms"] for m in spoken]}
+    speaking = len(spoken)  # each voiced step's audio event
+    per_step = {m: (served[m] - sessions) / speaking if served[m] else 0.0 for m in ("tts", "token2wav")}  # less END
+    return {"speaking": speaking, "served": served, "hops": 1 + per_step["tts"] + per_step["token2wav"],
+            "audio_ms": [m["cost_tts_ms"] + (m.get("cost_token2wav_ms") or 0.0) for m in spoken]}
 
 
 def main() -> int:
@@ -71,14 +74,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = {mode: run(mode, env, args.sessions, args.seconds, Path(tmp)) for mode, env in MODES.items()}
     print("| mode | speaking steps | llm / tts / token2wav requests | Triton requests per speaking step "
-          "| text -> codes ms p50 | p95 |")
+          "| text -> audio ms p50 | p95 |")
     print("|---|---|---|---|---|---|")
     for mode, r in results.items():
         s = r["served"]
         print(f"| {mode} | {r['speaking']} | {s['llm']:.0f} / {s['tts']:.0f} / {s['token2wav']:.0f} | {r['hops']:.2f} "
-              f"| {pct(r['tts_ms'], 50):.1f} | {pct(r['tts_ms'], 95):.1f} |")
-    before, after = results["tts hop"]["hops"], results["one request"]["hops"]
-    print(f"Triton requests per speaking step: {after:.2f} (before: {before:.2f})")
+              f"| {pct(r['audio_ms'], 50):.1f} | {pct(r['audio_ms'], 95):.1f} |")
+    before, after = results["tts in llm"], results["one request"]
+    print(f"text -> audio ms p50: {pct(after['audio_ms'], 50):.1f} (before: {pct(before['audio_ms'], 50):.1f})")
+    print(f"Triton requests per speaking step: {after['hops']:.2f} (before: {before['hops']:.2f})")
     return 0
 
 

@@ -145,6 +145,13 @@ class LlmRequest:
     tts_turn_start: bool = False
     tts_tokens: int = _D.tts_tokens_per_chunk
     tts_temperature: float = _D.tts_temperature
+    # `token2wav_in_llm` (the llm model runs token2wav too): the codes go on to token2wav in this process, and the
+    # second response is their audio (`VoicedSpeech`). What only the duplex model knows rides here (as a
+    # Token2WavRequest's fields): token2wav's turn start (a restart), the voice reference or the default voice again;
+    # `finalize` is the LLM's end of turn. token2wav's START is the llm model's own, its END the LLM's.
+    voice_turn_start: bool = False
+    voice: np.ndarray = tensor(np.float32, 1)
+    default_voice: bool = False
 
 
 @dataclass
@@ -242,9 +249,25 @@ class SpeechRefused:
         return from_wire(raw.decode() if isinstance(raw, bytes) else str(raw), "tts")
 
 
+@dataclass
+class VoicedSpeech:
+    """The second response of an llm call that spoke where the llm model runs token2wav too (`token2wav_in_llm`):
+    the chunk's audio, and how many codes made it (the step's usage), instead of the codes."""
+
+    waveform: np.ndarray = tensor(np.float32, 1)  # 24 kHz mono
+    n_speech_tokens: int = 0
+
+
 def spoke(request: LlmRequest, result: LlmResult) -> bool:
     """An llm call whose stream carries the TTS's codes after its result (`LlmRequest.speak`): it spoke."""
     return request.speak and request.decode and not result.is_listen
+
+
+def voice_request(request: LlmRequest, result: LlmResult) -> Token2WavRequest:
+    """token2wav's call for a call that spoke (`token2wav_in_llm`; its codes are the TTS's answer), as the duplex
+    pipeline builds the token2wav model's request."""
+    return Token2WavRequest(turn_start=request.voice_turn_start, finalize=result.end_of_turn, voice=request.voice,
+                            default_voice=request.default_voice)
 
 
 def speech_request(request: LlmRequest, result: LlmResult) -> TtsRequest:
@@ -263,14 +286,15 @@ STAGE_IO: dict[str, tuple[type, type]] = {
 }
 
 # What a model's requests may carry (its config.pbtxt's inputs): its request's tensors, and for the llm a TTS call's
-# (`SPEECH_CALL`; `temperature` and `seed` are then the TTS's).
+# (`SPEECH_CALL`; `temperature` and `seed` are then the TTS's) with token2wav's fields for its codes
+# (`token2wav_in_llm`; `turn_start` is both the TTS's and token2wav's, as the pipeline sends them).
 STAGE_INPUTS: dict[str, tuple[type, ...]] = {**{m: (io[0],) for m, io in STAGE_IO.items()},
-                                             "llm": (LlmRequest, TtsRequest)}
+                                             "llm": (LlmRequest, TtsRequest, Token2WavRequest)}
 
 # What a model's responses may carry (its config.pbtxt's outputs): its result's tensors, and for the llm the TTS's
-# codes or its refusal after them (`tts_in_llm`; `kv_length` is then the TTS's).
+# codes (`tts_in_llm`; `kv_length` is then the TTS's), or their audio (`token2wav_in_llm`), or the refusal after them.
 STAGE_OUTPUTS: dict[str, tuple[type, ...]] = {**{m: (io[1],) for m, io in STAGE_IO.items()},
-                                              "llm": (LlmResult, TtsResult, SpeechRefused)}
+                                              "llm": (LlmResult, TtsResult, SpeechRefused, VoicedSpeech)}
 
 
 def output_names(model: str) -> list[str]:

@@ -13,12 +13,13 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch  # noqa: F401 (the llm model serves the paged engine, torch, in tritonserver: the torch-less subset leaves this module out)
 
-from gateway.audio import decode_f32_base64
+from gateway.audio import decode_f32_base64, encode_f32_base64
 from minicpmo_client.backend import ConversationResult, converse
 
 from .conftest import RunningTriton, start_gateway, stop_gateway, triton_with
@@ -82,15 +83,23 @@ def heard(result: ConversationResult) -> tuple[list[str], list[bytes]]:
     return texts, audio
 
 
-async def test_a_speaking_step_is_one_llm_request_and_says_what_the_tts_hop_says(hops_triton, one_triton,
-                                                                                    speech, tmp_path) -> None:
+async def says_the_same(speech: Any, tmp_path: Path, before_triton: RunningTriton, after_triton: RunningTriton
+                        ) -> tuple[ConversationResult, dict[str, float], ConversationResult, dict[str, float]]:
+    """The same greedy spoken session over each server: it speaks, and both say the same words and the same voice,
+    sample for sample; each one's result and the requests each stage served for it."""
     audio = speech(SPEAKING_TEXT)
     audio = audio[: min(8, len(audio) // 16_000) * 16_000]
-    before, hops = await conversation(hops_triton, audio, tmp_path / "gateway_hops.log")
-    after, one = await conversation(one_triton, audio, tmp_path / "gateway_one.log")
+    before, before_served = await conversation(before_triton, audio, tmp_path / "gateway_before.log")
+    after, after_served = await conversation(after_triton, audio, tmp_path / "gateway_after.log")
     texts, voice = heard(before)
     assert voice, "the tiny model speaks on this input"
     assert heard(after) == (texts, voice), "the same words and the same voice, sample for sample"
+    return before, before_served, after, after_served
+
+
+async def test_a_speaking_step_is_one_llm_request_and_says_what_the_tts_hop_says(hops_triton, one_triton,
+                                                                                    speech, tmp_path) -> None:
+    _, hops, _, one = await says_the_same(speech, tmp_path, hops_triton, one_triton)
     # the tts model served each speaking step and the END; the one-request path, none: its llm requests are the
     # same ones, token2wav's too, so a speaking step makes two hops where it made three
     assert hops["tts"] >= 2 and hops["token2wav"] == hops["tts"], hops
@@ -108,16 +117,28 @@ async def test_end_gives_the_sessions_tts_blocks_back(one_triton, speech, tmp_pa
     assert await asyncio.to_thread(one_triton.stage_metric, "tts_kv_free_blocks", "llm") == free
 
 
-async def voiced_chat(triton: RunningTriton, log: Path) -> tuple[list[dict], dict[str, float]]:
-    """A greedy turn-based reply with its voice, over the gateway; its events and the requests each stage served."""
+async def voiced_chat(triton: RunningTriton, log: Path, voices: tuple[np.ndarray | None, ...] = (None,),
+                      max_new_tokens: int = 24) -> tuple[list[dict], dict[str, float]]:
+    """A greedy turn-based session of voiced replies, one per entry of `voices` (a turn's own reference, else the
+    session's voice), over the gateway; its events and the requests each stage served."""
     gw = start_gateway(triton.endpoint, log, health_period_s="3600")
+    events: list[dict] = []
     try:
         before = await asyncio.to_thread(requests, triton)
         ws, _ = await open_session(gw.ws, mode="turn_based", config=GREEDY)
         messages = [{"role": "user", "content": "Hello! Who are you?"}]
-        await ws.send(json.dumps({"type": "input.append", "input": {
-            "input_id": "t", "messages": messages, "max_new_tokens": 24, "generate_audio": True}}))
-        events = await recv_until(ws, lambda e: e["type"] in ("response.done", "error", "session.closed"), 120)
+        for turn, ref in enumerate(voices):
+            extra = {} if ref is None else {"tts_ref_audio": encode_f32_base64(ref)}
+            await ws.send(json.dumps({"type": "input.append", "input": {
+                "input_id": f"t{turn}", "messages": messages, "max_new_tokens": max_new_tokens,
+                "generate_audio": True, **extra}}))
+            got = await recv_until(ws, lambda e: e["type"] in ("response.done", "error", "session.closed"), 120)
+            events += got
+            if got[-1]["type"] != "response.done":
+                break
+            said = "".join(e["text"] for e in deltas(got, "text"))
+            messages = [*messages, {"role": "assistant", "content": said},
+                        {"role": "user", "content": f"Tell me more, part {turn}."}]
         await ws.close()
     finally:
         stop_gateway(gw)

@@ -127,3 +127,20 @@ def tts_in_llm(choice: str, llm_engine: str, tts_engine: str, cuda: bool) -> boo
     if choice == "1" and not llm_paged:
         raise ValueError("tts_in_llm = 1 needs llm_engine on the device engine (paged)")
     return choice == "1" or (choice == "auto" and llm_paged and pick_engine(tts_engine, cuda, "tts_engine") == "paged")
+
+
+def token2wav_on_device(stage_engine: str, cuda: bool) -> bool:
+    """Whether token2wav's `stage_engine` resolves to its device path (the torch streamer) on this machine."""
+    return stage_engine == "device" or (stage_engine == "auto" and cuda)
+
+
+def token2wav_in_llm(choice: str, tts_here: bool, on_device: bool) -> bool:
+    """`token2wav_in_llm`: whether the llm model runs token2wav too (its speaking step's one request answers with
+    audio). auto: where the llm model runs the TTS (`tts_here`) and token2wav's placement is the device
+    (`on_device`); 1 asks for it (its path then as `stage_engine` says) and needs the TTS there; 0: the token2wav
+    model, a hop of its own."""
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"token2wav_in_llm must be auto, 0 or 1, not {choice!r}")
+    if choice == "1" and not tts_here:
+        raise ValueError("token2wav_in_llm = 1 needs tts_in_llm (the llm model runs the TTS whose codes it voices)")
+    return choice == "1" or (choice == "auto" and tts_here and on_device)

@@ -104,12 +104,13 @@ def _decoded(response: Any, result_cls: type[Any], model: str) -> Any:
     return io.decode(result_cls, outputs_by_name.get)
 
 
-def _spoken(response: Any) -> io.TtsResult:
-    """The llm model's answer from its TTS (`tts_in_llm`): the codes, or the TTS's refusal raised with its code."""
+def _spoken(response: Any, voiced: bool) -> io.TtsResult | io.VoicedSpeech:
+    """The llm model's answer from its TTS (`tts_in_llm`): the codes, or their audio where it runs token2wav too
+    (`voiced`: `token2wav_in_llm`), or the refusal raised with its code."""
     refused = _decoded(response, io.SpeechRefused, "llm").error()
     if refused is not None:
         raise refused
-    return _decoded(response, io.TtsResult, "llm")
+    return _decoded(response, io.VoicedSpeech if voiced else io.TtsResult, "llm")
 
 
 def _flags(call: StageCall[Any]) -> int:
@@ -122,15 +123,19 @@ def _flags(call: StageCall[Any]) -> int:
 
 
 class TritonBlsStages:
-    def __init__(self) -> None:
+    def __init__(self, voiced: bool = False) -> None:
+        """`voiced`: the llm model runs token2wav too (`token2wav_in_llm`): its speech answers are audio."""
+        self.voiced = voiced
         self.finished = FinishedStreams()
         # each session's llm call that spoke: the rest of its stream, being read (`speech` takes it)
         self._speaking: dict[int, asyncio.Future[Any]] = {}
 
     @staticmethod
     def _infer(model: str, request: Any, outputs: list[str], call: StageCall[Any] | None,
-               parameters: dict[str, Any] | None = None) -> Any:
-        tensors = [pb_utils.Tensor(name, value[None]) for name, value in io.encode(request).items()]
+               parameters: dict[str, Any] | None = None, also: Any = None) -> Any:
+        """`also`: a second request whose tensors ride along (a name both have: the first's)."""
+        encoded = {**(io.encode(also) if also is not None else {}), **io.encode(request)}
+        tensors = [pb_utils.Tensor(name, value[None]) for name, value in encoded.items()]
         kwargs: dict[str, Any] = {}
         if call is not None:
             kwargs = {"correlation_id": call.corr_id, "flags": _flags(call)}
@@ -172,21 +177,23 @@ class TritonBlsStages:
             await loop.run_in_executor(None, _drain, responses, self.finished)
         return result
 
-    async def speech(self, corr_id: int) -> io.TtsResult:
+    async def speech(self, corr_id: int) -> io.TtsResult | io.VoicedSpeech:
         with tracing.stage_span("tts"):
             response = await self._speaking.pop(corr_id)
-        return _spoken(response)
+        return _spoken(response, self.voiced)
 
-    async def speak(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
-        """A TTS chunk on the llm model's TTS (`tts_in_llm`): no sequence flags (the session's llm sequence is
-        live; its TTS sequence is the llm model's to start and end)."""
+    async def speak(self, call: StageCall[io.TtsRequest], voice: io.Token2WavRequest | None = None
+                    ) -> io.TtsResult | io.VoicedSpeech:
+        """A TTS chunk on the llm model's TTS (`tts_in_llm`), with token2wav's call for its codes where it runs there
+        too (`voice`): no sequence flags (the session's llm sequence is live; its TTS and token2wav sequences are the
+        llm model's to start and end)."""
         infer = self._infer("llm", call.request, io.output_names("llm"), StageCall(call.request, call.corr_id),
-                            {io.SPEECH_CALL: True})
+                            {io.SPEECH_CALL: True}, also=voice if self.voiced else None)
         with tracing.stage_span("tts"):
             response = await _answer(infer, True, self.finished)
         if response is not None and response.has_error():
             raise from_wire(response.error().message(), "tts")
-        return _spoken(response)
+        return _spoken(response, self.voiced)
 
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return await self._exec("tts", call.request, io.TtsResult, call)

@@ -69,11 +69,12 @@ class InProcessStages:
     async def tts(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
         return _one(self.tts_stage, call)
 
-    async def speech(self, corr_id: int) -> io.TtsResult:
+    async def speech(self, corr_id: int) -> io.TtsResult | io.VoicedSpeech:
         """Never asked for: this process's LLM is the ONNX one, which runs no TTS (`tts_in_llm`)."""
         raise StepError(Code.STAGE_ERROR, "the in-process llm runs no TTS")
 
-    async def speak(self, call: StageCall[io.TtsRequest]) -> io.TtsResult:
+    async def speak(self, call: StageCall[io.TtsRequest], voice: io.Token2WavRequest | None = None
+                    ) -> io.TtsResult | io.VoicedSpeech:
         """Never asked for, as `speech`."""
         raise StepError(Code.STAGE_ERROR, "the in-process llm runs no TTS")
 

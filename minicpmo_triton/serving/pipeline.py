@@ -35,6 +35,7 @@ from ..stage_io import (
     TtsResult,
     VisionEncoderRequest,
     VisionEncoderResult,
+    VoicedSpeech,
     speech_request,
     spoke,
 )
@@ -67,13 +68,16 @@ class StageClient(Protocol):
 
     async def tts(self, call: StageCall[TtsRequest]) -> TtsResult: ...
 
-    async def speech(self, corr_id: int) -> TtsResult:
-        """The TTS's codes for the session's llm call that spoke (`LlmRequest.speak`, `stage_io.spoke`): the rest of
-        that call's stream. Called once for each such call, whatever the step does with them."""
+    async def speech(self, corr_id: int) -> TtsResult | VoicedSpeech:
+        """The TTS's codes for the session's llm call that spoke (`LlmRequest.speak`, `stage_io.spoke`), or their
+        audio where the llm model runs token2wav too (`token2wav_in_llm`): the rest of that call's stream. Called
+        once for each such call, whatever the step does with them."""
         ...
 
-    async def speak(self, call: StageCall[TtsRequest]) -> TtsResult:
-        """A TTS chunk on the llm model's TTS (`tts_in_llm`): its sequence is the llm model's to start and end."""
+    async def speak(self, call: StageCall[TtsRequest], voice: Token2WavRequest | None = None
+                    ) -> TtsResult | VoicedSpeech:
+        """A TTS chunk on the llm model's TTS (`tts_in_llm`), and `voice`, token2wav's call for its codes, where it
+        runs there too (`token2wav_in_llm`): their sequences are the llm model's to start and end."""
         ...
 
     async def token2wav(self, call: StageCall[Token2WavRequest]) -> Token2WavResult: ...
@@ -101,12 +105,16 @@ class DuplexPipeline:
     def __init__(self, stages: StageClient, preset: PresetConfig, tokenizer: Tokenizer, ttl_s: float,
                  llm_gather_s: float = 0.0, batch_window: BatchWindow | None = None,
                  voices: VoiceLibrary | None = None, default_ref_audio: np.ndarray | None = None,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, tts_in_llm: bool = False) -> None:
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, tts_in_llm: bool = False,
+                 token2wav_in_llm: bool = False) -> None:
         self.stages = stages
         # The llm model runs the TTS too: a duplex step's voice comes on its llm call's stream (`speech`), with no
         # tts call of its own; a turn-based reply's voice is a TTS call to the llm model (`speak`): the tts model is
         # never called, and holds no pool.
         self.tts_in_llm = tts_in_llm
+        # ... and token2wav too: that call's stream (or TTS call's answer) is the chunk's audio, no token2wav call of
+        # its own; token2wav's sequence is the llm model's, and the token2wav model is never called.
+        self.token2wav_in_llm = token2wav_in_llm
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # MiniCPM-o's demo always embeds a voice reference in the duplex system prompt; this one when the
         # session sends none (encoded once, on first use)
@@ -326,7 +334,9 @@ class DuplexPipeline:
         # What a voiced chunk tells the TTS and token2wav: nothing changes the turn before the LLM's result says
         # whether the step spoke (a listen, a cancel return before voicing), so it is known now.
         turn_start, restart = state.turn.starts()
-        request = LlmRequest(
+        voice = _voice_to_send(state, state.voice.tts, turn_start)
+        in_llm = {"voice_turn_start": restart, **voice} if self.token2wav_in_llm else {}
+        request = LlmRequest(**in_llm,
             input_ids=np.asarray(ids, np.int64), embeds=embeds, audio=inp.audio,
             decode=len(inp.audio) > 0 or inp.respond,
             force_listen=inp.force_listen or listening or (bool(inp.context_text) and not inp.respond),
@@ -370,26 +380,24 @@ class DuplexPipeline:
             await emit(StepEvent("text", text=text, metrics=replace(metrics)))
         t = time.perf_counter()
         if spoke(request, llm):
-            tts = await self.stages.speech(corr_id)  # made in the llm model's process meanwhile
+            tts = await self.stages.speech(corr_id)  # made in the llm model's process meanwhile (voiced too)
         else:
             tts = await self._stage(state, "tts", corr_id, speech_request(request, llm))
         metrics.cost_tts_ms = _ms(t)
         t = time.perf_counter()
-        wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=restart, finalize=llm.end_of_turn,
-            **_voice_to_send(state, state.voice.tts, turn_start),
-        ))
+        wav, n_speech = await self._voiced(state, corr_id, tts, Token2WavRequest(
+            turn_start=restart, finalize=llm.end_of_turn, **voice), state.voice.tts)
         metrics.cost_token2wav_ms = _ms(t)
         state.turn.voiced(llm.end_of_turn)
-        usage["output_speech_tokens"] = len(tts.speech_tokens)
-        metrics.n_tts_tokens, metrics.wall_clock_ms = len(tts.speech_tokens), _ms(t0)
+        usage["output_speech_tokens"] = n_speech
+        metrics.n_tts_tokens, metrics.wall_clock_ms = n_speech, _ms(t0)
         # The step's usage rides on its last event, once the speech tokens are counted too.
         if llm.end_of_turn:
-            if len(wav.waveform):
-                await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics))
+            if len(wav):
+                await emit(StepEvent("audio", audio=wav, metrics=metrics))
             await emit(StepEvent("listen", end_of_turn=True, metrics=metrics, chunk_usage=usage))
-        elif len(wav.waveform):
-            await emit(StepEvent("audio", audio=wav.waveform, metrics=metrics, chunk_usage=usage))
+        elif len(wav):
+            await emit(StepEvent("audio", audio=wav, metrics=metrics, chunk_usage=usage))
         elif text:
             await emit(StepEvent("audio", metrics=metrics, chunk_usage=usage))  # no audio yet: usage still goes out
         return llm
@@ -532,23 +540,35 @@ class DuplexPipeline:
         request = TtsRequest(text_ids=llm.text_ids, tts_hidden=llm.tts_hidden, turn_start=turn_start,
                              turn_end=llm.end_of_turn, n_tokens=n_tokens if len(llm.text_ids) else 0,
                              temperature=state.options.tts_temperature, seed=state.options.seed)
+        t2w = Token2WavRequest(turn_start=turn_start, finalize=llm.end_of_turn,
+                               **_voice_to_send(state, voice, turn_start))
         if self.tts_in_llm:
-            tts = await self.stages.speak(StageCall(request, corr_id))
+            tts = await self.stages.speak(StageCall(request, corr_id), t2w if self.token2wav_in_llm else None)
         else:
             tts = await self._stage(state, "tts", corr_id, request)
-        wav = await self._stage(state, "token2wav", corr_id, Token2WavRequest(
-            speech_tokens=tts.speech_tokens, turn_start=turn_start, finalize=llm.end_of_turn,
-            **_voice_to_send(state, voice, turn_start)))
-        return wav.waveform, len(tts.speech_tokens)
+        return await self._voiced(state, corr_id, tts, t2w, voice)
+
+    async def _voiced(self, state: DuplexSession, corr_id: int, tts: TtsResult | VoicedSpeech,
+                      t2w: Token2WavRequest, voice: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """A chunk's audio and its count of codes: the llm model's answer where it runs token2wav too, else the
+        token2wav model's for the TTS's codes (`t2w`: its call, the codes left out). Once voiced, token2wav has
+        `voice` for the session, if the call sent it."""
+        if isinstance(tts, VoicedSpeech):
+            wav, n_speech = tts.waveform, tts.n_speech_tokens
+        else:
+            result = await self._stage(state, "token2wav", corr_id, replace(t2w, speech_tokens=tts.speech_tokens))
+            wav, n_speech = result.waveform, len(tts.speech_tokens)
+        if len(t2w.voice) or t2w.default_voice:
+            state.voice_sent = voice
+        return wav, n_speech
 
 
 def _voice_to_send(state: DuplexSession, voice: np.ndarray | None, turn_start: bool) -> dict[str, Any]:
     """token2wav's voice fields for a call: the reference goes with a turn's first call when it is not the one
     token2wav has for the session (once per session, again when a turn's voice changes), not with every call;
-    a turn back on the default voice after one with its own says so."""
+    a turn back on the default voice after one with its own says so (`_voiced` notes it sent, once voiced)."""
     if not turn_start or voice is state.voice_sent:
         return {}
-    state.voice_sent = voice
     return {"default_voice": True} if voice is None else {"voice": voice}
 
 

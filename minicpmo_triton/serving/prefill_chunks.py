@@ -36,6 +36,7 @@ def split_prefill(request: LlmRequest, max_tokens: int, audio_placeholder: int) 
         chunks.append(replace(
             request, input_ids=part, embeds=request.embeds[used:used + n_embeds],
             audio=np.zeros(0, np.float32), decode=False, forced_ids=np.zeros(0, np.int64),
+            voice=np.zeros(0, np.float32),  # token2wav's reference goes with the call that may speak
             rollback_to=request.rollback_to if start == 0 else -1))
         used += n_embeds
     if not chunks:  # all of it is the step's audio

@@ -59,6 +59,11 @@ STAGE_SETTINGS: dict[str, StageSetting] = {s.key: s for s in (
                  "one request (its hidden rows stay on the device, no tts hop, no tts queue delay) and every other "
                  "use of the TTS goes there (the tts model loads nothing: one TTS pool per GPU): auto (when "
                  "llm_engine and tts_engine both resolve to the device engine), 1 (needs llm_engine paged) or 0"),
+    StageSetting("token2wav_in_llm", "auto", str, ("llm", "duplex", "token2wav"),
+                 "the llm model runs token2wav too (its stage_engine path: the device streamer and its engine thread, "
+                 "or the host path), so a speaking step's one request answers its text, then its audio (the codes "
+                 "never leave the process) and the token2wav model loads nothing: auto (where tts_in_llm is on and "
+                 "token2wav's stage_engine resolves to the device), 1 (needs tts_in_llm) or 0"),
     StageSetting("tts_pool_size", "0.15", float, ("tts", "llm"),
                  "the device TTS's KV pool: " + POOL_SHARE),
     StageSetting("engine_rows", "256", int, ("llm", "tts"),

@@ -24,12 +24,12 @@ from .. import duplex_contract as contract
 from ..duplex_contract import StepEvent
 from ..engine.exported import Engine, OnnxEngine, gpu_available, load_engine
 from ..engine.memory_plan import POOLS, MemoryPlan, plan_pools, repository_stages
-from ..engine.protocol import pick_engine, tts_in_llm
+from ..engine.protocol import pick_engine, token2wav_in_llm, token2wav_on_device, tts_in_llm
 from ..engine.stage_engine import Placement, Probe, place
 from ..errors import Code, StepError, describe, to_wire
 from ..media.tokenizer import load_tokenizer
 from ..model_config import load_stage_config
-from ..stage_io import PROBE, SPEECH_CALL, STAGE_IO, TtsRequest, decode, encode
+from ..stage_io import PROBE, SPEECH_CALL, STAGE_IO, Token2WavRequest, TtsRequest, decode, encode
 from ..stages.audio_encoder import AudioEncoderStage, AudioStreamEncoder, StreamKv
 from ..stages.base import SequenceStage, StageCall, answer_order
 from ..stages.kv import StageKv
@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # torch: imported only where the device engine is built
     from ..stages.inflight import InflightLoop
     from ..stages.speaker import Speaker
     from ..stages.token2wav_inflight import InflightToken2Wav
+    from ..stages.token2wav_local import LocalToken2Wav
 
 _FAMILIES: dict[str, Any] = {}  # kept for the stub's life: a Metric must not outlive its family
 
@@ -97,7 +98,7 @@ class _ModelContext:
             ("llm", pick_engine(self.setting("llm_engine"), cuda) == "paged"),
             ("whisper", pick_engine(self.setting("audio_engine"), cuda, "audio_engine") == "paged"),
             ("tts", tts_here or pick_engine(self.setting("tts_engine"), cuda, "tts_engine") == "paged"),
-            ("token2wav", stage_engine == "device" or (stage_engine == "auto" and cuda)),
+            ("token2wav", token2wav_on_device(stage_engine, cuda)),
             ("audio_encoder", cuda and stage_engine != "onnx"),
             ("vision_encoder", cuda and stage_engine != "onnx")) if on}
         stages = repository_stages(self.version_dir.parent.parent, self.preset, on_device, self.setting("engine_rows"),
@@ -246,6 +247,12 @@ class _StatefulStageModel:
                 pb_utils.Logger.log_warn(f"{self.stage_name}: a probe not answered: {describe(exc)}")
         return rest
 
+    def _refuse_moved(self, requests: list[Any], why: str) -> None:
+        """A model whose stage the llm model runs (tts_in_llm, token2wav_in_llm): probes answered, calls refused."""
+        for request in self._answer_probes(requests):
+            corr_id, _, _ = _control(request, _rows(request))
+            self._send(request.get_response_sender(), corr_id, StepError(Code.STAGE_ERROR, why))
+
     def _send(self, sender: Any, corr_id: int, result: Any, final: bool = True) -> None:
         """A decoupled model's answer to a call: its one response, with the final flag (or a first of two)."""
         try:
@@ -357,7 +364,9 @@ class LlmModel(_InflightStageModel):
         elif start or end:
             send(StepError(Code.INVALID_INPUT, "a TTS call to the llm model carries no START or END"))
         else:
-            self.speaker.voice(StageCall(decode(TtsRequest, rows.get), corr_id), send)
+            # token2wav's call for its codes rides along (`token2wav_in_llm`; the speaker ignores it where it runs none)
+            self.speaker.voice(StageCall(decode(TtsRequest, rows.get), corr_id), send,
+                               decode(Token2WavRequest, rows.get))
 
     def _reply(self, call: StageCall[Any], sender: Any) -> Callable[[Any], None]:
         if self.speaker is None:
@@ -450,10 +459,7 @@ class TtsModel(_InflightStageModel):
     def execute(self, requests: list[Any]) -> None:
         if not self.moved:
             return super().execute(requests)
-        for request in self._answer_probes(requests):
-            corr_id, _, _ = _control(request, _rows(request))
-            self._send(request.get_response_sender(), corr_id, StepError(
-                Code.STAGE_ERROR, "the TTS runs in the llm model here (tts_in_llm): its calls go there"))
+        self._refuse_moved(requests, "the TTS runs in the llm model here (tts_in_llm): its calls go there")
         return None
 
     def make_stage(self, ctx: _ModelContext) -> TtsStage:
@@ -515,7 +521,54 @@ def _speaker(ctx: _ModelContext) -> Speaker:
         free.set(pool.free_blocks)
 
     changed()
-    return Speaker(InflightTts(stage, ctx.setting("sweep_period_s"), changed))
+    vocoder = _local_token2wav(ctx) if _runs_token2wav_in_llm(ctx) else None
+    return Speaker(InflightTts(stage, ctx.setting("sweep_period_s"), changed), vocoder)
+
+
+MOVED_TOKEN2WAV = "in the llm model (token2wav_in_llm)"  # where token2wav runs when the llm model runs it (/health)
+
+
+def _runs_token2wav_in_llm(ctx: _ModelContext) -> bool:
+    """`token2wav_in_llm` as the llm and token2wav models resolve it for their instance (the duplex model, for the
+    machine)."""
+    return token2wav_in_llm(ctx.setting("token2wav_in_llm"), _runs_tts_in_llm(ctx),
+                            token2wav_on_device(ctx.setting("stage_engine"), _device(ctx) != "cpu"))
+
+
+def _token2wav_stage(ctx: _ModelContext, folder: Path, placement: Placement) -> Token2WavStage:
+    """The token2wav stage over the artefacts in `folder`: its device streamer where `placement` is the device, else
+    its host path (numpy + ONNX Runtime)."""
+    streamer = None
+    if placement.engine == "device":
+        from ..stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
+
+        streamer = DeviceStreamer.load(folder, ctx.preset.token2wav, placement.device, ctx.setting("token2wav_slots"),
+                                       cache_dtype(ctx.setting("token2wav_cache_dtype"), placement.device),
+                                       _threads(ctx))
+    return Token2WavStage.load(folder, ctx.preset, _ttl(ctx), _threads(ctx), ctx.setting("voice_prompt_cache_mb"),
+                               streamer)
+
+
+def _local_token2wav(ctx: _ModelContext) -> LocalToken2Wav:
+    """`token2wav_in_llm`: token2wav (../token2wav/1's artefacts) in the llm model's process, placed by `stage_engine`
+    as the token2wav model would be; its sessions published as the llm model's `token2wav_live_sequences`."""
+    from ..stages.token2wav_local import LocalToken2Wav
+
+    placement = ctx.placement(plans=False)
+    stage = _token2wav_stage(ctx, ctx.version_dir.parent.parent / "token2wav" / "1", placement)
+    live = stage_metric(ctx.name, "token2wav_live_sequences",
+                        "Live token2wav sessions of the token2wav run in this model (token2wav_in_llm)")
+
+    def changed() -> None:  # after a call's answer, on whichever thread gave it
+        live.set(len(stage.store))
+
+    changed()
+    inflight = None
+    if placement.engine == "device":
+        from ..stages.token2wav_inflight import InflightToken2Wav  # torch
+
+        inflight = InflightToken2Wav(stage, ctx.setting("sweep_period_s"), changed)
+    return LocalToken2Wav(stage, inflight, ctx.setting("voice_prep_queue"), changed)
 
 
 class _VoicePromptCounter:
@@ -544,30 +597,29 @@ class Token2WavModel(_StatefulStageModel):
 
     stage_name = "token2wav"
     stage: Token2WavStage
+    inflight: InflightToken2Wav | None = None
+    voices: VoicePreparer | None = None  # None: the llm model runs token2wav (token2wav_in_llm)
 
     def make_stage(self, ctx: _ModelContext) -> Token2WavStage:
-        streamer = None
-        if self.placement.engine == "device":
-            from ..stages.token2wav_device import DeviceStreamer, cache_dtype  # torch
-
-            streamer = DeviceStreamer.load(ctx.version_dir, ctx.preset.token2wav, self.placement.device,
-                                           ctx.setting("token2wav_slots"),
-                                           cache_dtype(ctx.setting("token2wav_cache_dtype"), self.placement.device),
-                                           _threads(ctx))
-        stage = Token2WavStage.load(ctx.version_dir, ctx.preset, _ttl(ctx), _threads(ctx),
-                                    ctx.setting("voice_prompt_cache_mb"), streamer)
+        stage = _token2wav_stage(ctx, ctx.version_dir, self.placement)
         self.voice_counter = _VoicePromptCounter(stage.prompts)
         return stage
 
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
+        self.moved = _runs_token2wav_in_llm(ctx)
+        if self.moved:
+            # the llm model runs token2wav, and every use of it goes there: this model loads nothing and refuses
+            # work; its live-sequence gauge stays at 0 for the probes
+            self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
+            self.device_gauge = _DeviceGauge(ctx.name, MOVED_TOKEN2WAV)
+            return
         self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
         device = self.placement.engine == "device"
         self.gauge = _LiveGauge(ctx.name, self.stage.store, period, evicts=not device)  # else the engine thread
-        self.inflight: InflightToken2Wav | None = None
         if device:
             from ..stages.token2wav_inflight import InflightToken2Wav  # torch
 
@@ -577,6 +629,9 @@ class Token2WavModel(_StatefulStageModel):
         self.device_gauge = _DeviceGauge(ctx.name, self.placement.label)
 
     def execute(self, requests: list[Any]) -> None:
+        if self.voices is None:
+            self._refuse_moved(requests, "token2wav runs in the llm model here (token2wav_in_llm): its calls go there")
+            return None
         requests = self._answer_probes(requests)
         calls = self._calls(requests)
         answers = [functools.partial(self._send, request.get_response_sender(), call.corr_id)
@@ -589,7 +644,8 @@ class Token2WavModel(_StatefulStageModel):
         self.voice_counter.update()
 
     def finalize(self) -> None:
-        self.voices.close()
+        if self.voices is not None:
+            self.voices.close()
         if self.inflight is not None:
             self.inflight.close()
         super().finalize()
@@ -676,14 +732,17 @@ class DuplexModel:
         # ... and where it runs the TTS too (`tts_in_llm`), a speaking step is one llm request: text, then codes.
         speaks = tts_in_llm(ctx.setting("tts_in_llm"), ctx.setting("llm_engine"), ctx.setting("tts_engine"),
                             gpu_available())
+        # ... and where it runs token2wav too (`token2wav_in_llm`), its second response is the step's audio
+        voiced = token2wav_in_llm(ctx.setting("token2wav_in_llm"), speaks,
+                                  token2wav_on_device(ctx.setting("stage_engine"), gpu_available()))
         voices_dir = ctx.setting("voices_dir")  # MINICPMO_VOICES_DIR overrides it, as any MINICPMO_<KEY>
-        self.stages = TritonBlsStages()
+        self.stages = TritonBlsStages(voiced)
         self.pipeline = DuplexPipeline(self.stages, ctx.preset, tokenizer, _ttl(ctx),
                                        llm_gather_s=gather_s, batch_window=window,
                                        voices=VoiceLibrary(Path(voices_dir) if voices_dir else None),
                                        default_ref_audio=default_ref_audio(ctx.version_dir),
                                        prefill_chunk_tokens=ctx.setting("prefill_chunk_tokens"),
-                                       tts_in_llm=speaks)
+                                       tts_in_llm=speaks, token2wav_in_llm=voiced)
         self.gauge = _LiveGauge(ctx.name, self.pipeline.sessions, ctx.setting("sweep_period_s"))
         self._bls_threads = ctx.setting("bls_threads")
         self._executor: ThreadPoolExecutor | None = None
