@@ -19,7 +19,7 @@ from minicpmo_triton.stages.base import StageCall
 from minicpmo_triton.stages.llm_inflight import InflightLlm
 
 from .test_engine_llm import SESSIONS, assert_same, chunk, paged_engine, preset, stage, weights
-from .test_llm_inflight import Answers
+from .test_llm_inflight import Answers, queued_together
 
 __all__ = ["preset", "weights"]  # the fixtures, used by name
 
@@ -114,14 +114,9 @@ def test_a_sessions_calls_are_prepared_one_after_another_in_order(preset, weight
         def wait(self) -> None:
             waited[self.key] = self.loop.core.iterations
 
-    loop, answers = Watched(live, 5.0), Answers()
+    loop = Watched(live, 5.0)
     try:
-        for calls in steps:
-            for call in calls:
-                loop.submit(call, answers.reply(call.corr_id))
-        got: dict[int, list[Any]] = {}
-        for corr, res in answers.take(3 * len(SESSIONS)):
-            got.setdefault(corr, []).append(res)
+        got = queued_together(loop, steps)
         for corr in SESSIONS:
             mine = [(what, step) for what, c, step in log if c == corr]
             assert mine == [(what, step) for step in range(3) for what in ("work", "answer")], mine

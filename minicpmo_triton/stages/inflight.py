@@ -24,7 +24,6 @@ holds a row, and of its session only what `_work` touches, from its entry to its
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from ..engine.protocol import PagedCache
 from .base import SequenceStage, StageCall, _restore, _snapshot, isolated
-from .preparer import Preparer
+from .preparer import Preparer, Served
 
 Reply = Callable[[Any], None]
 
@@ -64,7 +63,7 @@ RowT = TypeVar("RowT", bound=Row)
 StageT = TypeVar("StageT", bound=SequenceStage[Any, Any, Any])
 
 
-class InflightLoop(Generic[RowT, StageT]):
+class InflightLoop(Served, Generic[RowT, StageT]):
     """The engine thread of one stateful model instance on the device engine."""
 
     thread_name = "engine"
@@ -82,14 +81,11 @@ class InflightLoop(Generic[RowT, StageT]):
         self.sweep_period_s = sweep_period_s
         self.on_change = on_change  # the live-sequence gauge: called after the store changed
         self._queue: deque[Queued] = deque()
-        self._cv = threading.Condition()
-        self._stop = False
         self._worked: list[tuple[RowT, Exception | None]] = []  # rows back from the preparation thread
         self._preparing: set[int] = set()  # sessions whose row the preparation thread holds (the engine's to change)
         self._preparer = Preparer(self._work, self._back, f"{self.thread_name}-prep") \
             if self.heavy_work and off_thread else None
-        self._thread = threading.Thread(target=self._serve, name=self.thread_name, daemon=True)
-        self._thread.start()
+        self._start(self.thread_name)
 
     # ---- a stage's loop gives these ----
     def _work(self, rows: list[RowT]) -> list[Exception | None]:
@@ -110,23 +106,16 @@ class InflightLoop(Generic[RowT, StageT]):
 
     # ---- the public side ----
     def submit(self, call: StageCall[Any], reply: Reply) -> None:
-        with self._cv:
-            self._queue.append(Queued(call, reply))
-            self._cv.notify()
+        self._wake(lambda: self._queue.append(Queued(call, reply)))
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
+        super().close()
         if self._preparer is not None:
             self._preparer.close()
 
     def _back(self, rows: list[tuple[RowT, Exception | None]]) -> None:
         """The preparation thread hands rows back; the engine thread takes them before its next iteration."""
-        with self._cv:
-            self._worked.extend(rows)
-            self._cv.notify()
+        self._wake(lambda: self._worked.extend(rows))
 
     # ---- the engine thread ----
     def _serve(self) -> None:

@@ -19,26 +19,37 @@ Work = Callable[[list[Any]], list[Exception | None]]
 Done = Callable[[list[tuple[Any, Exception | None]]], None]
 
 
-class Preparer:
-    def __init__(self, work: Work, done: Done, name: str) -> None:
-        """`work`: a batch of rows -> each row's error or None (run here); `done`: the rows back to their loop."""
-        self.work, self.done = work, done
-        self._rows: list[Any] = []
+class Served:
+    """A daemon thread running `_serve`, woken through `_cv` after a change (`_wake`); `close` stops it."""
+
+    def _start(self, name: str) -> None:
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, rows: list[Any]) -> None:
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _wake(self, change: Callable[[], Any]) -> None:
         with self._cv:
-            self._rows.extend(rows)
+            change()
             self._cv.notify()
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._wake(lambda: setattr(self, "_stop", True))
         self._thread.join(timeout=10)
+
+
+class Preparer(Served):
+    def __init__(self, work: Work, done: Done, name: str) -> None:
+        """`work`: a batch of rows -> each row's error or None (run here); `done`: the rows back to their loop."""
+        self.work, self.done = work, done
+        self._rows: list[Any] = []
+        self._start(name)
+
+    def submit(self, rows: list[Any]) -> None:
+        self._wake(lambda: self._rows.extend(rows))
 
     def _serve(self) -> None:
         while True:
