@@ -14,12 +14,17 @@ rows all decoding (a duplex chunk each, sampled at the defaults, `tiny`'s tokeni
   would leave them (labelled: on a GPU the replay itself is one launch, ~10-30 us, not counted here); and `eager`:
   the decode step itself run eagerly at `tiny`'s dims on this CPU (host dispatch of every op, plus tiny's compute),
   what the host pays where no graph is captured.
+Then a second table: the LLM's in-flight loop (`InflightLlm`) at `tiny`'s dims on this CPU, its rows decoding long
+answers, while 8 new duplex seconds are admitted together (each one's mel and streaming Whisper on the device
+engine, `audio_engine=paged`): the engine thread's wall ms per pass (admission + iteration) and the decoding rows'
+iterations per second over the admission, before (the encoding on the engine thread, `off_thread=False`: what the
+loop did before) and after (on the preparation thread), in one run.
 Both sides' syncs per iteration are counted by the same ledger (engine/syncs.py), over one iteration after the
 timed ones (its hooks cost time per op). The roofline: the decode
 iteration's device time at MiniCPM-o 4.5's dims on an H200 (weights and each row's 60 s of KV read once, 75% of
 4.8 TB/s; bf16, 50% of 989 TFLOP/s), what the host work hides behind with overlap.
 
-    python -m bench.engine_host [--rows 32 128 256] [--iterations 12] [--main main]
+    python -m bench.engine_host [--rows 32 128 256] [--iterations 12] [--main main] [--admitted 8]
 
 Last line: `host ms per iteration at 128 rows: X (before: Y)`.
 """
@@ -201,6 +206,78 @@ def admission_ms(rows: int = 64) -> dict[str, float]:
     return out
 
 
+def admission_hold(off_thread: bool, decoding: int = 8, admitted: int = 8, rounds: int = 4) -> dict[str, float]:
+    """`decoding` rows decode long teacher-forced answers in the LLM's in-flight loop while `admitted` sessions'
+    duplex seconds join together (`rounds` times, each session's next second; the first round, which builds the
+    sessions and warms the encoder, not counted): the engine thread's wall ms per pass over the admissions (median
+    and max) and the iterations per second the decoding rows made then."""
+    from export.presets import TINY_SEED, tiny
+    from export.stages import build_modules
+    from minicpmo_triton.engine.whisper import load_paged_whisper
+    from minicpmo_triton.media.tokenizer import load_tokenizer
+    from minicpmo_triton.stage_io import LlmRequest
+    from minicpmo_triton.stages.audio_encoder import AudioStreamEncoder
+    from minicpmo_triton.stages.base import StageCall
+    from minicpmo_triton.stages.llm import LlmStage
+    from minicpmo_triton.stages.llm_inflight import InflightLlm
+    from minicpmo_triton.stages.pool_kv import llm_kv
+
+    preset = tiny()
+    tokenizer = load_tokenizer(preset, ROOT / "model_repository" / "duplex" / "1")
+    kv = llm_kv(build_modules(preset, TINY_SEED)["llm"].state_dict(), preset, tokenizer, pool_size=0.05,
+                attention="gather", rows=64, max_sessions=decoding + admitted + 1)
+    whisper = load_paged_whisper(ROOT / "model_repository" / "audio_encoder" / "1", preset.audio, "cpu",
+                                 pool_size=0.01, attention="gather", dtype=torch.float32)
+    stage = LlmStage(kv, preset, tokenizer, 600.0,
+                     AudioStreamEncoder(whisper, preset.audio, preset.samples_per_audio_token))
+    passes: list[tuple[float, float]] = []  # (start, end) of each pass of the engine thread
+
+    class Timed(InflightLlm):
+        def _admit(self) -> None:
+            passes.append((time.perf_counter(), 0.0))
+            super()._admit()
+
+        def _step(self) -> None:
+            super()._step()
+            passes[-1] = (passes[-1][0], time.perf_counter())
+
+    import queue
+
+    answers: queue.Queue[Any] = queue.Queue()
+    loop = Timed(stage, 5.0, off_thread=off_thread)
+    tk = preset.tokens
+    text = np.frombuffer(b"a long forced answer that keeps its row decoding through it all. " * 40, np.uint8)
+    unit = np.array([tk.unit] + [tk.audio_placeholder] * 10, np.int64)
+    rng = np.random.default_rng(0)
+    try:
+        for r in range(decoding):
+            loop.submit(StageCall(LlmRequest(input_ids=unit[:1], chat=True, forced_ids=text.astype(np.int64),
+                                             max_new_tokens=len(text), temperature=0.0), 1000 + r, start=True),
+                        answers.put)
+        while loop.core.iterations < 5:
+            time.sleep(0.005)
+        out: dict[str, list[float]] = {"pass_ms": [], "max_ms": [], "its": []}
+        for step in range(rounds):
+            t0, it0, n0 = time.perf_counter(), loop.core.iterations, len(passes)
+            for s in range(admitted):
+                audio = (rng.standard_normal(16_000) * 0.1).astype(np.float32)
+                loop.submit(StageCall(LlmRequest(input_ids=unit, audio=audio, max_new_tokens=4, temperature=0.0,
+                                                 seed=s + 1), s + 1, start=step == 0), answers.put)
+            for _ in range(admitted):
+                res = answers.get(timeout=120)
+                assert not isinstance(res, Exception), res
+            t1, it1 = time.perf_counter(), loop.core.iterations
+            assert loop.core.scheduler.running, "the decoding rows ran out during the admission"
+            if step:
+                spans = [(b - a) * 1000 for a, b in passes[n0:] if b]
+                out["pass_ms"].append(statistics.median(spans))
+                out["max_ms"].append(max(spans))
+                out["its"].append((it1 - it0) / (t1 - t0))
+        return {k: statistics.median(v) for k, v in out.items()}
+    finally:
+        loop.close()
+
+
 def roofline_ms(rows: int) -> float:
     """One decode iteration's device time at MiniCPM-o 4.5's dims on an H200: weights once, each row's 60 s of KV,
     the head, at 75% of HBM bandwidth (or 50% of bf16 FLOPs, whichever is longer)."""
@@ -215,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128, 256])
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--main", default=BEFORE_REV, help="the git revision whose paged engine is the before")
+    parser.add_argument("--admitted", type=int, default=8, help="duplex seconds admitted together (second table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     token = 97  # "a": a text token, one character: every row keeps decoding through the iterations measured
@@ -235,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per admitted step, outside the iterations above: its request {adm['request_ms']:.2f} ms (enter, prepare, "
           f"its rules drawn ahead); its second's mel: {adm['mel_ms']:.2f} ms of host work with the device mel "
           f"(the host path's whole mel: {adm['mel_host_path_ms']:.2f} ms)")
+    print(f"\nthe LLM's in-flight loop at tiny's dims on this CPU, 8 rows decoding, {args.admitted} duplex seconds "
+          "admitted together (mel + streaming Whisper on the device engine); medians of 3 rounds")
+    print(f"{'admission encoded on':>24} {'engine pass ms':>15} {'longest pass ms':>16} {'decode iterations/s':>20}")
+    for name, off in (("engine thread (before)", False), ("preparation thread", True)):
+        h = admission_hold(off, admitted=args.admitted)
+        print(f"{name:>24} {h['pass_ms']:>15.2f} {h['max_ms']:>16.2f} {h['its']:>20.1f}", flush=True)
     if 128 in results:
         b, a = results[128]
         print(f"host ms per iteration at 128 rows: {a['ms']:.2f} (before: {b['ms']:.2f})")

@@ -157,19 +157,26 @@ def test_a_sessions_calls_queued_together_run_one_after_another(preset, weights)
     steps = [[StageCall(chunk(preset, c, step, **s), c, start=step == 0) for c, s in SESSIONS.items()]
              for step in range(3)]
     expected = [dict(zip(SESSIONS, sync.run(calls), strict=True)) for calls in steps]
-    loop, answers = InflightLlm(live, 5.0), Answers()
+    loop = InflightLlm(live, 5.0)
     try:
-        for calls in steps:
-            for call in calls:
-                loop.submit(call, answers.reply(call.corr_id))
-        got: dict[int, list[Any]] = {}
-        for corr, res in answers.take(3 * len(SESSIONS)):
-            got.setdefault(corr, []).append(res)
+        got = queued_together(loop, steps)
         for corr in SESSIONS:
             for step in range(3):
                 assert_same(got[corr][step], expected[step][corr])
     finally:
         loop.close()
+
+
+def queued_together(loop: InflightLlm, steps: list[list[StageCall]]) -> dict[int, list[Any]]:
+    """Every step's calls submitted at once; each session's answers, in the order they came."""
+    answers = Answers()
+    for calls in steps:
+        for call in calls:
+            loop.submit(call, answers.reply(call.corr_id))
+    got: dict[int, list[Any]] = {}
+    for corr, res in answers.take(sum(map(len, steps))):
+        got.setdefault(corr, []).append(res)
+    return got
 
 
 @pytest.mark.engines  # a .ci/run step of its own: the default run stays as it was

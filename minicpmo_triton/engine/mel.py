@@ -10,6 +10,7 @@ Whisper reads it where it is. tests/test_engine_whisper.py holds it to `MelStrea
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -21,8 +22,11 @@ from .staging import DeviceWrites
 
 
 class DeviceMel:
-    def __init__(self, filters: np.ndarray, writes: DeviceWrites) -> None:
+    def __init__(self, filters: np.ndarray, writes: DeviceWrites, lock: Any = None) -> None:
+        """`lock`: the pool's bookkeeping lock, held while the samples are staged and copied (others queue writes
+        into the same staging)."""
         self.writes, self.staging = writes, writes.staging
+        self.lock = lock if lock is not None else threading.RLock()
         self.device = self.staging.device
         self.filters = torch.as_tensor(np.asarray(filters, np.float64), device=self.device)  # [n_mels, N_FFT/2 + 1]
         n = torch.arange(N_FFT, dtype=torch.float64, device=self.device)
@@ -46,9 +50,10 @@ class DeviceMel:
         for i, (_, _, x) in enumerate(wanted):
             groups[len(x)].append(i)
         # the samples are the stream's float32 audio (padding reflects it): float32 up, float64 on the device, exact
-        staged = {n: self.staging.put(np.stack([wanted[i][2] for i in idx]).astype(np.float32))
-                  for n, idx in groups.items()}
-        self.writes.flush()  # with whatever else the pool queued: one copy
+        with self.lock:
+            staged = {n: self.staging.put(np.stack([wanted[i][2] for i in idx]).astype(np.float32))
+                      for n, idx in groups.items()}
+            self.writes.flush()  # with whatever else the pool queued: one copy
         out: dict[tuple[int, str], torch.Tensor] = {}
         for n, idx in groups.items():
             spec = self.spectra(self.staging.view(staged[n]).to(torch.float64))

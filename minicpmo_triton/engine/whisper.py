@@ -16,6 +16,7 @@ chunk's frames see each other and the session's whole past, as the graph's mask 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ class PagedWhisper:
         self.net = load_net(lambda: AudioEncoder(net_dims, llm_hidden), weights, self.device, dtype)
         self._restarted: dict[int, int] = {}  # restarts of each pool entry (its frames rewritten from 0)
         self._mel: DeviceMel | None = None
+        # the pool's host tables and its staging: a stream's reservation or release (the engine thread) and an
+        # encode's staging (the preparation thread) take it; the compute runs outside it
+        self.lock = threading.RLock()
 
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: AudioEncoderDims, *, block_size: int = 16,
@@ -92,7 +96,7 @@ class PagedWhisper:
     def mels(self, items: list[tuple[MelStream, np.ndarray]], filters: np.ndarray) -> list[MelChunk]:
         """The chunks' mel on the device, batched (engine/mel.py)."""
         if self._mel is None:
-            self._mel = DeviceMel(filters, self.pool.writes)
+            self._mel = DeviceMel(filters, self.pool.writes, self.lock)
         return self._mel.push(items)
 
     def encode(self, streams: list[Any], chunks: list[MelChunk], frames: int) -> torch.Tensor:
@@ -121,16 +125,17 @@ class PagedWhisper:
         pool's one staging copy."""
         b = len(seqs)
         t = (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2
-        for seq, past in zip(seqs, pasts, strict=True):
-            self.pool.reserve(seq, past + t)  # a no-op when the stage reserved the chunk at its check
         put = self.staging.put
         host_mel = isinstance(mel, np.ndarray)
-        staged = (put(np.concatenate([np.arange(p, p + t) for p in pasts])),
-                  put(np.concatenate([self.pool.slots(s, p, t) for s, p in zip(seqs, pasts, strict=True)])),
-                  put(np.asarray(seqs, np.int64)))
-        if host_mel:
-            mel_h, mask_h = put(np.asarray(mel, np.float32)), put(np.asarray(mel_mask))
-        self.pool.flush()
+        with self.lock:
+            for seq, past in zip(seqs, pasts, strict=True):
+                self.pool.reserve(seq, past + t)  # a no-op when the stage reserved the chunk at its check
+            staged = (put(np.concatenate([np.arange(p, p + t) for p in pasts])),
+                      put(np.concatenate([self.pool.slots(s, p, t) for s, p in zip(seqs, pasts, strict=True)])),
+                      put(np.asarray(seqs, np.int64)))
+            if host_mel:
+                mel_h, mask_h = put(np.asarray(mel, np.float32)), put(np.asarray(mel_mask))
+            self.pool.flush()  # the views stay valid until the next flush: the encoder's next (one at a time)
         positions, slots, seq_t = (self.staging.view(h) for h in staged)
         mel_t, mask_t = (self.staging.view(mel_h), self.staging.view(mask_h)) if host_mel else (mel, mel_mask)
         width = max(self.pool.shape.blocks_for(p + t) for p in pasts)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..engine.exported import Engine
 from ..engine.kv_batch import KvBatch, KvCache
+from ..engine.lane import Handoff, Lane
 from ..engine.protocol import PagedCache
 from ..errors import Code, StepError
 from ..media.audio_mel import CONTEXT_FRAMES, HOP, MelChunk, MelStream, mel_filterbank
@@ -103,6 +104,9 @@ class StreamKv(Protocol):
     through the `stream.onnx` graph (`GraphStreamKv`), or a pool on the device (`engine.whisper.PagedWhisper`)."""
 
     name: str
+    # its host bookkeeping (the streams' places, the staging of a pool's writes): taken by a stream's reservation
+    # or release (the engine thread) and by an encode's staging (the preparation thread), never over the compute
+    lock: Any
 
     def reserve(self, stream: AudioStream, frames: int) -> None:
         """Room for the stream's next chunk of `frames` encoder frames, taken before the batch (a pool refuses
@@ -135,6 +139,7 @@ class GraphStreamKv:
 
     def __init__(self, engine: Engine, dims: AudioEncoderDims) -> None:
         self.engine, self.dims = engine, dims
+        self.lock = threading.RLock()
 
     def reserve(self, stream: AudioStream, frames: int) -> None:
         """Host arrays grow as they must."""
@@ -177,8 +182,12 @@ class AudioStreamEncoder:
         self.dims = dims
         self.samples_per_token = samples_per_token
         self.filters = mel_filterbank(dims.n_mels)
-        # a pool's tables change on the stage's thread (reserve, run) and on an idle sweep's (release)
-        self._lock = threading.RLock()
+        # A pool's tables change on the engine thread (a call's reservation, END's release) while a preparation
+        # thread encodes other streams: the kv's lock guards its bookkeeping only, so a reservation never waits for
+        # an encode's compute; `_runs` lets one encode run at a time (the staging's views live until the next).
+        self._lock = self.kv.lock
+        self._runs = threading.Lock()
+        self.lane = Lane(getattr(self.kv, "device", None))  # its own CUDA stream on a GPU (engine/lane.py)
 
     def _new_frames(self, n_samples: int) -> int:
         """Encoder frames a chunk of `n_samples` adds to the cache: its core mel frames after the stride-2 conv."""
@@ -197,8 +206,16 @@ class AudioStreamEncoder:
 
     def run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[Any]:
         """Embeddings [audio_tokens(len(audio)), H] per item; each item's stream advances by its chunk."""
-        with self._lock:
-            return self._run(items)
+        embeds, handoff = self.launch(items)
+        handoff.wait()  # the caller's stream reads them next
+        return embeds
+
+    def launch(self, items: list[tuple[np.ndarray, AudioStream]]) -> tuple[list[Any], Handoff]:
+        """`run` on the encoder's lane: the embeddings, and the hand-off a consumer on another stream waits on
+        before it reads them (the LLM's engine, before the request's first iteration)."""
+        with self._runs, self.lane.work():
+            embeds = self._run(items)
+            return embeds, self.lane.handoff(embeds)
 
     def _run(self, items: list[tuple[np.ndarray, AudioStream]]) -> list[Any]:
         results: list[Any] = [None] * len(items)
@@ -213,8 +230,9 @@ class AudioStreamEncoder:
         for i, chunk in enumerate(chunks):
             groups[chunk.mel.shape[1] + (CONTEXT_FRAMES if chunk.first else 0)].append(i)
         for frames, rows in groups.items():
-            for i in rows:
-                self._maybe_reset(items[i][1], chunks[i])
+            with self._lock:
+                for i in rows:
+                    self._maybe_reset(items[i][1], chunks[i])
             embeds = self.kv.encode([items[i][1] for i in rows], [chunks[i] for i in rows], frames)
             for r, i in enumerate(rows):
                 results[i] = embeds[r]

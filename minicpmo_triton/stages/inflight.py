@@ -2,24 +2,28 @@
 engine core (`engine.core.EngineCore`); queued calls become its requests between two iterations.
 
 `submit` only queues a call with the function that answers it. The engine thread takes the queue before each
-iteration: a call whose session has no request in the core is entered (START creates the session's state,
-`check` refuses a bad call or `pool_full` at once), prepared by the stage (its prefill and its rules) and added to
-the core, whose scheduler packs its prefill beside the running rows' one-token steps; a session that starts costs
-the others one longer iteration, not a wait for its own turn. A request is answered in the iteration its row ends,
-never held for the longest row of its batch. A session's next call waits until its previous one is answered (the
-stage prepares a call from the session's state as the previous one left it).
+iteration: a call whose session has no request in the core (nor a row in preparation) is entered (START creates the
+session's state, `check` refuses a bad call or `pool_full` at once); a stage's heavy work for it (`_work`: the LLM's
+mel and streaming Whisper) is done by the preparation thread (`preparer.Preparer`), off the engine thread, batched
+across the rows entered together; back on the engine thread, between two iterations, the row is prepared by the
+stage (its prefill and its rules) and added to the core, whose scheduler packs its prefill beside the running rows'
+one-token steps; a session that starts costs the others one longer iteration, not a wait for its own turn nor for
+its encoding. A request is answered in the iteration its row ends, never held for the longest row of its batch. A
+session's next call waits until its previous one is answered (the stage prepares a call from the session's state as
+the previous one left it).
 
-Where things happen (all on the engine thread, so the stage's store and the pool have one user):
+Where things happen (on the engine thread, so the stage's store and the pool have one user; the preparation thread
+holds a row, and of its session only what `_work` touches, from its entry to its hand back):
 - START creates the session's state when its call is entered; END releases it in `_answer`, the one place a call
   is answered, after its request ended (or failed, or had no work): its pool blocks go back there.
-- A request whose preparation or host rules raise is undone and answered with its error alone; the others go on.
+- A request whose work, preparation or host rules raise is undone and answered with its error alone; the others
+  go on.
   An iteration that raises (no row to blame) gives up every request taken in (`EngineCore.abort`): each is undone
   and run alone through the stage's synchronous path, as `isolated` does there.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from ..engine.protocol import PagedCache
 from .base import SequenceStage, StageCall, _restore, _snapshot, isolated
+from .preparer import Preparer, Served
 
 Reply = Callable[[Any], None]
 
@@ -58,13 +63,17 @@ RowT = TypeVar("RowT", bound=Row)
 StageT = TypeVar("StageT", bound=SequenceStage[Any, Any, Any])
 
 
-class InflightLoop(Generic[RowT, StageT]):
+class InflightLoop(Served, Generic[RowT, StageT]):
     """The engine thread of one stateful model instance on the device engine."""
 
     thread_name = "engine"
     row_cls: type[Row] = Row
+    heavy_work = False  # a stage's loop with heavy work for its entered rows (`_work`) sets it
 
-    def __init__(self, stage: StageT, sweep_period_s: float, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, stage: StageT, sweep_period_s: float, on_change: Callable[[], None] = lambda: None,
+                 off_thread: bool = True) -> None:
+        """`off_thread`: the rows' `_work` on the preparation thread (False: on the engine thread, between two
+        iterations, as bench/engine_host.py's "before")."""
         self.kv: Any = stage.kv  # type: ignore[attr-defined]
         assert getattr(self.kv, "core", None) is not None, "in-flight batching runs the stage's engine core"
         self.stage: StageT = stage
@@ -72,12 +81,18 @@ class InflightLoop(Generic[RowT, StageT]):
         self.sweep_period_s = sweep_period_s
         self.on_change = on_change  # the live-sequence gauge: called after the store changed
         self._queue: deque[Queued] = deque()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._serve, name=self.thread_name, daemon=True)
-        self._thread.start()
+        self._worked: list[tuple[RowT, Exception | None]] = []  # rows back from the preparation thread
+        self._preparing: set[int] = set()  # sessions whose row the preparation thread holds (the engine's to change)
+        self._preparer = Preparer(self._work, self._back, f"{self.thread_name}-prep") \
+            if self.heavy_work and off_thread else None
+        self._start(self.thread_name)
 
     # ---- a stage's loop gives these ----
+    def _work(self, rows: list[RowT]) -> list[Exception | None]:
+        """The entered rows' heavy work, off the engine thread (`heavy_work`): each row's error or None. A row that
+        fails is undone by the engine thread and answered with its error."""
+        return [None] * len(rows)
+
     def _prepare(self, rows: list[RowT]) -> list[RowT]:
         """The entered rows' prefills and rules (`row.prefill`, `row.rules`); a row that cannot be prepared is
         undone and answered here (and left out)."""
@@ -91,27 +106,29 @@ class InflightLoop(Generic[RowT, StageT]):
 
     # ---- the public side ----
     def submit(self, call: StageCall[Any], reply: Reply) -> None:
-        with self._cv:
-            self._queue.append(Queued(call, reply))
-            self._cv.notify()
+        self._wake(lambda: self._queue.append(Queued(call, reply)))
 
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
+        super().close()
+        if self._preparer is not None:
+            self._preparer.close()
+
+    def _back(self, rows: list[tuple[RowT, Exception | None]]) -> None:
+        """The preparation thread hands rows back; the engine thread takes them before its next iteration."""
+        self._wake(lambda: self._worked.extend(rows))
 
     # ---- the engine thread ----
     def _serve(self) -> None:
         while True:
             with self._cv:
-                if not self._queue and not self._stop and not self.core.has_work:
+                admissible = any(q.call.corr_id not in self._preparing for q in self._queue)
+                if not admissible and not self._worked and not self._stop and not self.core.has_work:
                     self._cv.wait(self.sweep_period_s)
                 if self._stop:
                     return
             try:
-                if not self.core.has_work and self.stage.store.evict_expired():  # here: the pool has one user
-                    self.on_change()
+                if not self.core.has_work and not self._preparing and self.stage.store.evict_expired():
+                    self.on_change()  # here: the pool has one user, and no session is being prepared
                 self._admit()
                 self._step()
                 if not self.core.has_work:
@@ -141,10 +158,11 @@ class InflightLoop(Generic[RowT, StageT]):
             self._answer(row.queued, result)
 
     def _admit(self) -> None:
-        """The queued calls that can join now: entered, prepared, added to the core. Calls with nothing to decode
-        are answered at once; a session's next call waits for its previous one's answer."""
+        """The queued calls that can join now are entered and given their work (on the preparation thread); the
+        rows back from it are prepared and added to the core. Calls with nothing to decode are answered at once; a
+        session's next call waits for its previous one's answer."""
         with self._cv:
-            busy: set[int] = set()
+            busy: set[int] = set(self._preparing)
             ready: list[Queued] = []
             held: deque[Queued] = deque()
             for q in self._queue:
@@ -152,10 +170,24 @@ class InflightLoop(Generic[RowT, StageT]):
                 (held if corr in busy or self.core.busy(corr) else ready).append(q)
                 busy.add(corr)
             self._queue = held
-        if not ready:
+            worked, self._worked = self._worked, []
+        if not ready and not worked:
             return
         entered = [row for row in map(self._enter, ready) if row is not None]
-        for row in self._prepare(entered):
+        if self._preparer is None:
+            worked += zip(entered, self._work(entered) if entered else [], strict=True)
+        elif entered:
+            self._preparing.update(row.queued.call.corr_id for row in entered)
+            self._preparer.submit(entered)
+        kept = []
+        for row, error in worked:
+            self._preparing.discard(row.queued.call.corr_id)
+            if error is not None:
+                self._undo(row)
+                self._answer(row.queued, error)
+            else:
+                kept.append(row)
+        for row in self._prepare(kept) if kept else []:
             try:  # its room again (a window slide may have moved the session to a new pool entry): pool_full alone
                 req = self.kv.request(row.queued.call.corr_id, row.sess.cache, row.prefill, row.rules)
             except Exception as exc:  # noqa: BLE001 (this call fails alone)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..engine.exported import Engine
 from ..engine.kv_batch import KvCache
+from ..engine.lane import Handoff
 from ..engine.protocol import CHAT, DREW_SECOND, DUPLEX, NOT_FINITE, LlmRow, PagedCache, Prefill
 from ..errors import Code, StepError
 from ..media.pcm import pcm_problem
@@ -182,15 +183,25 @@ class LlmStage(SequenceStage[LlmRequest, LlmResult, LlmSession]):
         """Each row's embeddings: what it brought, then its audio's, encoded as the next chunk of the session's
         audio stream (its Whisper KV cache), all rows' chunks in one encoder batch (on the device engine, kept
         there: spliced into the LLM's input without a trip through the host)."""
+        embeds, ms, handoff = self.launch_encode(items)
+        handoff.wait()
+        return embeds, ms
+
+    def launch_encode(self, items: list[tuple[LlmRequest, LlmSession]]) -> tuple[list[Any], float, Handoff]:
+        """`encode` on the encoder's lane (its own CUDA stream on a GPU), for a preparation thread: the embeddings,
+        the host ms, and the hand-off the LLM's stream waits on before it reads them. Only the sessions' audio
+        streams are touched (the LLM's pool and the rest of the session are the engine thread's)."""
         rows = [i for i, (req, _) in enumerate(items) if len(req.audio)]
         embeds: list[Any] = [req.embeds.reshape(-1, self.preset.llm.hidden) for req, _ in items]
         if not rows or self.encoder is None:
-            return embeds, 0.0
+            return embeds, 0.0, Handoff()
         t0 = time.perf_counter()
-        encoded = self.encoder.run([(items[i][0].audio, items[i][1].audio) for i in rows])
-        for i, out in zip(rows, encoded, strict=True):
-            embeds[i] = _joined(embeds[i], out)
-        return embeds, (time.perf_counter() - t0) * 1000
+        encoded, _ = self.encoder.launch([(items[i][0].audio, items[i][1].audio) for i in rows])
+        with self.encoder.lane.work():  # joined where they were made
+            for i, out in zip(rows, encoded, strict=True):
+                embeds[i] = _joined(embeds[i], out)
+        handoff = self.encoder.lane.handoff([embeds[i] for i in rows])
+        return embeds, (time.perf_counter() - t0) * 1000, handoff
 
     def prepare(self, req: LlmRequest, sess: LlmSession, req_embeds: Any) -> tuple[Prefill, LlmRules]:
         """One row before its prefill: a rollback, the window's slide, what it feeds, its decode rules."""
