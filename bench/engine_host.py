@@ -60,7 +60,7 @@ from minicpmo_triton.paged.protocol import Prefill
 from minicpmo_triton.stage_io import LlmRequest
 from minicpmo_triton.stages.llm import LlmStage, _DeviceRows
 from minicpmo_triton.stages.base import StageCall
-from minicpmo_triton.media.tokenizer import load_tokenizer
+from minicpmo_triton.tokenizer import load_tokenizer
 from syncs_ledger import SyncLedger
 rows, iterations, repo, token = json.loads(sys.argv[1])
 torch.set_num_threads(1)
@@ -281,7 +281,7 @@ def admission_hold(off_thread: bool, decoding: int = 8, admitted: int = 8, round
 def roofline_ms(rows: int) -> float:
     """One decode iteration's device time at MiniCPM-o 4.5's dims on an H200: weights once, each row's 60 s of KV,
     the head, at 75% of HBM bandwidth (or 50% of bf16 FLOPs, whichever is longer)."""
-    from bench.gpu_projection import BF16, HISTORY, decode_bill, roofline
+    from bench.device_bill import BF16, HISTORY, decode_bill, roofline
     from export.presets import minicpmo45
 
     return roofline(decode_bill(minicpmo45().llm, rows, HISTORY, BF16)) * 1000
