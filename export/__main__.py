@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from minicpmo_triton.engine.tensorrt_build import NOT_BUILT
 from minicpmo_triton.model_config import STAGE_CONFIG_FILE, PresetConfig
 from minicpmo_triton.stages.token2wav import DEFAULT_VOICE_WAV
 from minicpmo_triton.stages.voice_prompt import DEFAULT_REF_AUDIO
@@ -21,7 +22,6 @@ from .checkpoint import DEFAULT_VOICE, copy_causal_vocoder, copy_voice_assets
 from .memory import memory_report
 from .presets import TINY_SEED, get_preset
 from .stages import STAGE_NAMES, build_modules, stage_files, stage_graphs
-from .tensorrt_build import NOT_BUILT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODEL = "duplex"
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     preset = get_preset(args.preset)
     if args.runtime == "tensorrt":
-        from .tensorrt_build import NoGpuError, require_gpu
+        from minicpmo_triton.engine.tensorrt_build import NoGpuError, require_gpu
 
         try:
             require_gpu()
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if not parity.ok:
             failures.append(parity)
         if args.runtime == "tensorrt" and graph.name not in NOT_BUILT:
-            from .tensorrt_build import build_engine, profiles
+            from minicpmo_triton.engine.tensorrt_build import build_engine, profiles
 
             build_engine(path, path.with_suffix(".plan"), profiles(graph.name, preset, args.max_batch))
             tqdm.write(f"{graph.name:20s} tensorrt engine written")
@@ -170,7 +170,7 @@ def build_encoder_plans(repository: Path, preset: PresetConfig, stages: list[str
     would build them (kept by hash: minicpmo_triton/engine/plan_cache.py), so the first serve does not wait for them."""
     import re
 
-    from .tensorrt_build import NoGpuError, require_gpu
+    from minicpmo_triton.engine.tensorrt_build import NoGpuError, require_gpu
 
     try:
         require_gpu()

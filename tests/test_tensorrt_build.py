@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from export.presets import get_preset
-from export.tensorrt_build import LONG_AUDIO_S, PREFILL_TOKENS, build_engine, builder_flags, profiles
 from minicpmo_triton.engine.exported import pick_profile
+from minicpmo_triton.engine.tensorrt_build import LONG_AUDIO_S, PREFILL_TOKENS, build_engine, builder_flags, profiles
 
 FLAGS = SimpleNamespace(BF16="BF16", FP16="FP16")
 
@@ -130,7 +130,7 @@ def test_an_encoder_s_plan_is_built_once_and_kept_by_what_it_was_built_from(tmp_
     finds it; a new graph, another TensorRT or another GPU builds another one beside it."""
     import torch
 
-    from export import tensorrt_build
+    from minicpmo_triton.engine import tensorrt_build
     from minicpmo_triton.engine.plan_cache import cached_plan
 
     built: list[Path] = []

@@ -41,7 +41,7 @@ Ranges = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # input -> (min sha
 
 
 def pick_profile(profiles: list[Ranges], shapes: dict[str, tuple[int, ...]]) -> int:
-    """The first optimisation profile whose ranges hold every input's shape (export/tensorrt_build.py builds the
+    """The first optimisation profile whose ranges hold every input's shape (`tensorrt_build.py` builds the
     batched step's first, then long inputs at a few rows)."""
     for index, ranges in enumerate(profiles):
         if all(all(lo <= n <= hi for n, lo, hi in zip(shape, *ranges[name], strict=True))

@@ -3,7 +3,7 @@ runs on one) and kept on disk by what they were built from: the graph's bytes (t
 the profiles, TensorRT's version and the GPU's name. A restart finds its plan and loads it; a new export, another
 TensorRT or another GPU builds a new one beside it (`plans/<graph>-<key>.plan` in the model's version folder).
 
-The build is export/tensorrt_build.py's (bf16, the stage's profiles): imported only here, only on a GPU.
+The build is tensorrt_build.py's (bf16, the stage's profiles; the export's too): imported only here, only on a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def cached_plan(folder: Path, graph: str, stage: str, preset: PresetConfig, max_
     import tensorrt as trt
     import torch
 
-    from export.tensorrt_build import build_engine, profiles
+    from .tensorrt_build import build_engine, profiles
 
     shapes = profiles(stage, preset, max_batch)
     onnx = folder / f"{graph}.onnx"

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from minicpmo_triton.model_config import PresetConfig
+from ..model_config import PresetConfig
 
 
 class NoGpuError(RuntimeError):
