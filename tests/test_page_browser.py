@@ -56,8 +56,10 @@ def test_the_page_talks_plays_and_interrupts(gateway, tmp_path) -> None:
             # the spec alone
             assert page.evaluate("window.talk.url").endswith("/v1/realtime?extensions=duplex%2Cevents&key=test-key")
             expect(page.get_by_role("status")).to_have_text("listening")
-            # the reply: words, then audio chunks that play (the worklet reports samples played)
-            page.wait_for_function("window.talk.chunks > 0 && window.talk.queued > 12000", timeout=90_000)
+            # the reply: words and audio chunks that play (the worklet reports samples played); a chunk's words may
+            # follow its audio (tiny's byte-level text: a character cut between two chunks waits for its last byte)
+            page.wait_for_function("window.talk.chunks > 0 && window.talk.queued > 12000 && window.talk.deltas > 0",
+                                   timeout=90_000)
             talk = page.evaluate("window.talk")
             assert talk["deltas"] > 0 and talk["states"][:2] == ["listening", "speaking"]
             expect(page.get_by_role("status")).to_have_text("speaking")
