@@ -53,8 +53,9 @@ def chunk_rows(preset, rng: np.random.Generator, rows: list[tuple[bool, int]]) -
 CHUNK_SCRIPT = [
     [[(0, True, 50)]],
     [[(0, False, 50), (1, True, 50)]],  # ragged pasts side by side
-    [[(0, False, 50), (1, False, 50), (2, True, 50)]],  # 3 rows: the bucket of 4 has a padded row
-    [[(0, True, 50), (1, False, 50), (2, False, 50)], [(3, True, 25)]],  # 0 restarts; 3 joins with a 0.5 s chunk
+    [[(0, False, 50), (1, False, 50), (2, True, 50), (3, True, 50)]],
+    # 0 restarts; 3 rows in the bucket of 4 (its padded row must not redo the last call's row 3); 3 goes on in 0.5 s
+    [[(0, True, 50), (1, False, 50), (2, False, 50)], [(3, False, 25)]],
     [[(1, False, 25), (2, False, 25), (3, False, 25)], [(0, False, 50)]],  # short last chunks beside a full one
 ]
 
@@ -108,7 +109,7 @@ def test_the_chunk_step_waits_for_nothing_and_reads_the_same_storages(preset, we
             step(*key)
         seen.append((key, storages.used, ledger.total))
 
-    enc._chunk_step = recorded  # type: ignore[method-assign]
+    enc._chunk_step = recorded  # type: ignore[method-assign, assignment]
     seqs = [enc.pool.open(200) for _ in range(4)]
     rng = np.random.default_rng(1)
     for n in (3, 4, 3, 4):

@@ -1,8 +1,8 @@
 """The streaming Whisper's fixed-shape chunk: what a CUDA graph captures per (rows bucket, table width).
 
 Every row is CHUNK_FRAMES encoder frames (a 1 s chunk: 2 * 50 mel frames and CONTEXT_FRAMES of context each side);
-a shorter chunk is padded after its right context and masked (its padded frames write to the pool's trash slot and
-no real frame sees them), the rows padded to a bucket (1, 2, 4, ...) with rows of count 0 over the trash block.
+a shorter chunk is padded after its right context with zeros and masked (its padded frames write to the pool's trash
+slot and no real frame sees them), the rows padded to a bucket (1, 2, 4, ...) with rows of count 0 over the trash block.
 What changes per call lives in persistent buffers (`ChunkBatch`): each row's (pool session, past frames, real
 frames, first real mel frame) written by the pool's one staging copy, and the mel written in place (a device mel:
 copied there on the device; a host one: in the same staging copy). The step derives everything else on the device
@@ -52,10 +52,10 @@ def chunk_step(net: AudioEncoder, pool: KvPool, attention: PagedAttention, batch
     table = pool.device_tables.index_select(0, seq)[:, :width]  # [R, W]
     block = table.gather(1, (pos // bs).clamp(max=width - 1))
     slots = torch.where(real, block * bs + pos % bs, pool.trash_slot).flatten()  # [R * T]
-    # a row's mel: [lo, 2 * count + 2 * CONTEXT) is its chunk with its context (before lo: a first chunk's absent
-    # left context; after: a short chunk's padding), masked as the varlen path's conv stem sees them
-    f = batch.mel_frames[None, :]
-    mel_mask = (f >= lo[:, None]) & (f < 2 * count[:, None] + 2 * CONTEXT_FRAMES)
+    # before lo: a first chunk's absent left context, masked as the varlen path's conv stem sees it (after the chunk's
+    # right context, a short chunk's zero padding feeds only its padded frames: the stride-2 stem's frame t reads
+    # mel frames up to 2t + 1)
+    mel_mask = batch.mel_frames[None, :] >= lo[:, None]
     meta = Chunks(table, past, count, seq, CHUNK_FRAMES)
     out = net.stream(batch.mel[:rows].to(dtype), mel_mask, torch.where(real, pos, 0),
                      PoolCache(pool, attention, slots, meta))
