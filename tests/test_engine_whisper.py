@@ -278,4 +278,3 @@ def test_the_device_mel_is_the_host_streams(preset) -> None:
             compared += 1
     assert host[1].base_frame > 0, "the 30 s slide was crossed"
     assert compared == 40 + 37 + 39
-
