@@ -13,7 +13,9 @@ each row's rules scripted (bench/scripted.py: the device runs its full rules eve
    streaming Whisper over the arrived seconds (its pool, 10 s of history), the LLM core (their prefills beside the
    decoding rows), the TTS core (the spoken chunks' conditions beside the decoding codes) and token2wav's three
    graphs over the chunks whose codes are whole; the p50 / p95 of a speaking step (its arrival to its audio's end);
-4. tts, whisper (bench/gpu_check_speech.py): their parity (flex vs gather) and ms per iteration / chunk;
+4. tts, whisper (bench/gpu_check_speech.py): their parity (flex vs gather; the Whisper's fixed-shape chunk vs its
+   varlen forward and its CUDA graphs vs eager) and ms per iteration / chunk (the Whisper's at 8 / 32 / 128 rows,
+   with its graphs and without);
 5. memory: each stage's pool and the peak allocated.
 6. token2wav: its device path (bench/gpu_check_token2wav.py): the waveform against the CPU's, ms per iteration at
    8 / 32 / 64 / 128 speaking sessions, memory per slot; its sizes within `--speech-budget-s` of its parity.
@@ -52,6 +54,7 @@ from minicpmo_triton.stages.tts import tts_rules
 from .gpu_check_speech import (
     CONDITION,
     ROUNDING,
+    WHISPER_COUNTS,
     chunk_mel,
     encoder_frames,
     random_state,
@@ -363,7 +366,7 @@ def _one_load(lm: EngineCore, tts: EngineCore, enc: Any, t2w: Token2WavGraphs, d
     offsets = rng.random(n)
     pending = [Second(s + offsets[i], i, bool(rng.random() < speaking)) for s in range(int(seconds)) for i in range(n)]
     heapq.heapify(pending)
-    mel, mask = chunk_mel(preset, n, 1.0, rng)
+    mel = list(torch.as_tensor(chunk_mel(preset, n, 1.0, rng)[0], device=device))  # the device mel's, as served
     latencies: list[float] = []
     t2w_ready: list[Any] = []
     t2w_ms: list[float] = []
@@ -385,8 +388,8 @@ def _one_load(lm: EngineCore, tts: EngineCore, enc: Any, t2w: Token2WavGraphs, d
             rows = [s.session for s in arrived]
             for r in rows:
                 enc.pool.reserve(enc_seqs[r], enc_len[r] + 50)
-            embeds = enc.forward([enc_seqs[s] for s in rows], [enc_len[s] for s in rows], mel[: len(rows)],
-                                 mask[: len(rows)])
+            embeds = enc.forward_chunks([enc_seqs[s] for s in rows], [enc_len[s] for s in rows],
+                                        mel[: len(rows)], [0] * len(rows), 50)
             for s in arrived:
                 enc_len[s.session] = w_frames  # the stream holds ~10 s: its chunk is rewritten in place
                 seq = llm_seqs[s.session]
@@ -469,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                                         budget("step", args.step_budget_s), 0.6 if args.quick else SPEAKING),
               "tts": lambda: tts_stage(preset, args.device, counts, tts_history, repeats,
                                        budget("speech", args.speech_budget_s)),
-              "whisper": lambda: whisper_stage(preset, args.device, counts, whisper_history, repeats,
+              "whisper": lambda: whisper_stage(preset, args.device, [2, 4] if args.quick else WHISPER_COUNTS,
+                                               whisper_history, repeats,
                                                budget("speech", args.speech_budget_s)),
               "token2wav": lambda: token2wav_stage(preset, args.device, [2, 4] if args.quick else [8, 32, 64, 128],
                                                    repeats, args.speech_budget_s)}

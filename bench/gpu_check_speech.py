@@ -8,8 +8,10 @@ rules' greedy codes against the host's (`ChunkRules.adjusted` + `sampling.sample
 each `TTS_HISTORY` positions into its turn: ms per decode iteration (the core's step, one code a row, its rules
 included) and per chunk (the condition's prefill, then 26 codes a row: 25 kept and the one `generate_chunk` drops),
 pool GiB.
-Whisper: parity of flex against gather (the chunk's non-causal rows over each session's past), embeddings' max
-difference; speed at n sessions each holding 10 s of encoder frames: ms per 1 s chunk of all, pool GiB.
+Whisper: parity of flex against gather (the chunk's non-causal rows over each session's past), of the fixed-shape
+chunk step against the varlen forward, and (on CUDA) of its CUDA graphs' replays against the same step run eagerly:
+embeddings' max difference; speed at n sessions each holding 10 s of encoder frames: ms per 1 s chunk of all through
+the fixed-shape step, with its CUDA graphs (on CUDA) and eagerly, pool GiB.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from export.stages import build_module
 from minicpmo_triton.engine.attention import FlexAttention, GatherAttention, PagedAttention
 from minicpmo_triton.engine.build import tts_core
 from minicpmo_triton.engine.core import EngineCore
+from minicpmo_triton.engine.graphs import DecodeGraphs
 from minicpmo_triton.engine.protocol import TtsFeed
 from minicpmo_triton.engine.request import Request
 from minicpmo_triton.engine.tts import TtsHead
@@ -176,6 +179,9 @@ def encoder_frames(seconds: float) -> int:
     return int(seconds * 16_000) // HOP // 2  # the conv stem's stride 2: 50 frames a second
 
 
+WHISPER_COUNTS = [8, 32, 128]  # rows of a chunk step timed on the GPU
+
+
 def whisper(preset: PresetConfig, weights: dict[str, torch.Tensor], device: str, sessions: int, tokens: int,
             **build: Any) -> PagedWhisper:
     return PagedWhisper.build(weights, preset.audio, device=device, pool_tokens=sessions * (tokens + ROUNDING),
@@ -185,8 +191,8 @@ def whisper(preset: PresetConfig, weights: dict[str, torch.Tensor], device: str,
 def whisper_parity(preset: PresetConfig, device: str, sessions: int, history_s: float) -> dict[str, Any]:
     small = dataclasses.replace(preset, audio=dataclasses.replace(preset.audio, layers=2))
     history = encoder_frames(history_s)
-    enc = whisper(small, random_state(small, "audio_encoder", device), device, sessions, history,
-                  attention="flex")
+    weights = random_state(small, "audio_encoder", device)
+    enc = whisper(small, weights, device, sessions, history, attention="flex", graphs=False)
     rng = np.random.default_rng(0)
     lens = (rng.integers(1, history // 50 + 1, sessions) * 50).tolist()  # whole seconds of past, ragged
     for t in (*enc.pool.key, *enc.pool.value):  # the sessions' pasts: random keys and values
@@ -199,6 +205,15 @@ def whisper_parity(preset: PresetConfig, device: str, sessions: int, history_s: 
     for key, backend, _ in _backends(enc.pool, device):
         enc.attention = backend
         out[key] = _diff(enc.forward(seqs, lens, mel, mask), ref, greedy=False)
+    # the fixed-shape step (rows padded to a bucket) on the served backend: the varlen forward's embeddings
+    varlen = enc.forward(seqs, lens, mel, mask)
+    chunks = enc.forward_chunks(seqs, lens, list(mel), [0] * sessions, encoder_frames(1.0))
+    out["padded"] = _diff(chunks, varlen, greedy=False)
+    if device == "cuda":  # its CUDA graph: captured at the second call of its key, replayed from the third
+        enc.graphs = graphs = DecodeGraphs(enc._chunk_step)
+        for _ in range(3):  # the same rows again: the same keys rewritten at the same places
+            replay = enc.forward_chunks(seqs, lens, list(mel), [0] * sessions, encoder_frames(1.0))
+        out["graphs"] = {**_diff(replay, chunks, greedy=False), "replays": graphs.replays}
     return out
 
 
@@ -209,11 +224,19 @@ def whisper_measure(preset: PresetConfig, weights: dict[str, torch.Tensor], devi
     for t in (*enc.pool.key, *enc.pool.value):
         t[:-1].normal_()
     seqs = [enc.pool.open(history + new) for _ in range(n)]
-    mel, mask = chunk_mel(preset, n, 1.0, np.random.default_rng(n))
-    chunk_ms = timed(device, lambda: enc.forward(seqs, [history] * n, mel, mask), repeats)
-    return {"sessions": n, "history_s": history_s, "attention": enc.attention.name, "chunk_ms": chunk_ms,
-            "pool_gib": enc.pool.nbytes / 2**30, "block_size": enc.pool.shape.block_size,
-            "peak_allocated_gib": peak_gib(device)}
+    mel, _ = chunk_mel(preset, n, 1.0, np.random.default_rng(n))
+    device_mel = list(torch.as_tensor(mel, device=device))  # as the device mel hands them over
+
+    def chunk() -> None:
+        enc.forward_chunks(seqs, [history] * n, device_mel, [0] * n, new)
+
+    graphs, enc.graphs = enc.graphs, None
+    eager_ms = timed(device, chunk, repeats)
+    enc.graphs = graphs
+    graph_ms = timed(device, chunk, repeats) if graphs is not None else None
+    return {"sessions": n, "history_s": history_s, "attention": enc.attention.name, "chunk_ms": graph_ms or eager_ms,
+            "chunk_ms_eager": eager_ms, "chunk_ms_graphs": graph_ms, "pool_gib": enc.pool.nbytes / 2**30,
+            "block_size": enc.pool.shape.block_size, "peak_allocated_gib": peak_gib(device)}
 
 
 # ---------------------------------------------------------------- the stages

@@ -36,6 +36,10 @@ def test_the_gpu_check_runs_its_stages_on_the_cpu(tmp_path: Path, stages: str) -
     for stage in ("tts", "whisper"):
         if stage in report:
             assert report[stage]["parity"]["decode" if stage == "tts" else "flex"]
+    whisper = report.get("whisper")
+    if whisper is not None:  # the fixed-shape chunk is the varlen forward's; timed (eagerly: no graphs on the CPU)
+        assert whisper["parity"]["padded"]["max_abs_diff"] < 1e-4
+        assert all(s["chunk_ms_eager"] > 0 and s["chunk_ms_graphs"] is None for s in whisper["speed"])
     tts = report.get("tts")
     if tts is not None:
         assert tts["parity"]["sampler_greedy_agreement"] == 1.0

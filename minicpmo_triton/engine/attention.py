@@ -4,7 +4,11 @@ A **decode** batch (`Decode`) is static: one new token per row of a batch bucket
 pool session read from the persistent batch's device buffers, the shapes fixed by the bucket (rows) and the table
 width; idle rows point at the pool's trash block and see one zero key. Nothing in it is data-dependent, so it runs
 inside a CUDA graph and makes the host wait for nothing. A **varlen** batch (`Rows`: prefills, an encoder's chunks)
-is packed without padding, its rows' counts known on the host; it runs eagerly, beside the decode graph.
+is packed without padding, its rows' counts known on the host; it runs eagerly, beside the decode graph. A
+**chunk** batch (`Chunks`: the streaming Whisper's fixed-shape chunk) is static like a decode batch: every row T
+queries (a 1 s chunk's 50 encoder frames, a shorter one's padded), each row's past, real frame count and pool session
+read from device buffers, non-causal (a frame sees its row's past and every real frame of its chunk); a padded row
+(count 0) reads the trash block, like an idle decode row. It runs inside the Whisper's CUDA graph per (rows, width).
 
 Backends (`pick_attention`):
 - `GatherAttention` (plain torch, any device; the CPU's): decode gathers each row's table into [B, W * block, ...]
@@ -61,9 +65,31 @@ class Decode:
     table: torch.Tensor  # [B, W] int64 block ids (the trash block past a row's blocks, and for idle rows)
     length: torch.Tensor  # [B] int64 keys each row sees (its new token's included; 1 for an idle row)
     seq: torch.Tensor  # [B] int64 its pool session (the pool's trash row for an idle row)
+    frames = 1  # queries a row
+
+    @property
+    def visible(self) -> torch.Tensor:
+        return self.length
 
 
-Meta = Rows | Decode
+@dataclass
+class Chunks:
+    """A static encoder batch: B rows of `frames` queries each (q [B * frames, heads, D], row-major), non-causal. Row
+    r's real frames are its first count[r], at positions past[r] ..; every frame sees keys [0, past[r] + count[r]) of
+    its row (at least one: a padded row, count 0, sees the trash block's first key). All device tensors."""
+
+    table: torch.Tensor  # [B, W] int64 block ids (the trash block past a row's blocks, and for padded rows)
+    past: torch.Tensor  # [B] int64 frames the row's session held before this chunk
+    count: torch.Tensor  # [B] int64 the chunk's real frames (0: a padded row)
+    seq: torch.Tensor  # [B] int64 its pool session (the pool's trash row for a padded row)
+    frames: int  # T: queries a row
+
+    @property
+    def visible(self) -> torch.Tensor:  # [B] keys each row's queries see
+        return (self.past + self.count).clamp(min=1)
+
+
+Meta = Rows | Decode | Chunks
 
 
 class PoolMaps(Protocol):
@@ -80,35 +106,36 @@ class PagedAttention(Protocol):
         ...
 
 
-def _gqa(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[N, heads, D] -> [N, kv_heads, groups, D]: each KV head serves its group of query heads as one matmul."""
-    return q.reshape(q.shape[0], kv_heads, q.shape[1] // kv_heads, q.shape[2])
-
-
 class GatherAttention:
     name = "gather"
 
     def __call__(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Meta) -> torch.Tensor:
-        if isinstance(meta, Decode):
-            return self.decode(q, key, value, meta)
-        return self.varlen(q, key, value, meta)
+        if isinstance(meta, Rows):
+            return self.varlen(q, key, value, meta)
+        return self.static(q, key, value, meta.table, meta.visible, meta.frames)
 
     @staticmethod
-    def decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Decode) -> torch.Tensor:
-        b, heads, d = q.shape
+    def static(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, visible: torch.Tensor,
+               t: int) -> torch.Tensor:
+        """Rows of `t` queries each (q [B * t, heads, D], row-major), each over its table's first visible[b] keys."""
+        n, heads, d = q.shape
+        b = table.shape[0]
         block_size, kv_heads = key.shape[1], key.shape[2]
-        width = meta.table.shape[1] * block_size
-        # [B, W * block, kv_heads, D] -> [B, kv_heads, D, T] and [B, kv_heads, T, D]
-        k = key[meta.table].reshape(b, width, kv_heads, d).to(torch.float32).permute(0, 2, 3, 1)
-        v = value[meta.table].reshape(b, width, kv_heads, d).to(torch.float32).transpose(1, 2)
-        scores = (_gqa(q, kv_heads).to(torch.float32) @ k) * d**-0.5  # [B, kv_heads, groups, T]
-        visible = torch.arange(width, device=q.device)[None, :] < meta.length[:, None]  # [B, T]
-        scores = scores.masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
-        # past a row's length the pool holds whatever it held (never written, or another session's): a weight of 0
+        groups = heads // kv_heads
+        width = table.shape[1] * block_size
+        # [B, W * block, kv_heads, D] -> [B, kv_heads, D, K] and [B, kv_heads, K, D]
+        k = key[table].reshape(b, width, kv_heads, d).to(torch.float32).permute(0, 2, 3, 1)
+        v = value[table].reshape(b, width, kv_heads, d).to(torch.float32).transpose(1, 2)
+        # [B * t, heads, D] -> [B, kv_heads, groups * t, D]: each KV head serves its group of queries as one matmul
+        qr = q.to(torch.float32).view(b, t, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
+        scores = (qr @ k) * d**-0.5  # [B, kv_heads, groups * t, K]
+        seen = torch.arange(width, device=q.device)[None, :] < visible[:, None]  # [B, K]
+        scores = scores.masked_fill(~seen[:, None, None, :], torch.finfo(torch.float32).min)
+        # past a row's keys the pool holds whatever it held (never written, or another session's): a weight of 0
         # times a NaN there would still be NaN
-        v = v.masked_fill(~visible[:, None, :, None], 0.0)
-        out = torch.softmax(scores, dim=-1) @ v  # [B, kv_heads, groups, D]
-        return out.reshape(b, heads, d).to(q.dtype)
+        v = v.masked_fill(~seen[:, None, :, None], 0.0)
+        out = torch.softmax(scores, dim=-1) @ v  # [B, kv_heads, groups * t, D]
+        return out.view(b, kv_heads, groups, t, d).permute(0, 3, 1, 2, 4).reshape(n, heads, d).to(q.dtype)
 
     @staticmethod
     def varlen(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -144,6 +171,13 @@ def _flex_decode(*args: Any, **kwargs: Any) -> Any:
     return flex_attention(*args, **kwargs)
 
 
+def _flex_chunks(*args: Any, **kwargs: Any) -> Any:
+    """The Whisper's fixed-shape chunks: static compiles of their own (one per rows bucket)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
 class FlexAttention:
     """flex_attention over the pool; the block mask from the batch's buffers and the pool's maps."""
 
@@ -157,21 +191,25 @@ class FlexAttention:
         self._flex: Any = torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
         # decode: static shapes per bucket (inductor's decoding kernel takes only a static batch)
         self._decode: Any = torch.compile(_flex_decode, dynamic=False) if compiled else flex_attention
+        self._chunks: Any = torch.compile(_flex_chunks, dynamic=False) if compiled else flex_attention
         self._mask: tuple[Meta, Any] | None = None  # one forward's mask, shared by its layers
 
-    def _decode_mask(self, meta: Decode, n_blocks: int, block_size: int) -> Any:
+    def _static_mask(self, table: torch.Tensor, visible: torch.Tensor, seq: torch.Tensor, t: int, n_blocks: int,
+                     block_size: int) -> Any:
+        """A static batch's (`Decode`, `Chunks`): row b's `t` queries see its blocks' first visible[b] keys."""
         owner, logical = self.maps.owner, self.maps.logical
-        length, seq = meta.length, meta.seq
 
         def mask_mod(b, h, q_idx, kv_idx):  # flex's signature: scalar tensors
             block = kv_idx // block_size
-            return (owner[block] == seq[b]) & (logical[block] * block_size + kv_idx % block_size < length[b])
+            return (owner[block] == seq[b]) & (logical[block] * block_size + kv_idx % block_size < visible[b])
 
-        b, w = meta.table.shape
-        num = ((length + block_size - 1) // block_size).to(torch.int32)[:, None, None]
-        indices = meta.table.to(torch.int32)[:, None, None, :]
-        return self._block_mask.from_kv_blocks(num, indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
-                                               seq_lengths=(1, n_blocks * block_size), compute_q_blocks=False)
+        b, w = table.shape
+        q_blocks = -(-t // Q_BLOCK)
+        num = ((visible + block_size - 1) // block_size).to(torch.int32)[:, None, None].expand(b, 1, q_blocks)
+        indices = table.to(torch.int32)[:, None, None, :].expand(b, 1, q_blocks, w)
+        return self._block_mask.from_kv_blocks(num.contiguous(), indices.contiguous(),
+                                               BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
+                                               seq_lengths=(t, n_blocks * block_size), compute_q_blocks=False)
 
     def _varlen_mask(self, rows: Rows, n_blocks: int, block_size: int, dev: torch.device) -> tuple[Any, int]:
         b, t = len(rows.count), max(rows.count)
@@ -201,12 +239,15 @@ class FlexAttention:
         n_blocks, block_size, kv_heads, d = key.shape
         k = key.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
         v = value.reshape(1, n_blocks * block_size, kv_heads, d).transpose(1, 2).to(q.dtype)
-        if isinstance(meta, Decode):
+        if not isinstance(meta, Rows):  # a static batch: rows of `t` queries
+            t = meta.frames
             if self._mask is None or self._mask[0] is not meta:
-                self._mask = (meta, self._decode_mask(meta, n_blocks, block_size))
-            b = q.shape[0]  # the pool is one "sequence" every row shares: a key batch of 1, broadcast
-            out = self._decode(q[:, :, None, :], k, v, block_mask=self._mask[1], enable_gqa=True)  # [B, H, 1, D]
-            return out.reshape(b, q.shape[1], d)
+                self._mask = (meta, self._static_mask(meta.table, meta.visible, meta.seq, t, n_blocks, block_size))
+            b = meta.table.shape[0]  # the pool is one "sequence" every row shares: a key batch of 1, broadcast
+            flex = self._chunks if isinstance(meta, Chunks) else self._decode
+            out = flex(q.view(b, t, q.shape[1], d).transpose(1, 2), k, v, block_mask=self._mask[1],
+                       enable_gqa=True)  # [B, heads, t, D]
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], d)
         if self._mask is None or self._mask[0] is not meta:
             self._mask = (meta, self._varlen_mask(meta, n_blocks, block_size, q.device))
         mask, t = self._mask[1]

@@ -43,6 +43,7 @@ class Staging:
         self.traffic = traffic
         self.pinned = device.type == "cuda"
         self._host = [self._host_buffer(capacity) for _ in range(2)]
+        self._views = [h.numpy() for h in self._host]  # made once: the copy writes through them
         self._events: list[Any] = [None, None]
         self._turn = 0
         self._used = 0
@@ -55,7 +56,7 @@ class Staging:
     def put(self, array: np.ndarray) -> Staged:
         """Stage `array` for the next flush; its device view is `view(handle)` after it."""
         array = np.ascontiguousarray(array)
-        dtype = torch.from_numpy(array[:0].copy()).dtype if array.dtype != np.bool_ else torch.bool
+        dtype = _TORCH.get(array.dtype) or torch.from_numpy(array[:0].copy()).dtype
         handle = Staged(self._used, dtype, tuple(array.shape))
         self._used += -(-max(handle.nbytes, 1) // ALIGN) * ALIGN
         self._staged.append((handle, array))
@@ -76,9 +77,10 @@ class Staging:
             self._events[self._turn].synchronize()  # its copy of two flushes ago has run (it has: see above)
         if used > host.numel():
             host = self._host[self._turn] = self._host_buffer(max(used, 2 * host.numel()))
+            self._views[self._turn] = host.numpy()
         if used > self.buffer.numel():
             self.buffer = torch.empty(max(used, 2 * self.buffer.numel()), dtype=torch.uint8, device=self.device)
-        view = host.numpy()
+        view = self._views[self._turn]
         for handle, array in self._staged:
             view[handle.offset: handle.offset + handle.nbytes] = array.reshape(-1).view(np.uint8)
         self.buffer[:used].copy_(host[:used], non_blocking=self.pinned)
@@ -124,6 +126,9 @@ class DeviceWrites:
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64, torch.int32: np.int32,
           torch.bool: np.bool_, torch.int8: np.int8, torch.uint8: np.uint8}
+
+
+_TORCH = {np.dtype(n): t for t, n in _NUMPY.items()}  # a staged array's device dtype, made without a tensor
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:

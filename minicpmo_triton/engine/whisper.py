@@ -3,8 +3,11 @@ values stay where the model runs and a chunk's are written in place, instead of 
 `stream.onnx` graph and coming back grown each chunk.
 
 It is the stream's KV interface on the device (`stages.audio_encoder.StreamKv`): each stream's place in the pool,
-its restarts (a truncation in place), and a group of equal chunks encoded with only the chunks' mel, positions and
-slots going up (the pool's one staging copy) and the embeddings staying on the device for the LLM to splice in.
+its restarts (a truncation in place), and a group of equal chunks encoded with only the rows' sessions and lengths
+going up (the pool's one staging copy) and the embeddings staying on the device for the LLM to splice in. A chunk
+of at most 1 s (the duplex stream's) runs the fixed-shape step (engine/whisper_chunks.py: rows padded to a bucket,
+50 frames a row), replayed as a CUDA graph per (bucket, table width) on a GPU (engine/graphs.py), eagerly elsewhere;
+a longer one (a direct caller's) the varlen forward, eagerly.
 
 The network is `AudioEncoder.stream` (engine/whisper_model.py, the one definition the `stream.onnx` graph is traced
 from) over the exported weights (`audio_encoder/1/weights.safetensors`), its keys and values through a `PoolCache`.
@@ -28,9 +31,12 @@ from ..model_config import AudioEncoderDims
 from .attention import PagedAttention, Rows
 from .build import build_pool, load_net, load_weights
 from .cache import PoolCache
+from .graphs import DecodeGraphs
 from .mel import DeviceMel
 from .pool import KvPool, PoolShape
 from .protocol import PagedCache
+from .scheduler import bucket
+from .whisper_chunks import CHUNK_FRAMES, MEL_FRAMES, ChunkBatch, chunk_step
 from .whisper_model import AudioEncoder
 
 
@@ -40,7 +46,8 @@ class PagedWhisper:
     name = "paged"
 
     def __init__(self, weights: dict[str, torch.Tensor], dims: AudioEncoderDims, pool: KvPool,
-                 attention: PagedAttention, dtype: torch.dtype) -> None:
+                 attention: PagedAttention, dtype: torch.dtype, graphs: bool | None = None) -> None:
+        """`graphs`: the fixed-shape chunk step captured as CUDA graphs (None: on CUDA)."""
         self.d = dims
         self.pool = pool
         self.attention = attention
@@ -52,6 +59,9 @@ class PagedWhisper:
         net_dims = dataclasses.replace(dims, max_positions=weights["apm.embed_positions.weight"].shape[0])
         llm_hidden = weights["audio_projection_layer.linear1.weight"].shape[0]
         self.net = load_net(lambda: AudioEncoder(net_dims, llm_hidden), weights, self.device, dtype)
+        self.chunks = ChunkBatch(pool.trash_seq, dims.n_mels, llm_hidden, dims.pool, pool)
+        cuda = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self._chunk_step) if (cuda if graphs is None else graphs) else None
         self._restarted: dict[int, int] = {}  # restarts of each pool entry (its frames rewritten from 0)
         self._mel: DeviceMel | None = None
         # the pool's host tables and its staging: a stream's reservation or release (the engine thread) and an
@@ -60,12 +70,12 @@ class PagedWhisper:
 
     @classmethod
     def build(cls, weights: dict[str, torch.Tensor], dims: AudioEncoderDims, *, block_size: int = 16,
-              **build: Any) -> PagedWhisper:
+              graphs: bool | None = None, **build: Any) -> PagedWhisper:
         """`build`: `build.build_pool`'s settings (the pool's size, dtypes, attention backend). A session holds
         at most `max_positions` encoder frames (the stream restarts before it would pass them)."""
         shape = PoolShape(dims.layers, dims.heads, dims.d_model // dims.heads, block_size)
         pool, backend, dtype = build_pool(shape, max_tokens=dims.max_positions, **build)
-        return cls(weights, dims, pool, backend, dtype)
+        return cls(weights, dims, pool, backend, dtype, graphs)
 
     # ---- the streams' places in the pool (`StreamKv`) ----
     def _due(self, length: int, frames_after_conv: int) -> bool:
@@ -101,23 +111,63 @@ class PagedWhisper:
 
     def encode(self, streams: list[Any], chunks: list[MelChunk], frames: int) -> torch.Tensor:
         """The rows' mel laid out on the device (each at the end of `frames`, its missing context masked)."""
-        mel = torch.zeros((len(chunks), self.d.n_mels, frames), device=self.device)
-        mask = torch.ones((len(chunks), frames), dtype=torch.bool, device=self.device)
-        for r, chunk in enumerate(chunks):
-            m = torch.as_tensor(chunk.mel, device=self.device)
-            mel[r, :, frames - m.shape[1]:] = m
-            mask[r, : frames - m.shape[1]] = False
-        return self._encode(streams, mel, mask)
-
-    def _encode(self, streams: list[Any], mel: torch.Tensor, mel_mask: torch.Tensor) -> torch.Tensor:
         caches = [s.cache for s in streams]
-        embeds = self.forward([c.seq for c in caches], [c.length for c in caches], mel, mel_mask)
-        new = (mel.shape[2] - 2 * CONTEXT_FRAMES) // 2
+        seqs, pasts = [c.seq for c in caches], [c.length for c in caches]
+        new = (frames - 2 * CONTEXT_FRAMES) // 2
+        if new <= CHUNK_FRAMES:  # the fixed-shape step
+            lo = [frames - c.mel.shape[1] for c in chunks]
+            embeds = self.forward_chunks(seqs, pasts, [c.mel for c in chunks], lo, new)
+        else:
+            mel = torch.zeros((len(chunks), self.d.n_mels, frames), device=self.device)
+            mask = torch.ones((len(chunks), frames), dtype=torch.bool, device=self.device)
+            for r, chunk in enumerate(chunks):
+                m = torch.as_tensor(chunk.mel, device=self.device)
+                mel[r, :, frames - m.shape[1]:] = m
+                mask[r, : frames - m.shape[1]] = False
+            embeds = self.forward(seqs, pasts, mel, mask)
         for stream, cache in zip(streams, caches, strict=True):
             stream.cache = cache.truncated(cache.length + new)
         return embeds
 
     # ---- the encoder ----
+    def forward_chunks(self, seqs: list[int], pasts: list[int], mels: list[Any], lo: list[int], count: int
+                       ) -> torch.Tensor:
+        """Rows of `count` <= CHUNK_FRAMES new encoder frames through the fixed-shape step: row r's mel [n_mels, n]
+        (device tensors, or host arrays: all one or the other) at mel frames lo[r] .. lo[r] + n of its row (before
+        lo[r]: a first chunk's absent left context), its frames to positions pasts[r] .. of pool session seqs[r].
+        Returns the embeddings [B, count / pool, H] (fp32, on the device: a copy, the batch's buffer is the next
+        call's)."""
+        b, batch = len(seqs), self.chunks
+        rows = bucket(b)
+        host = isinstance(mels[0], np.ndarray)
+        with self.lock:
+            for seq, past in zip(seqs, pasts, strict=True):
+                self.pool.reserve(seq, past + count)  # a no-op when the stage reserved the chunk at its check
+            meta = np.zeros((rows, 4), np.int64)
+            meta[:, 0] = self.pool.trash_seq  # padded rows: the trash row's table, count 0
+            meta[:b] = np.stack([seqs, pasts, np.full(b, count), lo], axis=1)  # `ChunkBatch.meta`'s columns
+            self.pool.writes.rows(batch.meta, np.arange(rows), meta)
+            if host:  # in the same copy
+                mel = np.zeros((rows, self.d.n_mels, MEL_FRAMES), np.float32)
+                for r, m in enumerate(mels):
+                    mel[r, :, lo[r]: lo[r] + m.shape[1]] = m
+                self.pool.writes.rows(batch.mel, np.arange(rows), mel)
+            self.pool.flush()
+        if not host:  # already on the device: laid out there
+            batch.mel[:rows].zero_()
+            for r, m in enumerate(mels):
+                batch.mel[r, :, lo[r]: lo[r] + m.shape[1]].copy_(m)
+        need = max(self.pool.shape.blocks_for(p + count) for p in pasts)
+        width = self.pool.max_blocks if self.attention.name == "flex" else min(bucket(need), self.pool.max_blocks)
+        if self.graphs is not None:
+            self.graphs.run((rows, width))
+        else:
+            self._chunk_step(rows, width)
+        return batch.embeds[:b, : count // self.d.pool].clone()
+
+    def _chunk_step(self, rows: int, width: int) -> None:
+        chunk_step(self.net, self.pool, self.attention, self.chunks, self.dtype, rows, width)
+
     def forward(self, seqs: list[int], pasts: list[int], mel: Any, mel_mask: Any) -> torch.Tensor:
         """Rows of equal frames: mel [B, n_mels, F] (a chunk and its context), mel_mask [B, F], host arrays or
         device tensors; row r's encoder frames go to positions pasts[r] .. of pool session seqs[r]. Returns the
