@@ -244,14 +244,14 @@ class Recorder:
         self.audio: list[np.ndarray] = []
         encoder = stages.llm_stage.encoder
         assert encoder is not None
-        run = encoder.run
+        launch = encoder.launch  # what the LLM stage calls, on its engine thread or its preparation thread
 
-        def encoded(items: list[Any]) -> list[np.ndarray]:
-            out = run(items)
+        def encoded(items: list[Any]) -> tuple[list[Any], Any]:
+            out, handoff = launch(items)
             self.audio += out
-            return out
+            return out, handoff
 
-        encoder.run = encoded  # type: ignore[method-assign]
+        encoder.launch = encoded  # type: ignore[method-assign]
 
     async def audio_encoder(self, request: Any) -> Any:
         return await self.stages.audio_encoder(request)
