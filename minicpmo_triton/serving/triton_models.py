@@ -210,7 +210,10 @@ class _StatefulStageModel:
         raise NotImplementedError
 
     def initialize(self, args: dict[str, Any]) -> None:
-        ctx = _ModelContext(args)
+        self.load(_ModelContext(args))
+
+    def load(self, ctx: _ModelContext) -> None:
+        """The stage and its gauges, from one context (its memory plan made once for every pool it sizes)."""
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         self.gauge = _LiveGauge(ctx.name, self.stage.store, ctx.setting("sweep_period_s"), counted=self.stage.counted)
@@ -247,6 +250,13 @@ class _StatefulStageModel:
                 pb_utils.Logger.log_warn(f"{self.stage_name}: a probe not answered: {describe(exc)}")
         return rest
 
+    def stand_aside(self, ctx: _ModelContext, where: str) -> None:
+        """A model whose stage the llm model runs (tts_in_llm, token2wav_in_llm), where every use of it goes: it loads
+        nothing (no weights, no pool) and refuses work (`_refuse_moved`); its live-sequence gauge stays at 0 for the
+        probes, and /health reads `where` the stage runs."""
+        self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
+        self.device_gauge = _DeviceGauge(ctx.name, where)
+
     def _refuse_moved(self, requests: list[Any], why: str) -> None:
         """A model whose stage the llm model runs (tts_in_llm, token2wav_in_llm): probes answered, calls refused."""
         for request in self._answer_probes(requests):
@@ -281,8 +291,7 @@ class _InflightStageModel(_StatefulStageModel):
     def _inflight(self, period_s: float, changed: Callable[[], None]) -> InflightLoop[Any, Any]:
         raise NotImplementedError
 
-    def initialize(self, args: dict[str, Any]) -> None:
-        ctx = _ModelContext(args)
+    def load(self, ctx: _ModelContext) -> None:
         self.stage = self.make_stage(ctx)
         self.request_cls = STAGE_IO[self.stage_name][0]
         period = ctx.setting("sweep_period_s")
@@ -335,9 +344,8 @@ class LlmModel(_InflightStageModel):
 
         return InflightLlm(self.stage, period_s, changed)
 
-    def initialize(self, args: dict[str, Any]) -> None:
-        super().initialize(args)
-        ctx = _ModelContext(args)
+    def load(self, ctx: _ModelContext) -> None:
+        super().load(ctx)
         if _runs_tts_in_llm(ctx):
             self.speaker = _speaker(ctx)
             self.stage.hidden_on_device = True  # a speaking call's hidden rows go to it on the device
@@ -446,15 +454,12 @@ class TtsModel(_InflightStageModel):
         ctx = _ModelContext(args)
         self.moved = _runs_tts_in_llm(ctx)
         if not self.moved:
-            super().initialize(args)
+            self.load(ctx)
             if self.inflight is not None:  # the device engine: its pool is the memory plan's
                 self.plan_metrics = _publish_plan(ctx.name, ctx.memory_plan)
             return
-        # the llm model runs the TTS, and every use of it goes there: this model loads nothing (no weights, no
-        # pool: one TTS pool per GPU) and refuses work; its live-sequence gauge stays at 0 for the probes
         self.inflight = None
-        self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
-        self.device_gauge = _DeviceGauge(ctx.name, MOVED_TTS)
+        self.stand_aside(ctx, MOVED_TTS)  # one TTS pool per GPU: the llm model's
 
     def execute(self, requests: list[Any]) -> None:
         if not self.moved:
@@ -609,10 +614,7 @@ class Token2WavModel(_StatefulStageModel):
         ctx = _ModelContext(args)
         self.moved = _runs_token2wav_in_llm(ctx)
         if self.moved:
-            # the llm model runs token2wav, and every use of it goes there: this model loads nothing and refuses
-            # work; its live-sequence gauge stays at 0 for the probes
-            self.gauge = _LiveGauge(ctx.name, SequenceStore(_ttl(ctx)), ctx.setting("sweep_period_s"))
-            self.device_gauge = _DeviceGauge(ctx.name, MOVED_TOKEN2WAV)
+            self.stand_aside(ctx, MOVED_TOKEN2WAV)
             return
         self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads
         self.stage = self.make_stage(ctx)
