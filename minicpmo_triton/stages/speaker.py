@@ -79,6 +79,13 @@ class _Live:
             return was
 
 
+def _unstart(live: _Live, stage: Any, end_only: Any, corr: int) -> None:
+    """A refused start on an in-process stage: the state it made is ENDed now (queued before any later chunk of the
+    session, which starts the sequence again)."""
+    if live.forget(corr):
+        stage.submit(StageCall(end_only, corr, end=True), lambda _: None)
+
+
 class Speaker:
     """The in-process TTS (and token2wav, `token2wav_in_llm`) of one llm model instance: which sessions it has
     started on each, and the LLM's answers that go on to them."""
@@ -128,9 +135,8 @@ class Speaker:
 
         def spoken(result: Any) -> None:  # on the TTS's engine thread
             if isinstance(result, Exception):
-                if start and not end and self._tts_live.forget(corr):
-                    # a refused start: the state it made is ENDed now (queued before any later chunk of the session)
-                    self.tts.submit(StageCall(END_ONLY, corr, end=True), lambda _: None)
+                if start and not end:
+                    _unstart(self._tts_live, self.tts, END_ONLY, corr)
                 if end:  # the session's last call: its token2wav sequence goes with it
                     self._end_voice(corr, lambda _: send(refusal(result), True))
                 else:
@@ -154,8 +160,8 @@ class Speaker:
             if not isinstance(result, Exception):
                 send(VoicedSpeech(result.waveform, n_codes), True)
                 return
-            if start and not end and self._voice_live.forget(corr):  # a refused start: ENDed now, as the TTS's
-                vocoder.submit(StageCall(END_VOICE, corr, end=True), lambda _: None)
+            if start and not end:
+                _unstart(self._voice_live, vocoder, END_VOICE, corr)
             send(refusal(result), True)
 
         vocoder.submit(StageCall(request, corr, start=start, end=end), voiced)
