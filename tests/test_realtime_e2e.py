@@ -45,9 +45,16 @@ async def open_session(url: str, **session) -> tuple[RealtimeClient, dict]:
 
 
 async def speaking(c: RealtimeClient, speech_audio: np.ndarray, seconds: int = 6) -> dict:
-    """Stream whole seconds of speech at once until the model opens a spoken response."""
-    await append_seconds(c, whole_seconds(speech_audio, seconds))
-    return await c.until("response.speak")
+    """Whole seconds of speech, each sent once the model has answered the one before, until it opens a spoken
+    response. In lockstep, so that no second reaches the gateway after the reply opened (it would be judged as
+    the caller talking over the reply, and the test would depend on the machine's speed)."""
+    audio = whole_seconds(speech_audio, seconds)
+    for i in range(seconds):
+        await c.append(audio[i * 16_000:(i + 1) * 16_000])
+        step = await c.until("duplex.step")
+        if step["decision"] == "speak":
+            return await c.until("response.speak")  # sent right after the step that opens it
+    raise AssertionError("the model did not speak")
 
 
 async def append_seconds(c: RealtimeClient, audio: np.ndarray) -> None:
