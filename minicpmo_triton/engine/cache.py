@@ -31,6 +31,11 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
 
 
+def _real_keys(past_mask: torch.Tensor, t: int) -> torch.Tensor:
+    """[B, P + T]: the row's real past keys, then its T new ones."""
+    return torch.cat([past_mask, torch.ones(past_mask.shape[0], t, dtype=torch.bool, device=past_mask.device)], dim=1)
+
+
 class DenseCache:
     """past_key / past_value [L, B, kv_heads, P, D] (None: no past, no present) and `mask` [B or 1, 1, T, P + T]
     additive (None: every token sees every key); q, k, v come as [B, T, heads, D]."""
@@ -49,15 +54,12 @@ class DenseCache:
         (causality hides the padding)."""
         p, dev = past_mask.shape[1], past_mask.device
         causal = torch.arange(p + t, device=dev)[None, :] <= (torch.arange(t, device=dev) + p)[:, None]  # [T, P + T]
-        keys = torch.cat([past_mask, torch.ones(past_mask.shape[0], t, dtype=torch.bool, device=dev)], dim=1)
-        return cls(_additive(causal[None, None] & keys[:, None, None, :]), past_key, past_value)
+        return cls(_additive(causal[None, None] & _real_keys(past_mask, t)[:, None, None, :]), past_key, past_value)
 
     @classmethod
     def full(cls, past_mask: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, t: int) -> DenseCache:
         """An encoder chunk's: every new token sees the row's real past and all of the chunk (no causality)."""
-        keys = torch.cat([past_mask, torch.ones(past_mask.shape[0], t, dtype=torch.bool, device=past_mask.device)],
-                         dim=1)
-        return cls(_additive(keys)[:, None, None, :], past_key, past_value)
+        return cls(_additive(_real_keys(past_mask, t))[:, None, None, :], past_key, past_value)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -90,6 +92,6 @@ class PoolCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pool
-        self.pool.write(layer, self.slots, k.flatten(0, -3), v.flatten(0, -3))
+        pool.write(layer, self.slots, k.flatten(0, -3), v.flatten(0, -3))
         out = self.attention(q.flatten(0, -3), pool.key[layer], pool.value[layer], self.meta)
         return out.view(q.shape)

@@ -15,6 +15,7 @@ repository: a device stage's `weights.safetensors` at the device's width (its he
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,15 +89,8 @@ def safetensors_bytes(path: Path, width: int | None = None) -> int:
     with path.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    total = 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        count = 1
-        for d in t["shape"]:
-            count *= d
-        total += count * (width or BYTES[t["dtype"]])
-    return total
+    return sum(math.prod(t["shape"]) * (width or BYTES[t["dtype"]])
+               for name, t in header.items() if name != "__metadata__")
 
 
 def _files_bytes(paths: list[Path], scale: float = 1.0) -> int:

@@ -612,8 +612,7 @@ class Token2WavModel(_StatefulStageModel):
 
     def initialize(self, args: dict[str, Any]) -> None:
         ctx = _ModelContext(args)
-        self.moved = _runs_token2wav_in_llm(ctx)
-        if self.moved:
+        if _runs_token2wav_in_llm(ctx):  # `voices` stays None: calls refused (`execute`)
             self.stand_aside(ctx, MOVED_TOKEN2WAV)
             return
         self.placement = ctx.placement(plans=False)  # first: a GPU out of reach refuses before anything loads

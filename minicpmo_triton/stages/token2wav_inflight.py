@@ -19,7 +19,6 @@ Where things happen (all on the engine thread, so the stage's store and the stre
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import numpy as np
 from ..errors import Code, StepError
 from ..stage_io import Token2WavRequest, Token2WavResult
 from .base import StageCall
+from .preparer import Served
 from .token2wav import Token2WavSession, Token2WavStage
 from .token2wav_device import DeviceStreamer, SlotStream
 
@@ -50,7 +50,7 @@ class _Open:
     join_iteration: int = 0
 
 
-class InflightToken2Wav:
+class InflightToken2Wav(Served):
     """The engine thread of one `token2wav` model instance on the device path."""
 
     def __init__(self, stage: Token2WavStage, sweep_period_s: float,
@@ -63,26 +63,11 @@ class InflightToken2Wav:
         self.iterations = 0
         self._queue: deque[tuple[StageCall[Token2WavRequest], Reply]] = deque()
         self._open: list[_Open] = []
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._serve, name="token2wav-engine", daemon=True)
-        self._thread.start()
+        self._start("token2wav-engine")
 
     # ---- the public side ----
     def submit(self, call: StageCall[Token2WavRequest], reply: Reply) -> None:
-        self._wake(queued=(call, reply))
-
-    def close(self) -> None:
-        self._wake(stop=True)
-        self._thread.join(timeout=10)
-
-    def _wake(self, queued: tuple[StageCall[Token2WavRequest], Reply] | None = None, stop: bool = False) -> None:
-        """The engine thread told of a call queued, or to stop."""
-        with self._cv:
-            if queued is not None:
-                self._queue.append(queued)
-            self._stop = self._stop or stop
-            self._cv.notify()
+        self._wake(lambda: self._queue.append((call, reply)))
 
     # ---- the engine thread ----
     def _serve(self) -> None:
