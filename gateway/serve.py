@@ -56,6 +56,13 @@ def open_refusal(host: str, settings: Settings) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C (uvicorn re-raises the one it stopped on): every cleanup ran; no traceback
+        return 128 + signal.SIGINT
+
+
+def _serve(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8006)

@@ -454,8 +454,10 @@ def test_a_clean_stop_leaves_nothing(served) -> None:
     process, port, log = served
     last = current_triton(log)
     shm = regions(last)
+    mark = len(log.read_text())
     process.send_signal(signal.SIGINT)
-    process.wait(timeout=60)
+    assert process.wait(timeout=60) == 128 + signal.SIGINT  # Ctrl-C's status, as SIGTERM's is 128 + 15
+    assert "Traceback" not in log.read_text()[mark:], log.read_text()[mark:][-3000:]
     deadline = time.monotonic() + 5  # a stub that outlived its server is reparented to init, which reaps it
     while group(last) and time.monotonic() < deadline:
         time.sleep(0.1)
