@@ -131,6 +131,11 @@ class Served:
         return len(self.log.read_text())
 
 
+def as_in_a_terminal() -> None:
+    """Ctrl-C's default, as a shell gives it (pytest-xdist's workers ignore SIGINT, and a child inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     ensure_exported()
@@ -141,7 +146,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.serve", "--port", str(port), "--triton-log", str(tmp_path / "triton.log"),
              "--triton-ports", f"{ports.http},{ports.grpc},{ports.metrics}"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **HEALTH})
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **HEALTH}, preexec_fn=as_in_a_terminal)
     try:
         deadline = time.monotonic() + 300
         while "gateway on ws://" not in log.read_text() and time.monotonic() < deadline:
